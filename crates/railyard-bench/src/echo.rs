@@ -1,0 +1,309 @@
+//! Seed 001: echo round trips in a fixed window.
+//!
+//! `instances` testers, spread over the event loops. Each registers one echo
+//! consumer at `echo` (a `consumer` or a `local_consumer`) and drives its
+//! share of the `in_flight` concurrent chains. A chain sends to `echo`; when
+//! the echo comes back it counts one round trip and sends again.
+//! - send-reply: the chain `request`s, the echoer `reply`s.
+//! - send-send: the chain registers its own consumer at a unique address and
+//!   passes it in the `replyTo` header; the echoer `send`s to it.
+//!
+//! Round trips are counted per instance; the window opens after the warm-up
+//! and only round trips completed inside it count.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use railyard_bus::{DeliveryOptions, EventBus, Message};
+use serde::{Deserialize, Serialize};
+
+use crate::loops::EventLoops;
+
+/// Which registration the echoer (and send-send reply consumers) use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ConsumerKind {
+    /// `consumer`: visible cluster-wide once clustered.
+    Consumer,
+    /// `local_consumer`: never leaves the node.
+    Local,
+}
+
+/// Delivery options used for every message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    /// `DeliveryOptions::default()`.
+    Default,
+    /// `local_only = true`.
+    LocalOnly,
+}
+
+/// How a round trip is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    /// request + reply.
+    SendReply,
+    /// send + send to a per-chain reply address.
+    SendSend,
+}
+
+impl ConsumerKind {
+    /// The CLI / JSON spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConsumerKind::Consumer => "consumer",
+            ConsumerKind::Local => "local",
+        }
+    }
+}
+
+impl Delivery {
+    /// The CLI / JSON spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Delivery::Default => "default",
+            Delivery::LocalOnly => "local-only",
+        }
+    }
+}
+
+impl Method {
+    /// The CLI / JSON spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::SendReply => "send-reply",
+            Method::SendSend => "send-send",
+        }
+    }
+}
+
+/// Echo settings.
+#[derive(Debug, Clone)]
+pub struct EchoConfig {
+    /// Measured window.
+    pub duration: Duration,
+    /// Not counted, before the window.
+    pub warmup: Duration,
+    /// Tester instances.
+    pub instances: usize,
+    /// Total concurrent chains over all instances.
+    pub in_flight: usize,
+    /// Echoer registration kind.
+    pub consumer: ConsumerKind,
+    /// Delivery options.
+    pub delivery: Delivery,
+    /// Round-trip method.
+    pub method: Method,
+    /// Event loops (threads) the instances are spread over.
+    pub loops: usize,
+}
+
+/// One echo run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EchoResult {
+    /// Always `echo`.
+    pub scenario: String,
+    /// `railyard` or a peer's name.
+    pub system: String,
+    /// Cluster manager (`none`).
+    pub cluster: String,
+    /// `consumer` or `local`.
+    pub consumer: String,
+    /// `default` or `local-only`.
+    pub delivery: String,
+    /// `send-reply` or `send-send`.
+    pub method: String,
+    /// Tester instances.
+    pub instances: usize,
+    /// Total concurrent chains.
+    pub in_flight: usize,
+    /// Measured window, seconds.
+    pub duration_s: f64,
+    /// Warm-up, seconds.
+    #[serde(default)]
+    pub warmup_s: f64,
+    /// Round trips completed inside the window.
+    pub round_trips: u64,
+    /// `round_trips / duration_s`.
+    pub round_trips_per_s: f64,
+}
+
+const ECHO: &str = "echo";
+const REPLY_TO: &str = "replyTo";
+
+struct Instance {
+    round_trips: AtomicU64,
+}
+
+/// Runs echo on Railyard's bus; `progress` is called about every 100 ms with
+/// the elapsed time and the round trips so far.
+///
+/// # Panics
+/// If a bench task panics or registration fails.
+pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> EchoResult {
+    let loops = EventLoops::new(cfg.loops);
+    let bus = EventBus::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let opts = Arc::new(DeliveryOptions::new().local_only(cfg.delivery == Delivery::LocalOnly));
+    let instances: Vec<Arc<Instance>> = (0..cfg.instances.max(1))
+        .map(|_| {
+            Arc::new(Instance {
+                round_trips: AtomicU64::new(0),
+            })
+        })
+        .collect();
+
+    // Register every echoer first, so no chain starts against a partial set.
+    for (i, _) in instances.iter().enumerate() {
+        let bus = bus.clone();
+        let opts = opts.clone();
+        let kind = cfg.consumer;
+        let method = cfg.method;
+        loops
+            .run_on(i, async move {
+                let b = match kind {
+                    ConsumerKind::Consumer => bus.consumer(ECHO),
+                    ConsumerKind::Local => bus.local_consumer(ECHO),
+                };
+                let echo_bus = bus.clone();
+                b.handler(move |m| echo(echo_bus.clone(), opts.clone(), method, m))
+                    .await
+                    .expect("register the echo consumer");
+            })
+            .await;
+    }
+
+    let n = instances.len();
+    for (i, inst) in instances.iter().enumerate() {
+        let share = cfg.in_flight / n + usize::from(i < cfg.in_flight % n);
+        let (bus, opts, stop, inst) = (bus.clone(), opts.clone(), stop.clone(), inst.clone());
+        match cfg.method {
+            Method::SendReply => loops.spawn_on(i, send_reply_chains(bus, opts, stop, inst, share)),
+            Method::SendSend => {
+                let kind = cfg.consumer;
+                loops
+                    .run_on(i, send_send_chains(bus, opts, stop, inst, share, i, kind))
+                    .await;
+            }
+        }
+    }
+
+    let total = || instances.iter().map(|i| i.round_trips.load(Ordering::Relaxed)).sum::<u64>();
+    let start = Instant::now();
+    let end_warmup = start + cfg.warmup;
+    let end = end_warmup + cfg.duration;
+    let mut at_window_start = None;
+    let tick = Duration::from_millis(100);
+    loop {
+        let now = Instant::now();
+        if at_window_start.is_none() && now >= end_warmup {
+            at_window_start = Some((total(), now));
+        }
+        if now >= end {
+            break;
+        }
+        progress(now - start, total());
+        let next = (now + tick).min(if at_window_start.is_none() { end_warmup } else { end });
+        tokio::time::sleep_until(next.into()).await;
+    }
+    let (c0, t0) = at_window_start.expect("the window opened before it closed");
+    let c1 = total();
+    let measured = t0.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    drop(loops);
+    let round_trips = c1 - c0;
+    EchoResult {
+        scenario: "echo".into(),
+        system: "railyard".into(),
+        cluster: "none".into(),
+        consumer: cfg.consumer.as_str().into(),
+        delivery: cfg.delivery.as_str().into(),
+        method: cfg.method.as_str().into(),
+        instances: n,
+        in_flight: cfg.in_flight,
+        duration_s: cfg.duration.as_secs_f64(),
+        warmup_s: cfg.warmup.as_secs_f64(),
+        round_trips,
+        round_trips_per_s: round_trips as f64 / measured.as_secs_f64(),
+    }
+}
+
+/// The echoer: reply (send-reply) or send to the `replyTo` header (send-send).
+async fn echo(bus: EventBus, opts: Arc<DeliveryOptions>, method: Method, mut m: Message) {
+    let body = m.take_body();
+    match method {
+        Method::SendReply => {
+            let _ = m.reply(body);
+        }
+        Method::SendSend => {
+            if let Some(to) = m.headers().get(REPLY_TO) {
+                let _ = bus.send_with(to, body, &opts);
+            }
+        }
+    }
+}
+
+async fn send_reply_chains(
+    bus: EventBus,
+    opts: Arc<DeliveryOptions>,
+    stop: Arc<AtomicBool>,
+    inst: Arc<Instance>,
+    chains: usize,
+) {
+    let mut inflight = FuturesUnordered::new();
+    for c in 0..chains {
+        inflight.push(bus.request_with(ECHO, c as u64, &opts));
+    }
+    while let Some(r) = inflight.next().await {
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let v = match r {
+            Ok(mut m) => m.take_body(),
+            Err(e) => {
+                tracing::warn!(error = %e, "echo request failed");
+                railyard_bus::Body::new(0u64)
+            }
+        };
+        inst.round_trips.fetch_add(1, Ordering::Relaxed);
+        inflight.push(bus.request_with(ECHO, v, &opts));
+    }
+}
+
+async fn send_send_chains(
+    bus: EventBus,
+    opts: Arc<DeliveryOptions>,
+    stop: Arc<AtomicBool>,
+    inst: Arc<Instance>,
+    chains: usize,
+    instance: usize,
+    kind: ConsumerKind,
+) {
+    for c in 0..chains {
+        let address = format!("echo.reply.{instance}.{c}");
+        let send_opts = Arc::new(DeliveryOptions::clone(&opts).header(REPLY_TO, address.clone()));
+        let b = match kind {
+            ConsumerKind::Consumer => bus.consumer(address),
+            ConsumerKind::Local => bus.local_consumer(address),
+        };
+        let (hb, ho, hs, hi) = (bus.clone(), send_opts.clone(), stop.clone(), inst.clone());
+        b.handler(move |mut m| {
+            let (bus, opts, stop, inst) = (hb.clone(), ho.clone(), hs.clone(), hi.clone());
+            async move {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                inst.round_trips.fetch_add(1, Ordering::Relaxed);
+                let _ = bus.send_with(ECHO, m.take_body(), &opts);
+            }
+        })
+        .await
+        .expect("register a reply consumer");
+        // The reply address is registered: the chain may start.
+        let _ = bus.send_with(ECHO, c as u64, &send_opts);
+    }
+}

@@ -1,0 +1,18 @@
+//! The bench lab: one scenario per seed, run against Railyard and, with
+//! `--vs`, against the original system from `peers/` in the same run.
+//!
+//! # Map
+//! - [`pingpong`]: seed 000, 500k request/reply messages.
+//! - [`echo`]: seed 001, echo round trips in a window, and its matrix.
+//! - [`loops`]: thread-per-core event loops the scenarios run on.
+//! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
+//! - [`report`]: tables, medians, the JSON results file.
+//!
+//! Every scenario returns a serializable result row carrying `scenario`,
+//! `system` and its full configuration, so rows from different runs join.
+
+pub mod echo;
+pub mod loops;
+pub mod peer;
+pub mod pingpong;
+pub mod report;

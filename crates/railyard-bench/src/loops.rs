@@ -1,0 +1,92 @@
+//! Event loops for the bench: one single-threaded tokio runtime per thread,
+//! like Vert.x's event loops, so a consumer and the code that registered it
+//! stay on one core.
+
+use std::future::Future;
+use std::thread::JoinHandle;
+
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+/// A fixed set of single-threaded runtimes, each driven by its own thread.
+/// Dropping it stops them (tasks still running are dropped).
+pub struct EventLoops {
+    handles: Vec<Handle>,
+    stops: Vec<oneshot::Sender<()>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl EventLoops {
+    /// Starts `n` loops (at least one).
+    ///
+    /// # Panics
+    /// If a runtime or thread cannot be created (out of resources).
+    pub fn new(n: usize) -> Self {
+        let mut handles = Vec::new();
+        let mut stops = Vec::new();
+        let mut threads = Vec::new();
+        for i in 0..n.max(1) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("create a current-thread runtime");
+            handles.push(rt.handle().clone());
+            let (stop_tx, stop_rx) = oneshot::channel::<()>();
+            stops.push(stop_tx);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("bench-loop-{i}"))
+                    .spawn(move || {
+                        let _ = rt.block_on(stop_rx);
+                        rt.shutdown_background();
+                    })
+                    .expect("spawn an event loop thread"),
+            );
+        }
+        Self {
+            handles,
+            stops,
+            threads,
+        }
+    }
+
+    /// Number of loops.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Whether there are no loops (never: `new` makes at least one).
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+
+    /// Runs `fut` on loop `i % len` and returns its output.
+    pub async fn run_on<F>(&self, i: usize, fut: F) -> F::Output
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let h = &self.handles[i % self.handles.len()];
+        h.spawn(fut).await.expect("bench task panicked")
+    }
+
+    /// Spawns `fut` on loop `i % len` without waiting for it.
+    pub fn spawn_on<F>(&self, i: usize, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let h = &self.handles[i % self.handles.len()];
+        drop(h.spawn(fut));
+    }
+}
+
+impl Drop for EventLoops {
+    fn drop(&mut self) {
+        for s in self.stops.drain(..) {
+            let _ = s.send(());
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

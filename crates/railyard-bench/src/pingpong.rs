@@ -1,0 +1,123 @@
+//! Seed 000: 500k request/reply messages between two "verticles".
+//!
+//! A consumer at `ping-address` replies with the body; once its registration
+//! has completed, a producer on another event loop sends every message as a
+//! request and collects the replies, printing the seed's progress lines.
+
+use std::time::Instant;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use railyard_bus::EventBus;
+use serde::Serialize;
+
+use crate::loops::EventLoops;
+
+/// Pingpong settings.
+#[derive(Debug, Clone)]
+pub struct PingpongConfig {
+    /// Messages to send (the seed: 500,000).
+    pub messages: u64,
+    /// Print the seed's progress lines.
+    pub verbose: bool,
+}
+
+/// One pingpong run.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct PingpongResult {
+    /// Always `pingpong`.
+    pub scenario: String,
+    /// `railyard` or a peer's name.
+    pub system: String,
+    /// Cluster manager (`none`).
+    pub cluster: String,
+    /// Messages sent.
+    pub messages: u64,
+    /// Milliseconds from the first send to the first reply the producer handled.
+    pub first_reply_ms: f64,
+    /// Milliseconds from the first send to the last reply.
+    pub all_replies_ms: f64,
+    /// Requests that failed.
+    #[serde(default)]
+    pub failures: u64,
+}
+
+const ADDRESS: &str = "ping-address";
+
+/// Runs pingpong on Railyard's bus.
+///
+/// # Panics
+/// If a bench task panics.
+pub async fn run(cfg: &PingpongConfig) -> PingpongResult {
+    let loops = EventLoops::new(2);
+    let bus = EventBus::new();
+    let started = Instant::now();
+    let consumer_bus = bus.clone();
+    loops
+        .run_on(0, async move {
+            consumer_bus
+                .consumer(ADDRESS)
+                .handler(|mut m| async move {
+                    let v = m.body::<u64>().copied().unwrap_or_default();
+                    // Only requests arrive here; an error would mean the
+                    // producer gave up, which the producer reports.
+                    let _ = m.reply(v);
+                })
+                .await
+                .expect("register the ping consumer")
+        })
+        .await;
+    if cfg.verbose {
+        println!("Consumer registered after {} ms", started.elapsed().as_millis());
+    }
+    let messages = cfg.messages;
+    let verbose = cfg.verbose;
+    let producer_bus = bus.clone();
+    let (first, all, failures) = loops
+        .run_on(1, async move {
+            let bus = producer_bus;
+            if verbose {
+                println!("Starting to send messages.");
+            }
+            let t0 = Instant::now();
+            let mut pending = FuturesUnordered::new();
+            for i in 0..messages {
+                let mut reply = bus.request(ADDRESS, i);
+                if !reply.is_enqueued() {
+                    // Back-pressure: the consumer's buffer is full.
+                    reply.enqueued().await;
+                }
+                pending.push(reply);
+                if verbose && (i + 1) % 20_000 == 0 {
+                    println!("{} eventbus messages sent in {} ms.", i + 1, t0.elapsed().as_millis());
+                }
+            }
+            let mut first = None;
+            let mut count = 0u64;
+            let mut failures = 0u64;
+            while let Some(r) = pending.next().await {
+                first.get_or_insert_with(|| t0.elapsed());
+                if r.is_err() {
+                    failures += 1;
+                }
+                count += 1;
+                if verbose && count % 10_000 == 0 {
+                    println!("replyCount: {count} after {} ms", t0.elapsed().as_millis());
+                }
+            }
+            let all = t0.elapsed();
+            if verbose {
+                println!("all replies received in {} ms", all.as_millis());
+            }
+            (first.unwrap_or(all), all, failures)
+        })
+        .await;
+    PingpongResult {
+        scenario: "pingpong".into(),
+        system: "railyard".into(),
+        cluster: "none".into(),
+        messages,
+        first_reply_ms: first.as_secs_f64() * 1e3,
+        all_replies_ms: all.as_secs_f64() * 1e3,
+        failures,
+    }
+}

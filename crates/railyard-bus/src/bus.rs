@@ -1,0 +1,593 @@
+//! The event bus: registry, routing, send / publish / request.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use crossbeam_utils::CachePadded;
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::oneshot;
+
+use crate::consumer::ConsumerBuilder;
+use crate::interceptor::{InterceptorId, MessageKind, Outbound, Verdict};
+use crate::metrics::{BusCounters, ConsumerStats};
+use crate::queue::{ConsumerQueue, Envelope, Refused};
+use crate::reply::PendingReply;
+use crate::{
+    Body, BusError, CodecError, CodecRegistry, DeliveryOptions, Headers, Interceptor, Message, MessageCodec,
+    MetricsSnapshot, SendError,
+};
+
+type Table = HashMap<Arc<str>, Arc<AddressEntry>, foldhash::fast::RandomState>;
+
+/// The consumers at one address. Immutable once published in the table:
+/// a registration change builds a new entry.
+struct AddressEntry {
+    consumers: Box<[Arc<ConsumerQueue>]>,
+    /// Round-robin cursors, one cache line per thread shard, so two threads
+    /// sending to one address do not bounce a shared counter between cores.
+    cursors: Box<[CachePadded<AtomicUsize>]>,
+}
+
+static NEXT_CURSOR: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static CURSOR_SHARD: usize = NEXT_CURSOR.fetch_add(1, Ordering::Relaxed);
+}
+
+impl AddressEntry {
+    fn new(consumers: Box<[Arc<ConsumerQueue>]>) -> Self {
+        let shards = if consumers.len() > 1 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(4)
+                .next_power_of_two()
+        } else {
+            0
+        };
+        Self {
+            consumers,
+            cursors: (0..shards).map(|_| CachePadded::new(AtomicUsize::new(0))).collect(),
+        }
+    }
+
+    /// Index of the next consumer for this thread.
+    #[inline]
+    fn next_start(&self) -> usize {
+        let n = self.consumers.len();
+        if n <= 1 {
+            return 0;
+        }
+        let shard = CURSOR_SHARD.with(|s| *s) & (self.cursors.len() - 1);
+        // Only this thread's shard writes here in the common case; a relaxed
+        // load + store (no lock prefix) is enough for round-robin fairness.
+        let c = &self.cursors[shard];
+        let v = c.load(Ordering::Relaxed);
+        c.store(v.wrapping_add(1), Ordering::Relaxed);
+        v % n
+    }
+}
+
+pub(crate) struct Inner {
+    /// Lock-free snapshot read on every send; replaced (copy on write) on
+    /// every registration change.
+    table: ArcSwap<Table>,
+    /// Serializes registry writers so no update is lost between load and store.
+    /// Never held across an await, never taken on the send path.
+    write: Mutex<()>,
+    pub(crate) counters: BusCounters,
+    /// Checked with one relaxed load on the hot path; the list itself is only
+    /// read when set.
+    has_interceptors: AtomicBool,
+    interceptors: ArcSwap<Vec<(InterceptorId, Arc<dyn Interceptor>)>>,
+    codecs: RwLock<CodecRegistry>,
+    next_id: AtomicU64,
+    /// Totals of consumers that were unregistered, so bus metrics never go down.
+    retired: Mutex<ConsumerStats>,
+}
+
+/// The event bus. Cheap to clone; all clones are the same bus.
+///
+/// # Delivery
+/// - `send` / `request`: one consumer at the address, chosen round-robin
+///   (per sending thread); consumers whose buffer is full are skipped.
+/// - `publish`: every consumer at the address gets the message (the body is
+///   shared, not copied).
+/// - Local consumers and local-only delivery never leave this process. Until a
+///   cluster manager is attached, every consumer is local.
+///
+/// # Ordering
+/// Each call enqueues before it returns (or, for `request`, before the
+/// returned future is first polled, when it had to wait for room). So messages
+/// that one task sends one after another reach any single consumer in that
+/// order, and that consumer handles them in that order. Messages from
+/// different senders interleave arbitrarily.
+///
+/// # Back-pressure
+/// Every consumer has a bounded buffer (default
+/// [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY) messages). When every buffer
+/// at an address is full:
+/// - `send` fails with [`BusError::Full`] and hands the body back;
+/// - `send_wait` waits for room;
+/// - `request` waits for room inside its future (bounded by its timeout);
+/// - `publish` skips the full consumers and reports how many it skipped.
+///
+/// Every refusal is counted in the consumer's `refused_full` metric.
+#[derive(Clone)]
+pub struct EventBus {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// What a `publish` reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PublishReport {
+    /// Consumers that accepted the message.
+    pub delivered: usize,
+    /// Consumers whose buffer was full; they did not get it.
+    pub skipped_full: usize,
+}
+
+const DEFAULT_OPTIONS: DeliveryOptions = DeliveryOptions::DEFAULT;
+
+impl Default for EventBus {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EventBus {
+    /// A new, empty bus.
+    pub fn new() -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                table: ArcSwap::from_pointee(Table::default()),
+                write: Mutex::new(()),
+                counters: BusCounters::new(),
+                has_interceptors: AtomicBool::new(false),
+                interceptors: ArcSwap::from_pointee(Vec::new()),
+                codecs: RwLock::new(CodecRegistry::new()),
+                next_id: AtomicU64::new(1),
+                retired: Mutex::new(ConsumerStats::default()),
+            }),
+        }
+    }
+
+    /// Starts registering a consumer at `address`. Finish with
+    /// [`ConsumerBuilder::handler`] or [`ConsumerBuilder::stream`].
+    ///
+    /// Once clustered, a `consumer` is visible on every node.
+    pub fn consumer(&self, address: impl Into<String>) -> ConsumerBuilder<'_> {
+        ConsumerBuilder::new(self, address.into(), false)
+    }
+
+    /// Like [`consumer`](Self::consumer), but the registration never leaves
+    /// this node, even when clustered.
+    pub fn local_consumer(&self, address: impl Into<String>) -> ConsumerBuilder<'_> {
+        ConsumerBuilder::new(self, address.into(), true)
+    }
+
+    /// Sends `body` to one consumer at `address`.
+    ///
+    /// # Errors
+    /// [`BusError::NoHandlers`], [`BusError::Full`], [`BusError::Rejected`],
+    /// [`BusError::UnknownCodec`], [`BusError::InvalidAddress`]; the body is
+    /// handed back in the [`SendError`].
+    #[inline]
+    pub fn send<T: Any + Send + Sync>(&self, address: &str, body: T) -> Result<(), SendError> {
+        self.send_with(address, body, &DEFAULT_OPTIONS)
+    }
+
+    /// [`send`](Self::send) with delivery options.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn send_with<T: Any + Send + Sync>(
+        &self,
+        address: &str,
+        body: T,
+        options: &DeliveryOptions,
+    ) -> Result<(), SendError> {
+        let mut env = Envelope {
+            headers: options.headers.clone(),
+            body: Body::new(body),
+            reply: None,
+            send: true,
+        };
+        if let Err(e) = self.prepare(address, MessageKind::Send, &mut env, options) {
+            return Err(SendError::new(e, env.body));
+        }
+        self.inner.counters.sent.add(1);
+        self.route(address, env, options.local_only)
+            .map_err(|(e, env, _)| SendError::new(e, env.body))
+    }
+
+    /// Sends `body` to one consumer, waiting for room if every buffer is full.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send), except [`BusError::Full`].
+    ///
+    /// # Cancel safety
+    /// If cancelled while waiting, the message was not delivered.
+    pub async fn send_wait<T: Any + Send + Sync>(
+        &self,
+        address: &str,
+        body: T,
+        options: &DeliveryOptions,
+    ) -> Result<(), SendError> {
+        let mut env = Envelope {
+            headers: options.headers.clone(),
+            body: Body::new(body),
+            reply: None,
+            send: true,
+        };
+        if let Err(e) = self.prepare(address, MessageKind::Send, &mut env, options) {
+            return Err(SendError::new(e, env.body));
+        }
+        self.inner.counters.sent.add(1);
+        let mut env = env;
+        loop {
+            match self.route(address, env, options.local_only) {
+                Ok(()) => return Ok(()),
+                Err((BusError::Full { .. }, back, Some(queue))) => {
+                    let mut slot = Some(back);
+                    match std::future::poll_fn(|cx| queue.poll_push(&mut slot, cx)).await {
+                        Ok(()) => return Ok(()),
+                        // Closed meanwhile: route again.
+                        Err(_) => env = slot.take().expect("a refused push leaves the envelope"),
+                    }
+                }
+                Err((e, back, _)) => return Err(SendError::new(e, back.body)),
+            }
+        }
+    }
+
+    /// Sends a request to one consumer at `address`; the returned future
+    /// resolves to its reply or a typed failure. Default timeout 30 s.
+    pub fn request<T: Any + Send + Sync>(&self, address: &str, body: T) -> PendingReply<'_> {
+        self.request_with(address, body, &DEFAULT_OPTIONS)
+    }
+
+    /// [`request`](Self::request) with delivery options (timeout, headers...).
+    pub fn request_with<T: Any + Send + Sync>(
+        &self,
+        address: &str,
+        body: T,
+        options: &DeliveryOptions,
+    ) -> PendingReply<'_> {
+        let start = tokio::time::Instant::now();
+        self.inner.counters.requests.add(1);
+        let (tx, rx) = oneshot::channel();
+        let mut env = Envelope {
+            headers: options.headers.clone(),
+            body: Body::new(body),
+            reply: Some(tx),
+            send: true,
+        };
+        if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
+            return PendingReply::failed(self, e);
+        }
+        self.inner.counters.sent.add(1);
+        match self.route(address, env, options.local_only) {
+            Ok(()) => PendingReply::waiting(self, rx, options.timeout, start),
+            Err((BusError::Full { .. }, env, Some(queue))) => {
+                PendingReply::blocked(self, queue, env, address, rx, options.timeout, start)
+            }
+            Err((e, _, _)) => PendingReply::failed(self, e),
+        }
+    }
+
+    /// Delivers `body` to every consumer at `address`. Publishing to an
+    /// address with no consumer is not an error: the report says 0 delivered.
+    ///
+    /// # Errors
+    /// [`BusError::Rejected`], [`BusError::UnknownCodec`], [`BusError::InvalidAddress`].
+    pub fn publish<T: Any + Send + Sync>(&self, address: &str, body: T) -> Result<PublishReport, SendError> {
+        self.publish_with(address, body, &DEFAULT_OPTIONS)
+    }
+
+    /// [`publish`](Self::publish) with delivery options.
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish).
+    pub fn publish_with<T: Any + Send + Sync>(
+        &self,
+        address: &str,
+        body: T,
+        options: &DeliveryOptions,
+    ) -> Result<PublishReport, SendError> {
+        let mut env = Envelope {
+            headers: options.headers.clone(),
+            body: Body::new(body),
+            reply: None,
+            send: false,
+        };
+        if let Err(e) = self.prepare(address, MessageKind::Publish, &mut env, options) {
+            return Err(SendError::new(e, env.body));
+        }
+        self.inner.counters.published.add(1);
+        let table = self.inner.table.load();
+        let mut report = PublishReport::default();
+        if let Some(entry) = table.get(address) {
+            for q in entry.consumers.iter() {
+                let copy = Envelope {
+                    headers: env.headers.clone(),
+                    body: env.body.clone(),
+                    reply: None,
+                    send: false,
+                };
+                match q.try_push(copy) {
+                    Ok(()) => report.delivered += 1,
+                    Err((Refused::Full, _)) => report.skipped_full += 1,
+                    Err((Refused::Closed, _)) => {}
+                }
+            }
+        }
+        if report.delivered == 0 {
+            self.inner.counters.undeliverable.add(1);
+        }
+        Ok(report)
+    }
+
+    /// Installs an interceptor; it sees every message from now on.
+    pub fn add_interceptor(&self, interceptor: Arc<dyn Interceptor>) -> InterceptorId {
+        let id = InterceptorId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let _w = self.inner.write.lock();
+        let mut list = Vec::clone(&self.inner.interceptors.load());
+        list.push((id, interceptor));
+        self.inner.interceptors.store(Arc::new(list));
+        self.inner.has_interceptors.store(true, Ordering::Release);
+        id
+    }
+
+    /// Removes an interceptor; returns whether it was installed.
+    pub fn remove_interceptor(&self, id: InterceptorId) -> bool {
+        let _w = self.inner.write.lock();
+        let mut list = Vec::clone(&self.inner.interceptors.load());
+        let before = list.len();
+        list.retain(|(i, _)| *i != id);
+        let removed = list.len() != before;
+        self.inner.has_interceptors.store(!list.is_empty(), Ordering::Release);
+        self.inner.interceptors.store(Arc::new(list));
+        removed
+    }
+
+    /// Registers a codec for the wire.
+    ///
+    /// # Errors
+    /// [`CodecError::Duplicate`] if the name is taken.
+    pub fn register_codec(&self, codec: Arc<dyn MessageCodec>) -> Result<(), CodecError> {
+        self.inner.codecs.write().register(codec)
+    }
+
+    /// Makes a registered codec the default for bodies of type `T`.
+    ///
+    /// # Errors
+    /// [`CodecError::Unknown`] if no codec has that name.
+    pub fn set_default_codec<T: Any>(&self, name: &str) -> Result<(), CodecError> {
+        self.inner.codecs.write().set_default::<T>(name)
+    }
+
+    /// A copy of the codec registry (for transports that encode off the bus).
+    pub fn codecs(&self) -> CodecRegistry {
+        self.inner.codecs.read().clone()
+    }
+
+    /// Reads every counter. Costs one lock per registered consumer: meant for
+    /// scrapes, not for the hot path.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let c = &self.inner.counters;
+        let requests = c.requests.get();
+        let done = c.replies_done.get();
+        let mut consumers = *self.inner.retired.lock();
+        let table = self.inner.table.load();
+        let mut registered = 0;
+        for entry in table.values() {
+            for q in entry.consumers.iter() {
+                consumers.merge(&q.stats());
+                registered += 1;
+            }
+        }
+        MetricsSnapshot {
+            sent: c.sent.get(),
+            published: c.published.get(),
+            requests,
+            pending_replies: requests.saturating_sub(done),
+            reply_failures: std::array::from_fn(|i| c.failures[i].get()),
+            undeliverable: c.undeliverable.get(),
+            consumers,
+            registered_consumers: registered,
+        }
+    }
+
+    /// Number of consumers registered at `address`.
+    pub fn consumer_count(&self, address: &str) -> usize {
+        self.inner.table.load().get(address).map_or(0, |e| e.consumers.len())
+    }
+
+    // ---- crate internals -------------------------------------------------
+
+    /// Validation and outbound interceptors, before routing.
+    #[inline]
+    fn prepare(
+        &self,
+        address: &str,
+        kind: MessageKind,
+        env: &mut Envelope,
+        options: &DeliveryOptions,
+    ) -> Result<(), BusError> {
+        if address.is_empty() {
+            return Err(self.refuse(BusError::InvalidAddress {
+                address: address.to_owned(),
+            }));
+        }
+        if let Some(name) = &options.codec {
+            if !self.inner.codecs.read().contains(name) {
+                return Err(self.refuse(BusError::UnknownCodec { name: name.to_string() }));
+            }
+        }
+        self.outbound_check(address, kind, &mut env.headers, &env.body)
+            .map_err(|e| self.refuse(e))
+    }
+
+    fn refuse(&self, e: BusError) -> BusError {
+        self.inner.counters.undeliverable.add(1);
+        e
+    }
+
+    /// Runs outbound interceptors, if any are installed.
+    #[inline]
+    pub(crate) fn outbound_check(
+        &self,
+        address: &str,
+        kind: MessageKind,
+        headers: &mut Headers,
+        body: &Body,
+    ) -> Result<(), BusError> {
+        if !self.inner.has_interceptors.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let list = self.inner.interceptors.load();
+        let mut out = Outbound {
+            address,
+            kind,
+            headers,
+            body,
+        };
+        for (_, i) in list.iter() {
+            if let Verdict::Reject(reason) = i.outbound(&mut out) {
+                return Err(BusError::Rejected { reason });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs inbound interceptors; `Err` carries the veto.
+    #[inline]
+    pub(crate) fn inbound_check(&self, msg: &mut Message) -> Result<(), BusError> {
+        if !self.inner.has_interceptors.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let list = self.inner.interceptors.load();
+        for (_, i) in list.iter() {
+            if let Verdict::Reject(reason) = i.inbound(msg) {
+                return Err(BusError::Rejected { reason });
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts a point-to-point envelope into one consumer's buffer.
+    ///
+    /// On `Full`, returns the queue a waiting sender should wait on.
+    #[inline]
+    pub(crate) fn route(
+        &self,
+        address: &str,
+        env: Envelope,
+        _local_only: bool,
+    ) -> Result<(), (BusError, Envelope, Option<Arc<ConsumerQueue>>)> {
+        let table = self.inner.table.load();
+        let Some(entry) = table.get(address) else {
+            self.inner.counters.undeliverable.add(1);
+            return Err((
+                BusError::NoHandlers {
+                    address: address.to_owned(),
+                },
+                env,
+                None,
+            ));
+        };
+        let consumers = &entry.consumers;
+        let n = consumers.len();
+        let start = entry.next_start();
+        let mut env = env;
+        let mut any_open = false;
+        for k in 0..n {
+            let idx = if start + k >= n { start + k - n } else { start + k };
+            match consumers[idx].try_push(env) {
+                Ok(()) => return Ok(()),
+                Err((refused, back)) => {
+                    any_open |= refused == Refused::Full;
+                    env = back;
+                }
+            }
+        }
+        self.inner.counters.undeliverable.add(1);
+        if any_open {
+            Err((
+                BusError::Full {
+                    address: address.to_owned(),
+                },
+                env,
+                Some(consumers[start].clone()),
+            ))
+        } else {
+            Err((
+                BusError::NoHandlers {
+                    address: address.to_owned(),
+                },
+                env,
+                None,
+            ))
+        }
+    }
+
+    pub(crate) fn next_id(&self) -> u64 {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Adds a consumer queue to the registry.
+    pub(crate) fn register(&self, queue: Arc<ConsumerQueue>) {
+        let _w = self.inner.write.lock();
+        let current = self.inner.table.load_full();
+        let mut table = Table::clone(&current);
+        let consumers: Box<[Arc<ConsumerQueue>]> = match table.get(&*queue.address) {
+            Some(e) => e.consumers.iter().cloned().chain([queue.clone()]).collect(),
+            None => Box::new([queue.clone()]),
+        };
+        table.insert(queue.address.clone(), Arc::new(AddressEntry::new(consumers)));
+        self.inner.table.store(Arc::new(table));
+    }
+
+    /// Removes a consumer queue from the registry, closes it and fails what
+    /// it still buffered. Idempotent.
+    pub(crate) fn unregister(&self, queue: &ConsumerQueue) {
+        {
+            let _w = self.inner.write.lock();
+            let current = self.inner.table.load_full();
+            if let Some(e) = current.get(&*queue.address) {
+                if e.consumers.iter().any(|q| q.id == queue.id) {
+                    let mut table = Table::clone(&current);
+                    let rest: Box<[Arc<ConsumerQueue>]> =
+                        e.consumers.iter().filter(|q| q.id != queue.id).cloned().collect();
+                    if rest.is_empty() {
+                        table.remove(&*queue.address);
+                    } else {
+                        table.insert(queue.address.clone(), Arc::new(AddressEntry::new(rest)));
+                    }
+                    self.inner.table.store(Arc::new(table));
+                }
+            }
+        }
+        let Some(left) = queue.close() else {
+            return;
+        };
+        for env in left {
+            if let Some(slot) = env.reply {
+                let _ = slot.send(Err(BusError::NoHandlers {
+                    address: queue.address.to_string(),
+                }));
+            }
+        }
+        self.inner.retired.lock().merge(&queue.stats());
+    }
+}
+
+impl std::fmt::Debug for EventBus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventBus")
+            .field("addresses", &self.inner.table.load().len())
+            .finish()
+    }
+}

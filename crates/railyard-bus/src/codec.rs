@@ -1,0 +1,249 @@
+//! Codecs: how a body becomes bytes when it leaves the process.
+//!
+//! Local delivery never uses them. The cluster transport and the bridge ask
+//! the registry to encode a body with the codec named in the delivery options,
+//! or with the default codec registered for the body's Rust type, and to
+//! decode bytes by codec name on the other side.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::{Body, CodecError};
+
+/// Turns bodies of one kind into bytes and back.
+pub trait MessageCodec: Send + Sync + 'static {
+    /// The name the codec is registered and sent under.
+    fn name(&self) -> &str;
+    /// Encodes a body.
+    ///
+    /// # Errors
+    /// [`CodecError::WrongType`] when the body is not of the codec's type.
+    fn encode(&self, body: &Body) -> Result<Bytes, CodecError>;
+    /// Decodes bytes produced by [`encode`](Self::encode).
+    ///
+    /// # Errors
+    /// [`CodecError::Malformed`] when the bytes are not a valid encoding.
+    fn decode(&self, bytes: Bytes) -> Result<Body, CodecError>;
+}
+
+fn wrong_type(codec: &str, body: &Body) -> CodecError {
+    CodecError::WrongType {
+        codec: codec.to_owned(),
+        type_name: body.type_name(),
+    }
+}
+
+/// `bytes`: a [`Bytes`] or `Vec<u8>` body, as is. Decodes to [`Bytes`].
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BytesCodec;
+
+impl MessageCodec for BytesCodec {
+    fn name(&self) -> &str {
+        "bytes"
+    }
+    fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
+        if let Some(b) = body.downcast_ref::<Bytes>() {
+            Ok(b.clone())
+        } else if let Some(v) = body.downcast_ref::<Vec<u8>>() {
+            Ok(Bytes::copy_from_slice(v))
+        } else {
+            Err(wrong_type(self.name(), body))
+        }
+    }
+    fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
+        Ok(Body::new(bytes))
+    }
+}
+
+/// `string`: a `String` or `&'static str` body as UTF-8. Decodes to `String`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StringCodec;
+
+impl MessageCodec for StringCodec {
+    fn name(&self) -> &str {
+        "string"
+    }
+    fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
+        if let Some(s) = body.downcast_ref::<String>() {
+            Ok(Bytes::copy_from_slice(s.as_bytes()))
+        } else if let Some(s) = body.downcast_ref::<&'static str>() {
+            Ok(Bytes::from_static(s.as_bytes()))
+        } else {
+            Err(wrong_type(self.name(), body))
+        }
+    }
+    fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
+        String::from_utf8(bytes.to_vec())
+            .map(Body::new)
+            .map_err(|e| CodecError::Malformed {
+                codec: self.name().to_owned(),
+                reason: e.to_string(),
+            })
+    }
+}
+
+/// A JSON codec for one serde type `T` (the built-in `json` codec is
+/// `JsonCodec<serde_json::Value>`).
+pub struct JsonCodec<T> {
+    name: String,
+    _type: PhantomData<fn() -> T>,
+}
+
+impl<T> JsonCodec<T> {
+    /// A JSON codec registered under `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            _type: PhantomData,
+        }
+    }
+}
+
+impl<T> MessageCodec for JsonCodec<T>
+where
+    T: Serialize + DeserializeOwned + Any + Send + Sync,
+{
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
+        let value = body.downcast_ref::<T>().ok_or_else(|| wrong_type(&self.name, body))?;
+        serde_json::to_vec(value)
+            .map(Bytes::from)
+            .map_err(|e| CodecError::Malformed {
+                codec: self.name.clone(),
+                reason: e.to_string(),
+            })
+    }
+    fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
+        serde_json::from_slice::<T>(&bytes)
+            .map(Body::new)
+            .map_err(|e| CodecError::Malformed {
+                codec: self.name.clone(),
+                reason: e.to_string(),
+            })
+    }
+}
+
+/// Codecs by name, and the default codec for each body type.
+///
+/// Starts with `bytes`, `string` and `json`, defaults for `Bytes`,
+/// `Vec<u8>`, `String`, `&'static str` and `serde_json::Value`.
+#[derive(Clone)]
+pub struct CodecRegistry {
+    by_name: HashMap<Arc<str>, Arc<dyn MessageCodec>>,
+    defaults: HashMap<TypeId, Arc<str>>,
+}
+
+impl Default for CodecRegistry {
+    fn default() -> Self {
+        let mut r = Self {
+            by_name: HashMap::new(),
+            defaults: HashMap::new(),
+        };
+        // The names are distinct, so registration cannot fail.
+        let _ = r.register(Arc::new(BytesCodec));
+        let _ = r.register(Arc::new(StringCodec));
+        let _ = r.register(Arc::new(JsonCodec::<serde_json::Value>::new("json")));
+        for (t, name) in [
+            (TypeId::of::<Bytes>(), "bytes"),
+            (TypeId::of::<Vec<u8>>(), "bytes"),
+            (TypeId::of::<String>(), "string"),
+            (TypeId::of::<&'static str>(), "string"),
+            (TypeId::of::<serde_json::Value>(), "json"),
+        ] {
+            r.defaults.insert(t, name.into());
+        }
+        r
+    }
+}
+
+impl CodecRegistry {
+    /// A registry with the built-in codecs.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a codec.
+    ///
+    /// # Errors
+    /// [`CodecError::Duplicate`] if the name is taken.
+    pub fn register(&mut self, codec: Arc<dyn MessageCodec>) -> Result<(), CodecError> {
+        let name: Arc<str> = codec.name().into();
+        if self.by_name.contains_key(&name) {
+            return Err(CodecError::Duplicate(name.to_string()));
+        }
+        self.by_name.insert(name, codec);
+        Ok(())
+    }
+
+    /// Makes the codec named `name` the default for bodies of type `T`.
+    ///
+    /// # Errors
+    /// [`CodecError::Unknown`] if no codec has that name.
+    pub fn set_default<T: Any>(&mut self, name: &str) -> Result<(), CodecError> {
+        let (name, _) = self
+            .by_name
+            .get_key_value(name)
+            .ok_or_else(|| CodecError::Unknown(name.to_owned()))?;
+        self.defaults.insert(TypeId::of::<T>(), name.clone());
+        Ok(())
+    }
+
+    /// Whether a codec has this name.
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// The codec named `name`.
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn MessageCodec>> {
+        self.by_name.get(name)
+    }
+
+    /// Encodes `body` with the named codec, or the default for its type.
+    /// Returns the codec name used (to send along) and the bytes.
+    ///
+    /// # Errors
+    /// [`CodecError::Unknown`], [`CodecError::NoDefault`], or the codec's own error.
+    pub fn encode(&self, body: &Body, codec: Option<&str>) -> Result<(Arc<str>, Bytes), CodecError> {
+        let name = match codec {
+            Some(n) => self
+                .by_name
+                .get_key_value(n)
+                .map(|(k, _)| k.clone())
+                .ok_or_else(|| CodecError::Unknown(n.to_owned()))?,
+            None => self
+                .defaults
+                .get(&body.value_type_id())
+                .cloned()
+                .ok_or(CodecError::NoDefault(body.type_name()))?,
+        };
+        let bytes = self.by_name[&name].encode(body)?;
+        Ok((name, bytes))
+    }
+
+    /// Decodes bytes sent under codec `name`.
+    ///
+    /// # Errors
+    /// [`CodecError::Unknown`] or the codec's own error.
+    pub fn decode(&self, name: &str, bytes: Bytes) -> Result<Body, CodecError> {
+        self.by_name
+            .get(name)
+            .ok_or_else(|| CodecError::Unknown(name.to_owned()))?
+            .decode(bytes)
+    }
+}
+
+impl std::fmt::Debug for CodecRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<&str> = self.by_name.keys().map(|k| &**k).collect();
+        names.sort_unstable();
+        f.debug_struct("CodecRegistry").field("codecs", &names).finish()
+    }
+}

@@ -1,0 +1,302 @@
+//! Registering consumers: handler tasks and message streams.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_core::Stream;
+use tokio::task::JoinHandle;
+
+use crate::metrics::ConsumerStats;
+use crate::queue::{ConsumerQueue, Envelope, BATCH};
+use crate::{BusError, EventBus, Message, DEFAULT_CAPACITY};
+
+/// Builds a consumer registration; see [`EventBus::consumer`].
+#[derive(Debug)]
+#[must_use = "a consumer is registered only by `.handler(..)` or `.stream()`"]
+pub struct ConsumerBuilder<'a> {
+    bus: &'a EventBus,
+    address: String,
+    local: bool,
+    capacity: usize,
+    paused: bool,
+}
+
+impl<'a> ConsumerBuilder<'a> {
+    pub(crate) fn new(bus: &'a EventBus, address: String, local: bool) -> Self {
+        Self {
+            bus,
+            address,
+            local,
+            capacity: DEFAULT_CAPACITY,
+            paused: false,
+        }
+    }
+
+    /// The buffer's capacity in messages (at least 1; default
+    /// [`DEFAULT_CAPACITY`]). What happens when it fills is described on
+    /// [`EventBus`] (Back-pressure).
+    pub fn capacity(mut self, capacity: usize) -> Self {
+        self.capacity = capacity.max(1);
+        self
+    }
+
+    /// Starts paused: messages are buffered but not delivered until
+    /// [`Consumer::resume`] or [`Consumer::fetch`].
+    pub fn paused(mut self) -> Self {
+        self.paused = true;
+        self
+    }
+
+    fn queue(&self) -> Result<Arc<ConsumerQueue>, BusError> {
+        if self.address.is_empty() {
+            return Err(BusError::InvalidAddress {
+                address: String::new(),
+            });
+        }
+        Ok(Arc::new(ConsumerQueue::new(
+            self.address.as_str().into(),
+            self.bus.next_id(),
+            self.local,
+            self.capacity,
+            self.paused,
+        )))
+    }
+
+    /// Registers `handler`, run on a task of the current tokio runtime, one
+    /// message at a time, in arrival order. Resolves once the registration is
+    /// visible to senders.
+    ///
+    /// A panicking handler is caught and logged; the consumer keeps running and
+    /// the request it was handling fails with [`BusError::NoReply`].
+    ///
+    /// # Errors
+    /// [`BusError::InvalidAddress`] for an empty address.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    pub async fn handler<F, Fut>(self, handler: F) -> Result<Consumer, BusError>
+    where
+        F: Fn(Message) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let queue = self.queue()?;
+        self.bus.register(queue.clone());
+        let task = tokio::spawn(run_handler(queue.clone(), self.bus.clone(), handler));
+        Ok(Consumer {
+            queue,
+            bus: self.bus.clone(),
+            task: Some(task),
+        })
+    }
+
+    /// Registers a consumer read as a [`Stream`] of messages. Resolves once the
+    /// registration is visible to senders. Dropping the stream unregisters it.
+    ///
+    /// # Errors
+    /// [`BusError::InvalidAddress`] for an empty address.
+    pub async fn stream(self) -> Result<MessageStream, BusError> {
+        let queue = self.queue()?;
+        self.bus.register(queue.clone());
+        Ok(MessageStream {
+            queue,
+            bus: self.bus.clone(),
+            batch: VecDeque::new(),
+        })
+    }
+}
+
+/// How many messages a handler task processes before yielding to its
+/// runtime, so a busy consumer cannot starve the tasks beside it.
+const YIELD_EVERY: usize = 256;
+
+async fn run_handler<F, Fut>(queue: Arc<ConsumerQueue>, bus: EventBus, handler: F)
+where
+    F: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut batch: VecDeque<Envelope> = VecDeque::with_capacity(BATCH);
+    let mut since_yield = 0;
+    loop {
+        let open = std::future::poll_fn(|cx| queue.poll_batch(cx, &mut batch, BATCH)).await;
+        if !open {
+            return;
+        }
+        since_yield += batch.len();
+        while let Some(env) = batch.pop_front() {
+            let Some(msg) = admit(&queue, &bus, env) else {
+                continue;
+            };
+            if CatchUnwind(handler(msg)).await.is_err() {
+                tracing::error!(address = %queue.address, "consumer handler panicked; message dropped");
+            }
+        }
+        if since_yield >= YIELD_EVERY {
+            since_yield = 0;
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Turns an envelope into a message and runs inbound interceptors.
+#[inline]
+fn admit(queue: &ConsumerQueue, bus: &EventBus, env: Envelope) -> Option<Message> {
+    let mut msg = Message::delivered(env, &queue.address, bus);
+    if let Err(e) = bus.inbound_check(&mut msg) {
+        queue.count_discarded();
+        if msg.expects_reply() {
+            // Tell the requester why instead of letting it time out.
+            let BusError::Rejected { reason } = e else {
+                unreachable!("inbound_check only rejects")
+            };
+            let _ = msg.fail_rejected(reason);
+        }
+        return None;
+    }
+    Some(msg)
+}
+
+/// Polls a handler future, turning a panic into `Err`.
+struct CatchUnwind<F>(F);
+
+impl<F: Future<Output = ()>> Future for CatchUnwind<F> {
+    type Output = Result<(), ()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // Safety: `CatchUnwind` is a structural pin projection of its only field;
+        // the field is never moved out.
+        let fut = unsafe { self.map_unchecked_mut(|s| &mut s.0) };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(Poll::Ready(())) => Poll::Ready(Ok(())),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(_) => Poll::Ready(Err(())),
+        }
+    }
+}
+
+/// A registered handler consumer.
+///
+/// Dropping the handle detaches it: the consumer keeps running until
+/// [`unregister`](Self::unregister) is called on a handle, like a Vert.x consumer.
+#[derive(Debug)]
+pub struct Consumer {
+    queue: Arc<ConsumerQueue>,
+    bus: EventBus,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Consumer {
+    /// The address this consumer listens on.
+    pub fn address(&self) -> &str {
+        &self.queue.address
+    }
+
+    /// Whether it was registered with `local_consumer`.
+    pub fn is_local(&self) -> bool {
+        self.queue.local
+    }
+
+    /// Stops delivery; messages keep arriving into the buffer up to its
+    /// capacity, then senders see [`BusError::Full`].
+    pub fn pause(&self) {
+        self.queue.pause();
+    }
+
+    /// Resumes delivery of everything.
+    pub fn resume(&self) {
+        self.queue.resume();
+    }
+
+    /// While paused, lets `n` more messages through.
+    pub fn fetch(&self, n: u64) {
+        self.queue.fetch(n);
+    }
+
+    /// This consumer's counters.
+    pub fn stats(&self) -> ConsumerStats {
+        self.queue.stats()
+    }
+
+    /// The buffer's capacity.
+    pub fn capacity(&self) -> usize {
+        self.queue.capacity()
+    }
+
+    /// Unregisters: no new message reaches this consumer; buffered requests
+    /// fail with [`BusError::NoHandlers`]; the handler finishes the message it
+    /// is on and the batch it already took, then the task ends. Resolves when
+    /// it has ended.
+    pub async fn unregister(mut self) {
+        self.bus.unregister(&self.queue);
+        if let Some(task) = self.task.take() {
+            // A handler panic is caught inside the task, so join errors only
+            // mean cancellation at runtime shutdown: nothing left to do.
+            let _ = task.await;
+        }
+    }
+}
+
+/// Messages at an address, as a [`Stream`]. Dropping it unregisters.
+///
+/// Back-pressure is natural: messages stay buffered (up to the capacity) until
+/// the stream is polled.
+#[derive(Debug)]
+pub struct MessageStream {
+    queue: Arc<ConsumerQueue>,
+    bus: EventBus,
+    batch: VecDeque<Envelope>,
+}
+
+impl MessageStream {
+    /// The address this stream listens on.
+    pub fn address(&self) -> &str {
+        &self.queue.address
+    }
+
+    /// This consumer's counters.
+    pub fn stats(&self) -> ConsumerStats {
+        self.queue.stats()
+    }
+
+    /// Unregisters now; messages already taken from the buffer are still yielded.
+    pub async fn unregister(self) {
+        drop(self);
+    }
+}
+
+impl Stream for MessageStream {
+    type Item = Message;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Message>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(env) = this.batch.pop_front() {
+                if let Some(msg) = admit(&this.queue, &this.bus, env) {
+                    return Poll::Ready(Some(msg));
+                }
+                continue;
+            }
+            match this.queue.poll_batch(cx, &mut this.batch, BATCH) {
+                Poll::Ready(true) => {}
+                Poll::Ready(false) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+impl Drop for MessageStream {
+    fn drop(&mut self) {
+        self.bus.unregister(&self.queue);
+        for env in self.batch.drain(..) {
+            if let Some(slot) = env.reply {
+                let _ = slot.send(Err(BusError::NoHandlers {
+                    address: self.queue.address.to_string(),
+                }));
+            }
+        }
+    }
+}

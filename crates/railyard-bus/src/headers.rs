@@ -1,0 +1,115 @@
+//! Message headers: ordered, multi-valued, with case-insensitive names.
+
+use std::fmt;
+
+/// Message headers.
+///
+/// Names compare ASCII case-insensitively (`Reply-To` and `reply-to` are the same
+/// header) and keep the spelling they were added with. A name may carry several
+/// values, kept in insertion order. Headers are a small vector: an empty set
+/// does not allocate, and the handful of headers a message usually carries are
+/// faster to scan than to hash.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Headers {
+    entries: Vec<(String, String)>,
+}
+
+impl Headers {
+    /// An empty set of headers.
+    pub const fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+        }
+    }
+
+    /// Adds a value, keeping values already present under that name.
+    pub fn add(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+        self.entries.push((name.into(), value.into()));
+        self
+    }
+
+    /// Replaces every value of `name` with `value`.
+    pub fn set(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+        let name = name.into();
+        self.remove(&name);
+        self.entries.push((name, value.into()));
+        self
+    }
+
+    /// The first value of `name`.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.entries
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Every value of `name`, in insertion order.
+    pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.entries
+            .iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Whether `name` has at least one value.
+    pub fn contains(&self, name: &str) -> bool {
+        self.get(name).is_some()
+    }
+
+    /// Removes every value of `name`; returns how many were removed.
+    pub fn remove(&mut self, name: &str) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        before - self.entries.len()
+    }
+
+    /// Number of (name, value) pairs.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are no headers.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// All (name, value) pairs in insertion order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.entries.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+}
+
+impl fmt::Debug for Headers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl<N: Into<String>, V: Into<String>> FromIterator<(N, V)> for Headers {
+    fn from_iter<I: IntoIterator<Item = (N, V)>>(iter: I) -> Self {
+        let mut h = Headers::new();
+        for (n, v) in iter {
+            h.add(n, v);
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_case_insensitive_and_multi_valued() {
+        let mut h = Headers::new();
+        h.add("Accept", "a").add("accept", "b").add("X-Other", "c");
+        assert_eq!(h.get("ACCEPT"), Some("a"));
+        assert_eq!(h.get_all("accept").collect::<Vec<_>>(), ["a", "b"]);
+        h.set("ACCEPT", "z");
+        assert_eq!(h.get_all("Accept").collect::<Vec<_>>(), ["z"]);
+        assert_eq!(h.remove("x-other"), 1);
+        assert!(!h.contains("X-Other"));
+        assert_eq!(h.len(), 1);
+    }
+}

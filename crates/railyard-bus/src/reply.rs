@@ -1,0 +1,250 @@
+//! Reply slots and the future a requester awaits.
+//!
+//! A request carries the sending half of a one-shot slot; nothing is
+//! registered at an address and no reply address is generated. The reply (or
+//! the failure) is written into the slot by whoever answers, on whatever
+//! thread, and wakes the requester.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::{Instant, Sleep};
+
+use crate::queue::{ConsumerQueue, Envelope, Refused};
+use crate::{BusError, EventBus, Message};
+
+pub(crate) type ReplyResult = Result<Message, BusError>;
+pub(crate) type ReplySender = oneshot::Sender<ReplyResult>;
+pub(crate) type ReplyReceiver = oneshot::Receiver<ReplyResult>;
+
+enum State {
+    /// Every buffer was full: waiting for room in `queue`.
+    Blocked {
+        queue: Arc<ConsumerQueue>,
+        envelope: Option<Envelope>,
+        address: String,
+        rx: ReplyReceiver,
+    },
+    /// In a consumer's buffer or being handled: waiting for the answer.
+    Waiting(ReplyReceiver),
+    /// Failed before it was delivered.
+    Failed(Option<BusError>),
+    Done,
+}
+
+/// The reply to a request: resolves to the reply [`Message`] or a [`BusError`].
+///
+/// The message is already in a consumer's buffer when this is created, unless
+/// every buffer was full; then the first polls wait for room (see
+/// [`PendingReply::enqueued`]). The timeout counts from the request call and
+/// covers both waits.
+///
+/// # Cancel safety
+/// Dropping it abandons the reply: the consumer still gets the message and its
+/// answer is discarded. A request still waiting for room is withdrawn.
+#[must_use = "a request does nothing useful unless its reply is awaited"]
+pub struct PendingReply<'a> {
+    bus: &'a EventBus,
+    state: State,
+    deadline: Instant,
+    timeout: Duration,
+    /// Created on the first poll that has to wait, so replies that are already
+    /// there never touch the timer.
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl<'a> PendingReply<'a> {
+    pub(crate) fn waiting(bus: &'a EventBus, rx: ReplyReceiver, timeout: Duration, start: Instant) -> Self {
+        Self::with_state(bus, State::Waiting(rx), timeout, start)
+    }
+
+    pub(crate) fn blocked(
+        bus: &'a EventBus,
+        queue: Arc<ConsumerQueue>,
+        envelope: Envelope,
+        address: &str,
+        rx: ReplyReceiver,
+        timeout: Duration,
+        start: Instant,
+    ) -> Self {
+        let state = State::Blocked {
+            queue,
+            envelope: Some(envelope),
+            address: address.to_owned(),
+            rx,
+        };
+        Self::with_state(bus, state, timeout, start)
+    }
+
+    pub(crate) fn failed(bus: &'a EventBus, error: BusError) -> Self {
+        Self::with_state(bus, State::Failed(Some(error)), Duration::ZERO, Instant::now())
+    }
+
+    fn with_state(bus: &'a EventBus, state: State, timeout: Duration, start: Instant) -> Self {
+        Self {
+            bus,
+            state,
+            deadline: start + timeout,
+            timeout,
+            sleep: None,
+        }
+    }
+
+    /// Whether the request is in a consumer's buffer (or already answered).
+    pub fn is_enqueued(&self) -> bool {
+        !matches!(self.state, State::Blocked { .. })
+    }
+
+    /// Waits until the request is in a consumer's buffer (or has failed, which
+    /// the reply will then report). Lets a producer pace itself on consumer
+    /// back-pressure while collecting replies later.
+    pub async fn enqueued(&mut self) {
+        std::future::poll_fn(|cx| match self.poll_enqueue(cx) {
+            Poll::Ready(()) => Poll::Ready(()),
+            Poll::Pending => {
+                if self.poll_deadline(cx).is_ready() {
+                    self.finish_failed(BusError::Timeout { after: self.timeout });
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+
+    /// Drives a blocked request into a buffer; `Ready` once it is no longer blocked.
+    fn poll_enqueue(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let State::Blocked {
+            queue,
+            envelope,
+            address,
+            ..
+        } = &mut self.state
+        else {
+            return Poll::Ready(());
+        };
+        match queue.poll_push(envelope, cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(())) => {
+                let State::Blocked { rx, .. } = std::mem::replace(&mut self.state, State::Done) else {
+                    unreachable!("matched Blocked above")
+                };
+                self.state = State::Waiting(rx);
+                Poll::Ready(())
+            }
+            Poll::Ready(Err(Refused::Closed | Refused::Full)) => {
+                // The consumer went away: route again, maybe to another one.
+                let env = envelope.take().expect("envelope is present while blocked");
+                let address = std::mem::take(address);
+                match self.bus.route(&address, env, false) {
+                    Ok(()) => {
+                        let State::Blocked { rx, .. } = std::mem::replace(&mut self.state, State::Done) else {
+                            unreachable!("matched Blocked above")
+                        };
+                        self.state = State::Waiting(rx);
+                        Poll::Ready(())
+                    }
+                    Err((BusError::Full { .. }, env, Some(q))) => {
+                        if let State::Blocked {
+                            queue,
+                            envelope,
+                            address: a,
+                            ..
+                        } = &mut self.state
+                        {
+                            *queue = q;
+                            *envelope = Some(env);
+                            *a = address;
+                        }
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                    Err((e, _, _)) => {
+                        self.finish_failed(e);
+                        Poll::Ready(())
+                    }
+                }
+            }
+        }
+    }
+
+    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let deadline = self.deadline;
+        self.sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)))
+            .as_mut()
+            .poll(cx)
+    }
+
+    fn finish_failed(&mut self, e: BusError) {
+        self.state = State::Failed(Some(e));
+    }
+
+    fn complete(&mut self, result: ReplyResult) -> Poll<ReplyResult> {
+        self.state = State::Done;
+        let c = &self.bus.inner.counters;
+        c.replies_done.add(1);
+        if let Err(e) = &result {
+            c.failure(e.kind());
+        }
+        Poll::Ready(result)
+    }
+}
+
+impl Future for PendingReply<'_> {
+    type Output = Result<Message, BusError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if this.poll_enqueue(cx).is_pending() {
+            if this.poll_deadline(cx).is_ready() {
+                return this.complete(Err(BusError::Timeout { after: this.timeout }));
+            }
+            return Poll::Pending;
+        }
+        match &mut this.state {
+            State::Waiting(rx) => match Pin::new(rx).poll(cx) {
+                Poll::Ready(Ok(result)) => this.complete(result),
+                Poll::Ready(Err(_)) => this.complete(Err(BusError::NoReply)),
+                Poll::Pending => {
+                    if this.poll_deadline(cx).is_ready() {
+                        return this.complete(Err(BusError::Timeout { after: this.timeout }));
+                    }
+                    Poll::Pending
+                }
+            },
+            State::Failed(e) => {
+                let e = e.take().unwrap_or(BusError::NoReply);
+                this.complete(Err(e))
+            }
+            State::Blocked { .. } => Poll::Pending,
+            State::Done => panic!("PendingReply polled after completion"),
+        }
+    }
+}
+
+impl Drop for PendingReply<'_> {
+    fn drop(&mut self) {
+        if !matches!(self.state, State::Done) {
+            // Abandoned: no longer pending, not a failure anyone observed.
+            self.bus.inner.counters.replies_done.add(1);
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingReply<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match self.state {
+            State::Blocked { .. } => "blocked",
+            State::Waiting(_) => "waiting",
+            State::Failed(_) => "failed",
+            State::Done => "done",
+        };
+        f.debug_struct("PendingReply").field("state", &state).finish()
+    }
+}

@@ -1,0 +1,400 @@
+//! `railyard bench ...`: parse options, run scenarios, print tables, write JSON.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use railyard_bench::echo::{self, ConsumerKind, Delivery, EchoConfig, EchoResult, Method};
+use railyard_bench::peer::{default_peers_dir, JavaPeer};
+use railyard_bench::pingpong::{self, PingpongConfig, PingpongResult};
+use railyard_bench::report::{median, table, thousands, write_json};
+
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Seed 000: N request/reply messages between a producer and a consumer.
+    Pingpong(PingpongArgs),
+    /// Seed 001: echo round trips in a fixed window (optionally the whole matrix).
+    Echo(EchoArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct CommonArgs {
+    /// Also run the original system from peers/ in the same run.
+    #[arg(long, value_enum)]
+    vs: Option<Peer>,
+    /// Cluster manager; only `none` exists so far.
+    #[arg(long, default_value = "none")]
+    cluster: String,
+    /// Runs per system; tables show the median.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// Write every run as a JSON array to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Where the peers live (default: ./peers).
+    #[arg(long)]
+    peers_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Peer {
+    /// Vert.x 4.5 (peers/vertx-eventbus).
+    Vertx,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct PingpongArgs {
+    /// Messages to send.
+    #[arg(long, default_value_t = 500_000)]
+    messages: u64,
+    /// Hide the seed's progress lines.
+    #[arg(long)]
+    quiet: bool,
+    #[command(flatten)]
+    common: CommonArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct EchoArgs {
+    /// Measured window (e.g. 10s, 500ms).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Warm-up before the window, not counted.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    warmup: Duration,
+    /// Tester instances.
+    #[arg(long, default_value_t = 2)]
+    instances: usize,
+    /// Total concurrent chains, spread over the instances.
+    #[arg(long, default_value_t = 64)]
+    in_flight: usize,
+    /// How the echoer registers.
+    #[arg(long, value_enum, default_value_t = ConsumerArg::Consumer)]
+    consumer: ConsumerArg,
+    /// Delivery options.
+    #[arg(long, value_enum, default_value_t = DeliveryArg::Default)]
+    delivery: DeliveryArg,
+    /// Round-trip method.
+    #[arg(long, value_enum, default_value_t = MethodArg::SendReply)]
+    method: MethodArg,
+    /// Run every consumer x delivery x method combination and print seed 001's table.
+    #[arg(long)]
+    matrix: bool,
+    /// Event-loop threads for Railyard (default: the number of cores).
+    #[arg(long)]
+    loops: Option<usize>,
+    #[command(flatten)]
+    common: CommonArgs,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum ConsumerArg {
+    Consumer,
+    Local,
+}
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum DeliveryArg {
+    Default,
+    LocalOnly,
+}
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum MethodArg {
+    SendReply,
+    SendSend,
+}
+
+/// Parses `10s`, `500ms`, `2m`, `1.5s` or a bare number of seconds.
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration; use e.g. 10s, 500ms, 2m"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{s}`; use ms, s or m")),
+    };
+    if !(secs.is_finite() && secs >= 0.0) {
+        return Err(format!("`{s}` must be a non-negative duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Pingpong(a) => run_pingpong(a).await,
+        BenchCommand::Echo(a) => run_echo(a).await,
+    }
+}
+
+fn check_common(c: &CommonArgs) -> anyhow::Result<()> {
+    if c.cluster != "none" {
+        bail!(
+            "--cluster {}: only `none` is available in this version (the clustered bus is not built yet)",
+            c.cluster
+        );
+    }
+    if c.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    Ok(())
+}
+
+fn vertx_peer(c: &CommonArgs) -> JavaPeer {
+    let dir = c.peers_dir.clone().unwrap_or_else(default_peers_dir);
+    JavaPeer::new(&dir, "vertx-eventbus", "vertx-eventbus-peer.jar")
+}
+
+fn finish(rows: &[serde_json::Value], c: &CommonArgs) -> anyhow::Result<()> {
+    if let Some(path) = &c.json {
+        write_json(path, rows).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {} result rows to {}", rows.len(), path.display());
+    }
+    Ok(())
+}
+
+async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
+    check_common(&a.common)?;
+    let cfg = PingpongConfig {
+        messages: a.messages,
+        verbose: !a.quiet,
+    };
+    let peer = a.common.vs.map(|_| vertx_peer(&a.common));
+    if let Some(p) = &peer {
+        p.ensure_built().await?;
+    }
+    let mut ours: Vec<PingpongResult> = Vec::new();
+    let mut theirs: Vec<PingpongResult> = Vec::new();
+    for run in 1..=a.common.runs {
+        eprintln!("== pingpong run {run}/{}: railyard ==", a.common.runs);
+        ours.push(pingpong::run(&cfg).await);
+        if let Some(p) = &peer {
+            eprintln!("== pingpong run {run}/{}: vertx ==", a.common.runs);
+            let args = vec![
+                "pingpong".to_owned(),
+                "--messages".to_owned(),
+                a.messages.to_string(),
+                "--cluster".to_owned(),
+                "none".to_owned(),
+            ];
+            let v = p.run(&args, !a.quiet).await?;
+            theirs.push(serde_json::from_value(v).context("reading the peer's pingpong result")?);
+        }
+    }
+    let med = |rs: &[PingpongResult], f: fn(&PingpongResult) -> f64| median(&rs.iter().map(f).collect::<Vec<_>>());
+    let mut rows = vec![];
+    let our_all = med(&ours, |r| r.all_replies_ms).unwrap_or(0.0);
+    rows.push(vec![
+        "railyard".to_owned(),
+        thousands(a.messages),
+        format!("{:.1}", med(&ours, |r| r.first_reply_ms).unwrap_or(0.0)),
+        format!("{our_all:.1}"),
+        "1.00x".to_owned(),
+    ]);
+    if !theirs.is_empty() {
+        let their_all = med(&theirs, |r| r.all_replies_ms).unwrap_or(0.0);
+        rows.push(vec![
+            "vertx".to_owned(),
+            thousands(a.messages),
+            format!("{:.1}", med(&theirs, |r| r.first_reply_ms).unwrap_or(0.0)),
+            format!("{their_all:.1}"),
+            format!("{:.2}x", our_all / their_all),
+        ]);
+        println!("\nrailyard is {:.1}x faster than vertx (median all_replies_ms)", their_all / our_all);
+    }
+    println!(
+        "\npingpong, median of {} run(s)\n{}",
+        a.common.runs,
+        table(
+            &["system", "messages", "first reply ms", "all replies ms", "time vs railyard"],
+            rows
+        )
+    );
+    let json: Vec<serde_json::Value> = ours
+        .iter()
+        .chain(&theirs)
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
+    finish(&json, &a.common)
+}
+
+fn echo_configs(a: &EchoArgs) -> Vec<EchoConfig> {
+    let base = EchoConfig {
+        duration: a.duration,
+        warmup: a.warmup,
+        instances: a.instances,
+        in_flight: a.in_flight,
+        consumer: match a.consumer {
+            ConsumerArg::Consumer => ConsumerKind::Consumer,
+            ConsumerArg::Local => ConsumerKind::Local,
+        },
+        delivery: match a.delivery {
+            DeliveryArg::Default => Delivery::Default,
+            DeliveryArg::LocalOnly => Delivery::LocalOnly,
+        },
+        method: match a.method {
+            MethodArg::SendReply => Method::SendReply,
+            MethodArg::SendSend => Method::SendSend,
+        },
+        loops: a
+            .loops
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+    };
+    if !a.matrix {
+        return vec![base];
+    }
+    let mut out = vec![];
+    for consumer in [ConsumerKind::Consumer, ConsumerKind::Local] {
+        for delivery in [Delivery::Default, Delivery::LocalOnly] {
+            for method in [Method::SendReply, Method::SendSend] {
+                out.push(EchoConfig {
+                    consumer,
+                    delivery,
+                    method,
+                    ..base.clone()
+                });
+            }
+        }
+    }
+    out
+}
+
+fn peer_echo_args(c: &EchoConfig) -> Vec<String> {
+    [
+        "echo",
+        "--duration",
+        &c.duration.as_secs_f64().to_string(),
+        "--warmup",
+        &c.warmup.as_secs_f64().to_string(),
+        "--instances",
+        &c.instances.to_string(),
+        "--in-flight",
+        &c.in_flight.to_string(),
+        "--consumer",
+        c.consumer.as_str(),
+        "--delivery",
+        c.delivery.as_str(),
+        "--method",
+        c.method.as_str(),
+        "--cluster",
+        "none",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect()
+}
+
+fn progress_bar(label: String, total: Duration) -> ProgressBar {
+    let pb = ProgressBar::new(total.as_millis() as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{prefix:>40} [{bar:30}] {elapsed:>3} {msg}")
+            .expect("the template is valid")
+            .progress_chars("=> "),
+    );
+    pb.set_prefix(label);
+    pb
+}
+
+async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
+    check_common(&a.common)?;
+    if a.instances == 0 || a.in_flight == 0 {
+        bail!("--instances and --in-flight must be at least 1");
+    }
+    let peer = a.common.vs.map(|_| vertx_peer(&a.common));
+    if let Some(p) = &peer {
+        p.ensure_built().await?;
+    }
+    let configs = echo_configs(&a);
+    let mut all: Vec<EchoResult> = vec![];
+    let mut rows = vec![];
+    for cfg in &configs {
+        let label = format!("{} | {} | {}", cfg.consumer.as_str(), cfg.delivery.as_str(), cfg.method.as_str());
+        let mut ours = vec![];
+        let mut theirs = vec![];
+        for run in 1..=a.common.runs {
+            let pb = progress_bar(format!("railyard {label} #{run}"), cfg.warmup + cfg.duration);
+            let r = echo::run(cfg, |t, n| {
+                pb.set_position(t.as_millis() as u64);
+                pb.set_message(format!("{} round trips", thousands(n)));
+            })
+            .await;
+            pb.finish_with_message(format!("{} round trips/s", thousands(r.round_trips_per_s as u64)));
+            ours.push(r);
+            if let Some(p) = &peer {
+                let pb = ProgressBar::new_spinner();
+                pb.set_message(format!("vertx {label} #{run}"));
+                pb.enable_steady_tick(Duration::from_millis(200));
+                let v = p.run(&peer_echo_args(cfg), false).await?;
+                let r: EchoResult = serde_json::from_value(v).context("reading the peer's echo result")?;
+                pb.finish_with_message(format!(
+                    "vertx {label} #{run}: {} round trips/s",
+                    thousands(r.round_trips_per_s as u64)
+                ));
+                theirs.push(r);
+            }
+        }
+        let rate = |rs: &[EchoResult]| median(&rs.iter().map(|r| r.round_trips_per_s).collect::<Vec<_>>());
+        let trips = |rs: &[EchoResult]| median(&rs.iter().map(|r| r.round_trips as f64).collect::<Vec<_>>());
+        let our_rate = rate(&ours).unwrap_or(0.0);
+        let mut row = vec![
+            "No cluster".to_owned(),
+            if cfg.consumer == ConsumerKind::Local { "localConsumer" } else { "consumer" }.to_owned(),
+            if cfg.delivery == Delivery::LocalOnly { "localOnly" } else { "default" }.to_owned(),
+            cfg.method.as_str().to_owned(),
+            thousands(trips(&ours).unwrap_or(0.0) as u64),
+            thousands(our_rate as u64),
+        ];
+        if !theirs.is_empty() {
+            let their_rate = rate(&theirs).unwrap_or(0.0);
+            row.push(thousands(their_rate as u64));
+            row.push(format!("{:.2}x", our_rate / their_rate));
+        }
+        rows.push(row);
+        all.extend(ours);
+        all.extend(theirs);
+    }
+    let mut header = vec![
+        "ClusterManager",
+        "useLocalConsumer?",
+        "DeliveryOptions",
+        "DeliveryMethod",
+        "# of round trips",
+        "railyard round trips/s",
+    ];
+    if peer.is_some() {
+        header.extend(["vertx round trips/s", "railyard / vertx"]);
+    }
+    println!(
+        "\necho: {} instances, {} in flight, {:?} window after {:?} warm-up, median of {} run(s)\n{}",
+        a.instances,
+        a.in_flight,
+        a.duration,
+        a.warmup,
+        a.common.runs,
+        table(&header, rows)
+    );
+    let json: Vec<serde_json::Value> = all.iter().map(serde_json::to_value).collect::<Result<_, _>>()?;
+    finish(&json, &a.common)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("ten").is_err());
+        assert!(parse_duration("5h").is_err());
+    }
+}

@@ -1,0 +1,82 @@
+//! `railyard`: run a node, run the bench lab.
+//!
+//! The binary is thin: argument parsing, logging set-up and wiring. The work
+//! lives in the library crates (`railyard-bus`, `railyard-bench`).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use mimalloc::MiMalloc;
+
+mod bench_cmd;
+mod node;
+
+// The bus allocates one small `Arc` per message; mimalloc's thread-local free
+// lists make that, and the cross-thread frees it implies, cheap.
+#[global_allocator]
+static GLOBAL: MiMalloc = MiMalloc;
+
+/// Railyard: a fast, dependable runtime for event-driven services.
+#[derive(Debug, Parser)]
+#[command(name = "railyard", version, about, long_about = None)]
+struct Cli {
+    /// Log format for stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "RAILYARD_LOG_FORMAT")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a node on embedded defaults (the event bus, for now), until SIGINT or SIGTERM.
+    Node(node::NodeArgs),
+    /// Run a benchmark scenario, optionally side by side with the original system.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCommand),
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RAILYARD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        match cli.command {
+            Command::Node(args) => node::run(args).await,
+            Command::Bench(cmd) => bench_cmd::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
