@@ -192,7 +192,12 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
         }
     }
 
-    let total = || instances.iter().map(|i| i.round_trips.load(Ordering::Relaxed)).sum::<u64>();
+    let total = || {
+        instances
+            .iter()
+            .map(|i| i.round_trips.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
     let start = Instant::now();
     let end_warmup = start + cfg.warmup;
     let end = end_warmup + cfg.duration;
@@ -207,7 +212,11 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
             break;
         }
         progress(now - start, total());
-        let next = (now + tick).min(if at_window_start.is_none() { end_warmup } else { end });
+        let next = (now + tick).min(if at_window_start.is_none() {
+            end_warmup
+        } else {
+            end
+        });
         tokio::time::sleep_until(next.into()).await;
     }
     let (c0, t0) = at_window_start.expect("the window opened before it closed");

@@ -106,7 +106,11 @@ impl JavaPeer {
     ///
     /// # Errors
     /// Any [`PeerError`].
-    pub async fn run(&self, args: &[String], verbose: bool) -> Result<serde_json::Value, PeerError> {
+    pub async fn run(
+        &self,
+        args: &[String],
+        verbose: bool,
+    ) -> Result<serde_json::Value, PeerError> {
         self.ensure_built().await?;
         let mut child = Command::new("java")
             .args(self.jvm_flags())

@@ -13,14 +13,18 @@ pub fn median(values: &[f64]) -> Option<f64> {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     let m = v.len() / 2;
-    Some(if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 })
+    Some(if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    })
 }
 
 /// A table with the given header, right-aligning numeric-looking cells.
 pub fn table(header: &[&str], rows: Vec<Vec<String>>) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(header.iter().map(|h| Cell::new(h)));
+    t.set_header(header.iter().map(Cell::new));
     for row in rows {
         t.add_row(row.into_iter().map(|c| {
             let numeric = c.chars().next().is_some_and(|ch| ch.is_ascii_digit());

@@ -16,8 +16,8 @@ use crate::metrics::{BusCounters, ConsumerStats};
 use crate::queue::{ConsumerQueue, Envelope, Refused};
 use crate::reply::PendingReply;
 use crate::{
-    Body, BusError, CodecError, CodecRegistry, DeliveryOptions, Headers, Interceptor, Message, MessageCodec,
-    MetricsSnapshot, SendError,
+    Body, BusError, CodecError, CodecRegistry, DeliveryOptions, Headers, Interceptor, Message,
+    MessageCodec, MetricsSnapshot, SendError,
 };
 
 type Table = HashMap<Arc<str>, Arc<AddressEntry>, foldhash::fast::RandomState>;
@@ -48,7 +48,9 @@ impl AddressEntry {
         };
         Self {
             consumers,
-            cursors: (0..shards).map(|_| CachePadded::new(AtomicUsize::new(0))).collect(),
+            cursors: (0..shards)
+                .map(|_| CachePadded::new(AtomicUsize::new(0)))
+                .collect(),
         }
     }
 
@@ -282,7 +284,11 @@ impl EventBus {
     ///
     /// # Errors
     /// [`BusError::Rejected`], [`BusError::UnknownCodec`], [`BusError::InvalidAddress`].
-    pub fn publish<T: Any + Send + Sync>(&self, address: &str, body: T) -> Result<PublishReport, SendError> {
+    pub fn publish<T: Any + Send + Sync>(
+        &self,
+        address: &str,
+        body: T,
+    ) -> Result<PublishReport, SendError> {
         self.publish_with(address, body, &DEFAULT_OPTIONS)
     }
 
@@ -347,7 +353,9 @@ impl EventBus {
         let before = list.len();
         list.retain(|(i, _)| *i != id);
         let removed = list.len() != before;
-        self.inner.has_interceptors.store(!list.is_empty(), Ordering::Release);
+        self.inner
+            .has_interceptors
+            .store(!list.is_empty(), Ordering::Release);
         self.inner.interceptors.store(Arc::new(list));
         removed
     }
@@ -402,7 +410,11 @@ impl EventBus {
 
     /// Number of consumers registered at `address`.
     pub fn consumer_count(&self, address: &str) -> usize {
-        self.inner.table.load().get(address).map_or(0, |e| e.consumers.len())
+        self.inner
+            .table
+            .load()
+            .get(address)
+            .map_or(0, |e| e.consumers.len())
     }
 
     // ---- crate internals -------------------------------------------------
@@ -423,7 +435,9 @@ impl EventBus {
         }
         if let Some(name) = &options.codec {
             if !self.inner.codecs.read().contains(name) {
-                return Err(self.refuse(BusError::UnknownCodec { name: name.to_string() }));
+                return Err(self.refuse(BusError::UnknownCodec {
+                    name: name.to_string(),
+                }));
             }
         }
         self.outbound_check(address, kind, &mut env.headers, &env.body)
@@ -504,7 +518,11 @@ impl EventBus {
         let mut env = env;
         let mut any_open = false;
         for k in 0..n {
-            let idx = if start + k >= n { start + k - n } else { start + k };
+            let idx = if start + k >= n {
+                start + k - n
+            } else {
+                start + k
+            };
             match consumers[idx].try_push(env) {
                 Ok(()) => return Ok(()),
                 Err((refused, back)) => {
@@ -546,7 +564,10 @@ impl EventBus {
             Some(e) => e.consumers.iter().cloned().chain([queue.clone()]).collect(),
             None => Box::new([queue.clone()]),
         };
-        table.insert(queue.address.clone(), Arc::new(AddressEntry::new(consumers)));
+        table.insert(
+            queue.address.clone(),
+            Arc::new(AddressEntry::new(consumers)),
+        );
         self.inner.table.store(Arc::new(table));
     }
 
@@ -559,8 +580,12 @@ impl EventBus {
             if let Some(e) = current.get(&*queue.address) {
                 if e.consumers.iter().any(|q| q.id == queue.id) {
                     let mut table = Table::clone(&current);
-                    let rest: Box<[Arc<ConsumerQueue>]> =
-                        e.consumers.iter().filter(|q| q.id != queue.id).cloned().collect();
+                    let rest: Box<[Arc<ConsumerQueue>]> = e
+                        .consumers
+                        .iter()
+                        .filter(|q| q.id != queue.id)
+                        .cloned()
+                        .collect();
                     if rest.is_empty() {
                         table.remove(&*queue.address);
                     } else {

@@ -113,7 +113,9 @@ where
         &self.name
     }
     fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
-        let value = body.downcast_ref::<T>().ok_or_else(|| wrong_type(&self.name, body))?;
+        let value = body
+            .downcast_ref::<T>()
+            .ok_or_else(|| wrong_type(&self.name, body))?;
         serde_json::to_vec(value)
             .map(Bytes::from)
             .map_err(|e| CodecError::Malformed {
@@ -211,7 +213,11 @@ impl CodecRegistry {
     ///
     /// # Errors
     /// [`CodecError::Unknown`], [`CodecError::NoDefault`], or the codec's own error.
-    pub fn encode(&self, body: &Body, codec: Option<&str>) -> Result<(Arc<str>, Bytes), CodecError> {
+    pub fn encode(
+        &self,
+        body: &Body,
+        codec: Option<&str>,
+    ) -> Result<(Arc<str>, Bytes), CodecError> {
         let name = match codec {
             Some(n) => self
                 .by_name
@@ -244,6 +250,8 @@ impl std::fmt::Debug for CodecRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut names: Vec<&str> = self.by_name.keys().map(|k| &**k).collect();
         names.sort_unstable();
-        f.debug_struct("CodecRegistry").field("codecs", &names).finish()
+        f.debug_struct("CodecRegistry")
+            .field("codecs", &names)
+            .finish()
     }
 }

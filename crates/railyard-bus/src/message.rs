@@ -92,7 +92,11 @@ impl Message {
     }
 
     /// Answers with `body` and the headers of `options`.
-    pub fn reply_with<T: Any + Send + Sync>(&mut self, body: T, options: &DeliveryOptions) -> Result<(), BusError> {
+    pub fn reply_with<T: Any + Send + Sync>(
+        &mut self,
+        body: T,
+        options: &DeliveryOptions,
+    ) -> Result<(), BusError> {
         self.answer(options.headers.clone(), Body::new(body), None)
     }
 
@@ -139,10 +143,17 @@ impl Message {
         Ok(())
     }
 
-    fn answer(&mut self, mut headers: Headers, body: Body, expect: Option<ReplySender>) -> Result<(), BusError> {
+    fn answer(
+        &mut self,
+        mut headers: Headers,
+        body: Body,
+        expect: Option<ReplySender>,
+    ) -> Result<(), BusError> {
         let slot = self.reply.take().ok_or(BusError::NotReplyable)?;
         if let Some(bus) = &self.bus {
-            if let Err(e) = bus.outbound_check(self.address(), MessageKind::Reply, &mut headers, &body) {
+            if let Err(e) =
+                bus.outbound_check(self.address(), MessageKind::Reply, &mut headers, &body)
+            {
                 let _ = slot.send(Err(e.clone()));
                 return Err(e);
             }

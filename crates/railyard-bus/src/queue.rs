@@ -69,7 +69,13 @@ struct State {
 }
 
 impl ConsumerQueue {
-    pub(crate) fn new(address: Arc<str>, id: u64, local: bool, capacity: usize, paused: bool) -> Self {
+    pub(crate) fn new(
+        address: Arc<str>,
+        id: u64,
+        local: bool,
+        capacity: usize,
+        paused: bool,
+    ) -> Self {
         Self {
             address,
             id,
@@ -115,7 +121,11 @@ impl ConsumerQueue {
 
     /// Appends the envelope in `slot` when there is room; otherwise registers
     /// for a wake-up when the consumer frees some. Leaves `slot` empty on success.
-    pub(crate) fn poll_push(&self, slot: &mut Option<Envelope>, cx: &mut Context<'_>) -> Poll<Result<(), Refused>> {
+    pub(crate) fn poll_push(
+        &self,
+        slot: &mut Option<Envelope>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), Refused>> {
         let waker = {
             let mut s = self.state.lock();
             if s.closed {
@@ -147,7 +157,12 @@ impl ConsumerQueue {
     /// Moves up to `max` messages (bounded by demand) into `out`.
     ///
     /// Returns `Ready(false)` once the queue is closed and empty.
-    pub(crate) fn poll_batch(&self, cx: &mut Context<'_>, out: &mut VecDeque<Envelope>, max: usize) -> Poll<bool> {
+    pub(crate) fn poll_batch(
+        &self,
+        cx: &mut Context<'_>,
+        out: &mut VecDeque<Envelope>,
+        max: usize,
+    ) -> Poll<bool> {
         let waiters = {
             let mut s = self.state.lock();
             if s.items.is_empty() || s.demand == 0 {
@@ -160,7 +175,9 @@ impl ConsumerQueue {
                 }
                 return Poll::Pending;
             }
-            let n = max.min(s.items.len()).min(usize::try_from(s.demand).unwrap_or(usize::MAX));
+            let n = max
+                .min(s.items.len())
+                .min(usize::try_from(s.demand).unwrap_or(usize::MAX));
             out.extend(s.items.drain(..n));
             if s.demand != FLOWING {
                 s.demand -= n as u64;
@@ -186,7 +203,13 @@ impl ConsumerQueue {
 
     /// Allows `n` more messages while paused.
     pub(crate) fn fetch(&self, n: u64) {
-        self.set_demand(|d| if d == FLOWING { FLOWING } else { d.saturating_add(n).min(FLOWING - 1) });
+        self.set_demand(|d| {
+            if d == FLOWING {
+                FLOWING
+            } else {
+                d.saturating_add(n).min(FLOWING - 1)
+            }
+        });
     }
 
     fn set_demand(&self, f: impl FnOnce(u64) -> u64) {

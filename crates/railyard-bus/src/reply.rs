@@ -58,7 +58,12 @@ pub struct PendingReply<'a> {
 }
 
 impl<'a> PendingReply<'a> {
-    pub(crate) fn waiting(bus: &'a EventBus, rx: ReplyReceiver, timeout: Duration, start: Instant) -> Self {
+    pub(crate) fn waiting(
+        bus: &'a EventBus,
+        rx: ReplyReceiver,
+        timeout: Duration,
+        start: Instant,
+    ) -> Self {
         Self::with_state(bus, State::Waiting(rx), timeout, start)
     }
 
@@ -81,7 +86,12 @@ impl<'a> PendingReply<'a> {
     }
 
     pub(crate) fn failed(bus: &'a EventBus, error: BusError) -> Self {
-        Self::with_state(bus, State::Failed(Some(error)), Duration::ZERO, Instant::now())
+        Self::with_state(
+            bus,
+            State::Failed(Some(error)),
+            Duration::ZERO,
+            Instant::now(),
+        )
     }
 
     fn with_state(bus: &'a EventBus, state: State, timeout: Duration, start: Instant) -> Self {
@@ -107,7 +117,9 @@ impl<'a> PendingReply<'a> {
             Poll::Ready(()) => Poll::Ready(()),
             Poll::Pending => {
                 if self.poll_deadline(cx).is_ready() {
-                    self.finish_failed(BusError::Timeout { after: self.timeout });
+                    self.finish_failed(BusError::Timeout {
+                        after: self.timeout,
+                    });
                     Poll::Ready(())
                 } else {
                     Poll::Pending
@@ -131,7 +143,8 @@ impl<'a> PendingReply<'a> {
         match queue.poll_push(envelope, cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok(())) => {
-                let State::Blocked { rx, .. } = std::mem::replace(&mut self.state, State::Done) else {
+                let State::Blocked { rx, .. } = std::mem::replace(&mut self.state, State::Done)
+                else {
                     unreachable!("matched Blocked above")
                 };
                 self.state = State::Waiting(rx);
@@ -143,7 +156,9 @@ impl<'a> PendingReply<'a> {
                 let address = std::mem::take(address);
                 match self.bus.route(&address, env, false) {
                     Ok(()) => {
-                        let State::Blocked { rx, .. } = std::mem::replace(&mut self.state, State::Done) else {
+                        let State::Blocked { rx, .. } =
+                            std::mem::replace(&mut self.state, State::Done)
+                        else {
                             unreachable!("matched Blocked above")
                         };
                         self.state = State::Waiting(rx);
@@ -203,7 +218,9 @@ impl Future for PendingReply<'_> {
         let this = self.get_mut();
         if this.poll_enqueue(cx).is_pending() {
             if this.poll_deadline(cx).is_ready() {
-                return this.complete(Err(BusError::Timeout { after: this.timeout }));
+                return this.complete(Err(BusError::Timeout {
+                    after: this.timeout,
+                }));
             }
             return Poll::Pending;
         }
@@ -213,7 +230,9 @@ impl Future for PendingReply<'_> {
                 Poll::Ready(Err(_)) => this.complete(Err(BusError::NoReply)),
                 Poll::Pending => {
                     if this.poll_deadline(cx).is_ready() {
-                        return this.complete(Err(BusError::Timeout { after: this.timeout }));
+                        return this.complete(Err(BusError::Timeout {
+                            after: this.timeout,
+                        }));
                     }
                     Poll::Pending
                 }
@@ -245,6 +264,8 @@ impl std::fmt::Debug for PendingReply<'_> {
             State::Failed(_) => "failed",
             State::Done => "done",
         };
-        f.debug_struct("PendingReply").field("state", &state).finish()
+        f.debug_struct("PendingReply")
+            .field("state", &state)
+            .finish()
     }
 }

@@ -188,7 +188,9 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
             theirs.push(serde_json::from_value(v).context("reading the peer's pingpong result")?);
         }
     }
-    let med = |rs: &[PingpongResult], f: fn(&PingpongResult) -> f64| median(&rs.iter().map(f).collect::<Vec<_>>());
+    let med = |rs: &[PingpongResult], f: fn(&PingpongResult) -> f64| {
+        median(&rs.iter().map(f).collect::<Vec<_>>())
+    };
     let mut rows = vec![];
     let our_all = med(&ours, |r| r.all_replies_ms).unwrap_or(0.0);
     rows.push(vec![
@@ -207,13 +209,22 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
             format!("{their_all:.1}"),
             format!("{:.2}x", our_all / their_all),
         ]);
-        println!("\nrailyard is {:.1}x faster than vertx (median all_replies_ms)", their_all / our_all);
+        println!(
+            "\nrailyard is {:.1}x faster than vertx (median all_replies_ms)",
+            their_all / our_all
+        );
     }
     println!(
         "\npingpong, median of {} run(s)\n{}",
         a.common.runs,
         table(
-            &["system", "messages", "first reply ms", "all replies ms", "time vs railyard"],
+            &[
+                "system",
+                "messages",
+                "first reply ms",
+                "all replies ms",
+                "time vs railyard"
+            ],
             rows
         )
     );
@@ -315,24 +326,36 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
     let mut all: Vec<EchoResult> = vec![];
     let mut rows = vec![];
     for cfg in &configs {
-        let label = format!("{} | {} | {}", cfg.consumer.as_str(), cfg.delivery.as_str(), cfg.method.as_str());
+        let label = format!(
+            "{} | {} | {}",
+            cfg.consumer.as_str(),
+            cfg.delivery.as_str(),
+            cfg.method.as_str()
+        );
         let mut ours = vec![];
         let mut theirs = vec![];
         for run in 1..=a.common.runs {
-            let pb = progress_bar(format!("railyard {label} #{run}"), cfg.warmup + cfg.duration);
+            let pb = progress_bar(
+                format!("railyard {label} #{run}"),
+                cfg.warmup + cfg.duration,
+            );
             let r = echo::run(cfg, |t, n| {
                 pb.set_position(t.as_millis() as u64);
                 pb.set_message(format!("{} round trips", thousands(n)));
             })
             .await;
-            pb.finish_with_message(format!("{} round trips/s", thousands(r.round_trips_per_s as u64)));
+            pb.finish_with_message(format!(
+                "{} round trips/s",
+                thousands(r.round_trips_per_s as u64)
+            ));
             ours.push(r);
             if let Some(p) = &peer {
                 let pb = ProgressBar::new_spinner();
                 pb.set_message(format!("vertx {label} #{run}"));
                 pb.enable_steady_tick(Duration::from_millis(200));
                 let v = p.run(&peer_echo_args(cfg), false).await?;
-                let r: EchoResult = serde_json::from_value(v).context("reading the peer's echo result")?;
+                let r: EchoResult =
+                    serde_json::from_value(v).context("reading the peer's echo result")?;
                 pb.finish_with_message(format!(
                     "vertx {label} #{run}: {} round trips/s",
                     thousands(r.round_trips_per_s as u64)
@@ -340,13 +363,26 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
                 theirs.push(r);
             }
         }
-        let rate = |rs: &[EchoResult]| median(&rs.iter().map(|r| r.round_trips_per_s).collect::<Vec<_>>());
-        let trips = |rs: &[EchoResult]| median(&rs.iter().map(|r| r.round_trips as f64).collect::<Vec<_>>());
+        let rate =
+            |rs: &[EchoResult]| median(&rs.iter().map(|r| r.round_trips_per_s).collect::<Vec<_>>());
+        let trips = |rs: &[EchoResult]| {
+            median(&rs.iter().map(|r| r.round_trips as f64).collect::<Vec<_>>())
+        };
         let our_rate = rate(&ours).unwrap_or(0.0);
         let mut row = vec![
             "No cluster".to_owned(),
-            if cfg.consumer == ConsumerKind::Local { "localConsumer" } else { "consumer" }.to_owned(),
-            if cfg.delivery == Delivery::LocalOnly { "localOnly" } else { "default" }.to_owned(),
+            if cfg.consumer == ConsumerKind::Local {
+                "localConsumer"
+            } else {
+                "consumer"
+            }
+            .to_owned(),
+            if cfg.delivery == Delivery::LocalOnly {
+                "localOnly"
+            } else {
+                "default"
+            }
+            .to_owned(),
             cfg.method.as_str().to_owned(),
             thousands(trips(&ours).unwrap_or(0.0) as u64),
             thousands(our_rate as u64),
@@ -380,7 +416,10 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         a.common.runs,
         table(&header, rows)
     );
-    let json: Vec<serde_json::Value> = all.iter().map(serde_json::to_value).collect::<Result<_, _>>()?;
+    let json: Vec<serde_json::Value> = all
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
     finish(&json, &a.common)
 }
 

@@ -55,7 +55,9 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the node");

@@ -1,0 +1,722 @@
+//! Behaviour of the in-process bus: delivery, failures, back-pressure,
+//! ordering, interceptors, codecs, metrics. No timing assertions: timeouts use
+//! tokio's paused clock.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use railyard_bus::*;
+use tokio::sync::mpsc;
+
+/// A consumer at `addr` that replies with the `u64` body plus one.
+async fn adder(bus: &EventBus, addr: &str) -> Consumer {
+    bus.consumer(addr)
+        .handler(|mut m| async move {
+            let v = *m.body::<u64>().expect("u64 body");
+            m.reply(v + 1).expect("a request can be answered");
+        })
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn request_gets_the_reply() {
+    let bus = EventBus::new();
+    let _c = adder(&bus, "add").await;
+    let reply = bus.request("add", 41u64).await.unwrap();
+    assert_eq!(reply.body::<u64>(), Some(&42));
+    assert!(!reply.expects_reply());
+}
+
+#[tokio::test]
+async fn no_handlers_for_send_and_request() {
+    let bus = EventBus::new();
+    let e = bus.send("nobody", String::from("lost?")).unwrap_err();
+    assert_eq!(e.kind(), FailureKind::NoHandlers);
+    // The body comes back: nothing is lost.
+    assert_eq!(
+        e.into_body().downcast_ref::<String>().map(String::as_str),
+        Some("lost?")
+    );
+    let e = bus.request("nobody", 1u64).await.unwrap_err();
+    assert_eq!(
+        e,
+        BusError::NoHandlers {
+            address: "nobody".into()
+        }
+    );
+    assert_eq!(bus.metrics().reply_failures(FailureKind::NoHandlers), 1);
+}
+
+#[tokio::test]
+async fn recipient_failure_carries_code_and_message() {
+    let bus = EventBus::new();
+    let _c = bus
+        .consumer("fails")
+        .handler(|mut m| async move {
+            m.fail(418, "teapot").unwrap();
+        })
+        .await
+        .unwrap();
+    let e = bus.request("fails", ()).await.unwrap_err();
+    assert_eq!(e.kind(), FailureKind::RecipientFailure);
+    assert_eq!(e.failure_code(), Some(418));
+    assert_eq!(
+        e,
+        BusError::RecipientFailure {
+            code: 418,
+            message: "teapot".into()
+        }
+    );
+    assert_eq!(
+        bus.metrics().reply_failures(FailureKind::RecipientFailure),
+        1
+    );
+}
+
+/// A consumer that keeps every message (so requests stay unanswered).
+async fn hoarder(bus: &EventBus, addr: &str) -> (Consumer, Arc<Mutex<Vec<Message>>>) {
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let k = kept.clone();
+    let c = bus
+        .consumer(addr)
+        .handler(move |m| {
+            let k = k.clone();
+            async move { k.lock().unwrap().push(m) }
+        })
+        .await
+        .unwrap();
+    (c, kept)
+}
+
+#[tokio::test(start_paused = true)]
+async fn request_times_out_after_its_timeout() {
+    let bus = EventBus::new();
+    let (_c, kept) = hoarder(&bus, "slow").await;
+    let start = tokio::time::Instant::now();
+    let opts = DeliveryOptions::new().timeout(Duration::from_secs(5));
+    let e = bus.request_with("slow", 1u64, &opts).await.unwrap_err();
+    assert_eq!(
+        e,
+        BusError::Timeout {
+            after: Duration::from_secs(5)
+        }
+    );
+    assert!(start.elapsed() >= Duration::from_secs(5));
+    assert_eq!(kept.lock().unwrap().len(), 1);
+    assert_eq!(bus.metrics().reply_failures(FailureKind::Timeout), 1);
+    assert_eq!(bus.metrics().pending_replies, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn default_timeout_is_thirty_seconds() {
+    let bus = EventBus::new();
+    let (_c, _kept) = hoarder(&bus, "slow").await;
+    // Not yet at 29 s...
+    let early = tokio::time::timeout(Duration::from_secs(29), bus.request("slow", 1u64)).await;
+    assert!(early.is_err(), "the request must still be waiting at 29 s");
+    // ...and a fresh one fails at 30 s.
+    let start = tokio::time::Instant::now();
+    let e = bus.request("slow", 2u64).await.unwrap_err();
+    assert_eq!(
+        e,
+        BusError::Timeout {
+            after: DEFAULT_TIMEOUT
+        }
+    );
+    assert_eq!(DEFAULT_TIMEOUT, Duration::from_secs(30));
+    assert!(start.elapsed() >= Duration::from_secs(30));
+}
+
+#[tokio::test]
+async fn dropping_a_request_fails_it_at_once_with_error_kind() {
+    let bus = EventBus::new();
+    let _c = bus.consumer("drop").handler(|_m| async {}).await.unwrap();
+    let e = bus.request("drop", 1u64).await.unwrap_err();
+    assert_eq!(e, BusError::NoReply);
+    assert_eq!(e.kind(), FailureKind::Error);
+    assert_eq!(bus.metrics().reply_failures(FailureKind::Error), 1);
+}
+
+#[tokio::test]
+async fn panicking_handler_fails_that_request_and_keeps_consuming() {
+    let bus = EventBus::new();
+    let _c = bus
+        .consumer("fragile")
+        .handler(|mut m| async move {
+            let v = *m.body::<u64>().unwrap();
+            assert!(v != 13, "unlucky number");
+            m.reply(v).unwrap();
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        bus.request("fragile", 13u64).await.unwrap_err(),
+        BusError::NoReply
+    );
+    assert_eq!(
+        bus.request("fragile", 7u64).await.unwrap().body::<u64>(),
+        Some(&7)
+    );
+}
+
+#[tokio::test]
+async fn replying_twice_or_to_a_send_is_refused() {
+    let bus = EventBus::new();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let _c = bus
+        .consumer("twice")
+        .handler(move |mut m| {
+            let tx = tx.clone();
+            async move {
+                let first = m.reply(1u8);
+                let second = m.reply(2u8);
+                tx.send((m.is_send(), first, second)).unwrap();
+            }
+        })
+        .await
+        .unwrap();
+    bus.send("twice", ()).unwrap();
+    let (is_send, first, _) = rx.recv().await.unwrap();
+    assert!(is_send);
+    assert_eq!(first, Err(BusError::NotReplyable));
+    let reply = bus.request("twice", ()).await.unwrap();
+    assert_eq!(reply.body::<u8>(), Some(&1));
+    let (_, first, second) = rx.recv().await.unwrap();
+    assert_eq!(first, Ok(()));
+    assert_eq!(second, Err(BusError::NotReplyable));
+}
+
+#[tokio::test]
+async fn request_chains_reply_to_a_reply() {
+    let bus = EventBus::new();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let _c = bus
+        .consumer("chain")
+        .handler(move |mut m| {
+            let tx = tx.clone();
+            async move {
+                let v = *m.body::<u64>().unwrap();
+                let next = m
+                    .reply_and_request(v * 10, &DeliveryOptions::new())
+                    .unwrap()
+                    .await
+                    .unwrap();
+                tx.send(*next.body::<u64>().unwrap()).unwrap();
+            }
+        })
+        .await
+        .unwrap();
+    let mut reply = bus.request("chain", 4u64).await.unwrap();
+    assert_eq!(reply.body::<u64>(), Some(&40));
+    assert!(reply.expects_reply());
+    reply.reply(41u64).unwrap();
+    assert_eq!(rx.recv().await, Some(41));
+}
+
+#[tokio::test]
+async fn send_round_robins_fairly() {
+    let bus = EventBus::new();
+    let counts: Arc<Vec<AtomicUsize>> = Arc::new((0..3).map(|_| AtomicUsize::new(0)).collect());
+    let mut consumers = vec![];
+    for i in 0..3 {
+        let counts = counts.clone();
+        consumers.push(
+            bus.consumer("rr")
+                .handler(move |_m| {
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                    async {}
+                })
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(bus.consumer_count("rr"), 3);
+    for i in 0..300u64 {
+        bus.send("rr", i).unwrap();
+    }
+    while bus.metrics().delivered() < 300 {
+        tokio::task::yield_now().await;
+    }
+    for c in consumers {
+        c.unregister().await;
+    }
+    let got: Vec<usize> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    assert_eq!(got, vec![100, 100, 100]);
+}
+
+#[tokio::test]
+async fn publish_reaches_every_consumer_with_the_same_body() {
+    let bus = EventBus::new();
+    let mut streams = vec![];
+    for _ in 0..3 {
+        streams.push(bus.consumer("news").stream().await.unwrap());
+    }
+    let body = Arc::new(String::from("shared"));
+    let report = bus.publish("news", Body::from_arc(body.clone())).unwrap();
+    assert_eq!(
+        report,
+        PublishReport {
+            delivered: 3,
+            skipped_full: 0
+        }
+    );
+    for s in &mut streams {
+        let m = s.next().await.unwrap();
+        assert!(!m.is_send());
+        // By reference: the very same allocation, not a copy.
+        assert!(std::ptr::eq(m.body::<String>().unwrap(), &*body));
+    }
+    assert_eq!(bus.publish("nobody", 1u8).unwrap().delivered, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_senders_messages_arrive_in_order() {
+    let bus = EventBus::new();
+    let mut a = bus
+        .consumer("ordered")
+        .capacity(100_000)
+        .stream()
+        .await
+        .unwrap();
+    let mut b = bus
+        .local_consumer("ordered")
+        .capacity(100_000)
+        .stream()
+        .await
+        .unwrap();
+    let sender = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            for i in 0..20_000u64 {
+                bus.send("ordered", i).unwrap();
+            }
+        })
+    };
+    sender.await.unwrap();
+    for s in [&mut a, &mut b] {
+        let mut last = None;
+        for _ in 0..10_000 {
+            let v = *s.next().await.unwrap().body::<u64>().unwrap();
+            assert!(last.is_none_or(|l| v > l), "{v} after {last:?}");
+            last = Some(v);
+        }
+    }
+}
+
+#[tokio::test]
+async fn full_buffer_refuses_send_and_hands_the_body_back() {
+    let bus = EventBus::new();
+    let c = bus
+        .consumer("tiny")
+        .capacity(4)
+        .paused()
+        .handler(|_m| async {})
+        .await
+        .unwrap();
+    for i in 0..4u64 {
+        bus.send("tiny", i).unwrap();
+    }
+    let e = bus.send("tiny", 99u64).unwrap_err();
+    assert_eq!(
+        e.error,
+        BusError::Full {
+            address: "tiny".into()
+        }
+    );
+    assert_eq!(e.into_body().downcast_ref::<u64>(), Some(&99));
+    let stats = c.stats();
+    assert_eq!(
+        (stats.received, stats.buffered, stats.refused_full),
+        (4, 4, 1)
+    );
+    // Publish skips the full consumer and says so.
+    assert_eq!(
+        bus.publish("tiny", 0u64).unwrap(),
+        PublishReport {
+            delivered: 0,
+            skipped_full: 1
+        }
+    );
+    assert_eq!(bus.metrics().discarded(), 2);
+}
+
+#[tokio::test]
+async fn pause_fetch_resume_control_delivery() {
+    let bus = EventBus::new();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let c = bus
+        .consumer("gated")
+        .paused()
+        .handler(move |m| {
+            let tx = tx.clone();
+            async move { tx.send(*m.body::<u64>().unwrap()).unwrap() }
+        })
+        .await
+        .unwrap();
+    for i in 0..10u64 {
+        bus.send("gated", i).unwrap();
+    }
+    tokio::task::yield_now().await;
+    assert!(rx.try_recv().is_err(), "paused: nothing delivered");
+    c.fetch(3);
+    for want in 0..3u64 {
+        assert_eq!(rx.recv().await, Some(want));
+    }
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        rx.try_recv().is_err(),
+        "fetch(3) lets exactly three through"
+    );
+    assert_eq!(c.stats().buffered, 7);
+    c.resume();
+    for want in 3..10u64 {
+        assert_eq!(rx.recv().await, Some(want));
+    }
+    c.pause();
+    bus.send("gated", 10u64).unwrap();
+    tokio::task::yield_now().await;
+    assert!(rx.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn send_wait_and_request_wait_for_room() {
+    let bus = EventBus::new();
+    let c = bus
+        .consumer("narrow")
+        .capacity(1)
+        .paused()
+        .handler(|mut m| async move {
+            if m.expects_reply() {
+                let _ = m.reply(());
+            }
+        })
+        .await
+        .unwrap();
+    bus.send("narrow", 0u8).unwrap();
+    let mut req = bus.request("narrow", 1u8);
+    assert!(!req.is_enqueued(), "the buffer is full");
+    let waiting_send = {
+        let bus = bus.clone();
+        tokio::spawn(async move { bus.send_wait("narrow", 2u8, &DeliveryOptions::new()).await })
+    };
+    c.resume();
+    req.enqueued().await;
+    assert!(req.is_enqueued());
+    req.await.unwrap();
+    waiting_send.await.unwrap().unwrap();
+    while c.stats().delivered < 3 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn interceptors_see_rewrite_and_veto() {
+    struct Stamp;
+    impl Interceptor for Stamp {
+        fn outbound(&self, msg: &mut Outbound<'_>) -> Verdict {
+            if msg.address == "forbidden" {
+                return Verdict::Reject("forbidden address".into());
+            }
+            msg.headers.add("stamped", format!("{:?}", msg.kind));
+            Verdict::Continue
+        }
+        fn inbound(&self, msg: &mut Message) -> Verdict {
+            if msg.body::<u64>() == Some(&13) {
+                Verdict::Reject("unlucky".into())
+            } else {
+                Verdict::Continue
+            }
+        }
+    }
+    let bus = EventBus::new();
+    let c = bus
+        .consumer("seen")
+        .handler(|mut m| async move {
+            let stamps = m.headers().get_all("STAMPED").collect::<Vec<_>>().join(",");
+            m.reply(stamps).unwrap();
+        })
+        .await
+        .unwrap();
+    let _f = bus
+        .consumer("forbidden")
+        .handler(|_m| async {})
+        .await
+        .unwrap();
+    let id = bus.add_interceptor(Arc::new(Stamp));
+
+    let reply = bus.request("seen", 1u64).await.unwrap();
+    assert_eq!(reply.body::<String>().map(String::as_str), Some("Request"));
+    assert_eq!(reply.headers().get("stamped"), Some("Reply"));
+
+    let e = bus.send("forbidden", 1u64).unwrap_err();
+    assert_eq!(
+        e.error,
+        BusError::Rejected {
+            reason: "forbidden address".into()
+        }
+    );
+
+    let e = bus.request("seen", 13u64).await.unwrap_err();
+    assert_eq!(
+        e,
+        BusError::Rejected {
+            reason: "unlucky".into()
+        }
+    );
+    assert_eq!(c.stats().discarded, 1);
+
+    assert!(bus.remove_interceptor(id));
+    assert!(!bus.remove_interceptor(id));
+    let reply = bus.request("seen", 13u64).await.unwrap();
+    assert_eq!(reply.body::<String>().map(String::as_str), Some(""));
+}
+
+#[tokio::test]
+async fn headers_travel_multi_valued_and_case_insensitive() {
+    let bus = EventBus::new();
+    let mut s = bus.consumer("h").stream().await.unwrap();
+    let opts = DeliveryOptions::new()
+        .header("Trace", "a")
+        .header("trace", "b");
+    bus.send_with("h", (), &opts).unwrap();
+    let m = s.next().await.unwrap();
+    assert_eq!(m.headers().get_all("TRACE").collect::<Vec<_>>(), ["a", "b"]);
+}
+
+#[tokio::test]
+async fn unknown_codec_and_empty_address_are_typed_errors() {
+    let bus = EventBus::new();
+    let _c = adder(&bus, "a").await;
+    let e = bus
+        .send_with("a", 1u64, &DeliveryOptions::new().codec("nope"))
+        .unwrap_err();
+    assert_eq!(
+        e.error,
+        BusError::UnknownCodec {
+            name: "nope".into()
+        }
+    );
+    assert_eq!(
+        bus.send("", 1u64).unwrap_err().error,
+        BusError::InvalidAddress {
+            address: String::new()
+        }
+    );
+    assert!(matches!(
+        bus.consumer("").handler(|_m| async {}).await,
+        Err(BusError::InvalidAddress { .. })
+    ));
+    // A known codec is accepted (and unused on a local hop).
+    let reply = bus
+        .request_with("a", 1u64, &DeliveryOptions::new().codec("json"))
+        .await
+        .unwrap();
+    assert_eq!(reply.body::<u64>(), Some(&2));
+}
+
+#[tokio::test]
+async fn stream_drop_unregisters_and_fails_buffered_requests() {
+    let bus = EventBus::new();
+    // An unpolled stream keeps its messages buffered.
+    let s = bus.consumer("s").stream().await.unwrap();
+    let pending = bus.request("s", 1u64);
+    drop(s);
+    assert_eq!(
+        pending.await.unwrap_err(),
+        BusError::NoHandlers {
+            address: "s".into()
+        }
+    );
+    assert_eq!(bus.consumer_count("s"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregister_under_load_answers_every_request() {
+    let bus = EventBus::new();
+    let keep = adder(&bus, "busy").await;
+    let goes = adder(&bus, "busy").await;
+    let mut tasks = vec![];
+    for t in 0..4u64 {
+        let bus = bus.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut ok = 0;
+            for i in 0..5_000u64 {
+                match bus.request("busy", t * 10_000 + i).await {
+                    Ok(m) => {
+                        assert_eq!(m.body::<u64>(), Some(&(t * 10_000 + i + 1)));
+                        ok += 1;
+                    }
+                    Err(e) => assert_eq!(e.kind(), FailureKind::NoHandlers, "{e}"),
+                }
+            }
+            ok
+        }));
+    }
+    tokio::task::yield_now().await;
+    goes.unregister().await;
+    let mut ok = 0;
+    for t in tasks {
+        ok += tokio::time::timeout(Duration::from_secs(60), t)
+            .await
+            .expect("no request hangs")
+            .unwrap();
+    }
+    assert!(ok > 0);
+    assert_eq!(bus.consumer_count("busy"), 1);
+    assert_eq!(bus.metrics().pending_replies, 0);
+    keep.unregister().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_requesters_all_get_their_own_reply() {
+    let bus = EventBus::new();
+    let mut consumers = vec![];
+    for _ in 0..3 {
+        consumers.push(adder(&bus, "sum").await);
+    }
+    let mut tasks = vec![];
+    for t in 0..16u64 {
+        let bus = bus.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..2_000u64 {
+                let v = t * 1_000_000 + i;
+                let r = bus.request("sum", v).await.unwrap();
+                assert_eq!(r.body::<u64>(), Some(&(v + 1)));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let m = bus.metrics();
+    assert_eq!(m.requests, 32_000);
+    assert_eq!(m.sent, 32_000);
+    assert_eq!(m.received(), 32_000);
+    assert_eq!(m.delivered(), 32_000);
+    assert_eq!(m.pending_replies, 0);
+    assert_eq!(m.pending(), 0);
+    assert_eq!(m.registered_consumers, 3);
+    assert_eq!(m.reply_failures, [0; 4]);
+}
+
+#[test]
+fn codecs_round_trip_builtin_and_user_types() {
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Order {
+        id: u32,
+        item: String,
+    }
+    let bus = EventBus::new();
+    bus.register_codec(Arc::new(JsonCodec::<Order>::new("order")))
+        .unwrap();
+    assert_eq!(
+        bus.register_codec(Arc::new(StringCodec)),
+        Err(CodecError::Duplicate("string".into()))
+    );
+    bus.set_default_codec::<Order>("order").unwrap();
+    let codecs = bus.codecs();
+
+    let (name, bytes) = codecs
+        .encode(&Body::new(String::from("héllo")), None)
+        .unwrap();
+    assert_eq!((&*name, &bytes[..]), ("string", "héllo".as_bytes()));
+    assert_eq!(
+        codecs
+            .decode("string", bytes)
+            .unwrap()
+            .downcast_ref::<String>()
+            .unwrap(),
+        "héllo"
+    );
+
+    let (name, bytes) = codecs
+        .encode(&Body::new(Bytes::from_static(b"\x00\x01")), None)
+        .unwrap();
+    assert_eq!(&*name, "bytes");
+    assert_eq!(
+        codecs
+            .decode("bytes", bytes)
+            .unwrap()
+            .downcast_ref::<Bytes>()
+            .unwrap(),
+        &b"\x00\x01"[..]
+    );
+
+    let json = serde_json::json!({"a": [1, 2]});
+    let (name, bytes) = codecs.encode(&Body::new(json.clone()), None).unwrap();
+    assert_eq!(&*name, "json");
+    assert_eq!(
+        codecs
+            .decode("json", bytes)
+            .unwrap()
+            .downcast_ref::<serde_json::Value>(),
+        Some(&json)
+    );
+
+    let order = Order {
+        id: 7,
+        item: "tea".into(),
+    };
+    let (name, bytes) = codecs
+        .encode(
+            &Body::new(Order {
+                id: 7,
+                item: "tea".into(),
+            }),
+            None,
+        )
+        .unwrap();
+    assert_eq!(&*name, "order");
+    assert_eq!(
+        codecs
+            .decode("order", bytes)
+            .unwrap()
+            .downcast_ref::<Order>(),
+        Some(&order)
+    );
+
+    assert!(matches!(
+        codecs.encode(&Body::new(1u64), None),
+        Err(CodecError::NoDefault(_))
+    ));
+    assert!(matches!(
+        codecs.encode(&Body::new(1u64), Some("string")),
+        Err(CodecError::WrongType { .. })
+    ));
+    assert!(matches!(
+        codecs.decode("string", Bytes::from_static(b"\xff")),
+        Err(CodecError::Malformed { .. })
+    ));
+    assert!(matches!(
+        codecs.decode("order", Bytes::from_static(b"{")),
+        Err(CodecError::Malformed { .. })
+    ));
+    assert_eq!(
+        codecs.decode("zip", Bytes::new()).unwrap_err(),
+        CodecError::Unknown("zip".into())
+    );
+}
+
+#[test]
+fn public_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<EventBus>();
+    send_sync::<Message>();
+    send_sync::<Body>();
+    send_sync::<Headers>();
+    send_sync::<DeliveryOptions>();
+    send_sync::<BusError>();
+    send_sync::<SendError>();
+    send_sync::<Consumer>();
+    send_sync::<MessageStream>();
+    send_sync::<CodecRegistry>();
+    send_sync::<MetricsSnapshot>();
+    send::<PendingReply<'static>>();
+}
