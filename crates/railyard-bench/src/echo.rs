@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::stream::{FuturesUnordered, StreamExt};
 use railyard_bus::{DeliveryOptions, EventBus, Message};
 use serde::{Deserialize, Serialize};
 
@@ -182,7 +181,13 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
         let share = cfg.in_flight / n + usize::from(i < cfg.in_flight % n);
         let (bus, opts, stop, inst) = (bus.clone(), opts.clone(), stop.clone(), inst.clone());
         match cfg.method {
-            Method::SendReply => loops.spawn_on(i, send_reply_chains(bus, opts, stop, inst, share)),
+            Method::SendReply => {
+                for c in 0..share {
+                    let (bus, opts, stop, inst) =
+                        (bus.clone(), opts.clone(), stop.clone(), inst.clone());
+                    loops.spawn_on(i, send_reply_chain(bus, opts, stop, inst, c as u64));
+                }
+            }
             Method::SendSend => {
                 let kind = cfg.consumer;
                 loops
@@ -256,30 +261,24 @@ async fn echo(bus: EventBus, opts: Arc<DeliveryOptions>, method: Method, mut m: 
     }
 }
 
-async fn send_reply_chains(
+/// One send-reply chain: a task that requests, counts the echo and requests again.
+async fn send_reply_chain(
     bus: EventBus,
     opts: Arc<DeliveryOptions>,
     stop: Arc<AtomicBool>,
     inst: Arc<Instance>,
-    chains: usize,
+    seed: u64,
 ) {
-    let mut inflight = FuturesUnordered::new();
-    for c in 0..chains {
-        inflight.push(bus.request_with(ECHO, c as u64, &opts));
-    }
-    while let Some(r) = inflight.next().await {
-        if stop.load(Ordering::Relaxed) {
-            return;
-        }
-        let v = match r {
-            Ok(mut m) => m.take_body(),
+    let mut body = railyard_bus::Body::new(seed);
+    while !stop.load(Ordering::Relaxed) {
+        match bus.request_with(ECHO, body, &opts).await {
+            Ok(mut m) => body = m.take_body(),
             Err(e) => {
                 tracing::warn!(error = %e, "echo request failed");
-                railyard_bus::Body::new(0u64)
+                body = railyard_bus::Body::new(seed);
             }
-        };
+        }
         inst.round_trips.fetch_add(1, Ordering::Relaxed);
-        inflight.push(bus.request_with(ECHO, v, &opts));
     }
 }
 

@@ -1,6 +1,7 @@
 //! Message headers: ordered, multi-valued, with case-insensitive names.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Message headers.
 ///
@@ -9,22 +10,34 @@ use std::fmt;
 /// values, kept in insertion order. Headers are a small vector: an empty set
 /// does not allocate, and the handful of headers a message usually carries are
 /// faster to scan than to hash.
-#[derive(Clone, Default, PartialEq, Eq)]
+///
+/// The vector is shared copy-on-write: cloning headers (every message sent
+/// with the same [`crate::DeliveryOptions`] does) is one reference-count
+/// increment, not a copy of every string.
+#[derive(Clone, Default)]
 pub struct Headers {
-    entries: Vec<(String, String)>,
+    entries: Option<Arc<Vec<(String, String)>>>,
 }
+
+static NO_ENTRIES: Vec<(String, String)> = Vec::new();
 
 impl Headers {
     /// An empty set of headers.
     pub const fn new() -> Self {
-        Self {
-            entries: Vec::new(),
-        }
+        Self { entries: None }
+    }
+
+    fn entries(&self) -> &Vec<(String, String)> {
+        self.entries.as_deref().unwrap_or(&NO_ENTRIES)
+    }
+
+    fn entries_mut(&mut self) -> &mut Vec<(String, String)> {
+        Arc::make_mut(self.entries.get_or_insert_with(Default::default))
     }
 
     /// Adds a value, keeping values already present under that name.
     pub fn add(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
-        self.entries.push((name.into(), value.into()));
+        self.entries_mut().push((name.into(), value.into()));
         self
     }
 
@@ -32,13 +45,13 @@ impl Headers {
     pub fn set(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
         let name = name.into();
         self.remove(&name);
-        self.entries.push((name, value.into()));
+        self.entries_mut().push((name, value.into()));
         self
     }
 
     /// The first value of `name`.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.entries
+        self.entries()
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
@@ -46,7 +59,7 @@ impl Headers {
 
     /// Every value of `name`, in insertion order.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
-        self.entries
+        self.entries()
             .iter()
             .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
@@ -59,26 +72,38 @@ impl Headers {
 
     /// Removes every value of `name`; returns how many were removed.
     pub fn remove(&mut self, name: &str) -> usize {
-        let before = self.entries.len();
-        self.entries.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
-        before - self.entries.len()
+        if !self.contains(name) {
+            return 0;
+        }
+        let entries = self.entries_mut();
+        let before = entries.len();
+        entries.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        before - entries.len()
     }
 
     /// Number of (name, value) pairs.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries().len()
     }
 
     /// Whether there are no headers.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries().is_empty()
     }
 
     /// All (name, value) pairs in insertion order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.entries.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+        self.entries().iter().map(|(n, v)| (n.as_str(), v.as_str()))
     }
 }
+
+impl PartialEq for Headers {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries() == other.entries()
+    }
+}
+
+impl Eq for Headers {}
 
 impl fmt::Debug for Headers {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
