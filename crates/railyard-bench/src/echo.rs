@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use railyard_bus::{DeliveryOptions, EventBus, Message};
 use serde::{Deserialize, Serialize};
 
-use crate::loops::EventLoops;
+use crate::loops::{EventLoops, RuntimeKind};
 
 /// Which registration the echoer (and send-send reply consumers) use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,8 +97,10 @@ pub struct EchoConfig {
     pub delivery: Delivery,
     /// Round-trip method.
     pub method: Method,
-    /// Event loops (threads) the instances are spread over.
+    /// Threads the instances are spread over.
     pub loops: usize,
+    /// How tasks are scheduled on those threads.
+    pub runtime: RuntimeKind,
 }
 
 /// One echo run.
@@ -129,6 +131,12 @@ pub struct EchoResult {
     pub round_trips: u64,
     /// `round_trips / duration_s`.
     pub round_trips_per_s: f64,
+    /// Railyard only: `loops` or `multi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    /// Railyard only: threads used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threads: Option<usize>,
 }
 
 const ECHO: &str = "echo";
@@ -144,7 +152,7 @@ struct Instance {
 /// # Panics
 /// If a bench task panics or registration fails.
 pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> EchoResult {
-    let loops = EventLoops::new(cfg.loops);
+    let loops = EventLoops::new(cfg.loops, cfg.runtime);
     let bus = EventBus::new();
     let stop = Arc::new(AtomicBool::new(false));
     let opts = Arc::new(DeliveryOptions::new().local_only(cfg.delivery == Delivery::LocalOnly));
@@ -243,6 +251,8 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
         warmup_s: cfg.warmup.as_secs_f64(),
         round_trips,
         round_trips_per_s: round_trips as f64 / measured.as_secs_f64(),
+        runtime: Some(cfg.runtime.as_str().into()),
+        threads: Some(cfg.loops),
     }
 }
 

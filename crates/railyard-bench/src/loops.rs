@@ -8,8 +8,31 @@ use std::thread::JoinHandle;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
-/// A fixed set of single-threaded runtimes, each driven by its own thread.
-/// Dropping it stops them (tasks still running are dropped).
+/// How scenario tasks are scheduled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RuntimeKind {
+    /// One single-threaded runtime per thread, tasks pinned to the loop that
+    /// spawned them (Vert.x's event-loop model).
+    Loops,
+    /// One work-stealing tokio runtime with that many workers (tokio's
+    /// default model): a woken task runs next on the waking thread.
+    Multi,
+}
+
+impl RuntimeKind {
+    /// The CLI / JSON spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuntimeKind::Loops => "loops",
+            RuntimeKind::Multi => "multi",
+        }
+    }
+}
+
+/// Either a fixed set of single-threaded runtimes, each driven by its own
+/// thread, or one multi-thread runtime. Dropping it stops them (tasks still
+/// running are dropped).
 pub struct EventLoops {
     handles: Vec<Handle>,
     stops: Vec<oneshot::Sender<()>>,
@@ -21,7 +44,29 @@ impl EventLoops {
     ///
     /// # Panics
     /// If a runtime or thread cannot be created (out of resources).
-    pub fn new(n: usize) -> Self {
+    pub fn new(n: usize, kind: RuntimeKind) -> Self {
+        if kind == RuntimeKind::Multi {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(n.max(1))
+                .thread_name("bench-worker")
+                .enable_all()
+                .build()
+                .expect("create a multi-thread runtime");
+            let (stop_tx, stop_rx) = oneshot::channel::<()>();
+            let handles = vec![rt.handle().clone()];
+            let t = std::thread::Builder::new()
+                .name("bench-runtime".into())
+                .spawn(move || {
+                    let _ = rt.block_on(stop_rx);
+                    rt.shutdown_background();
+                })
+                .expect("spawn the runtime thread");
+            return Self {
+                handles,
+                stops: vec![stop_tx],
+                threads: vec![t],
+            };
+        }
         let mut handles = Vec::new();
         let mut stops = Vec::new();
         let mut threads = Vec::new();

@@ -10,7 +10,7 @@ use railyard_bus::EventBus;
 use serde::Serialize;
 use std::collections::VecDeque;
 
-use crate::loops::EventLoops;
+use crate::loops::{EventLoops, RuntimeKind};
 
 /// Pingpong settings.
 #[derive(Debug, Clone)]
@@ -19,6 +19,8 @@ pub struct PingpongConfig {
     pub messages: u64,
     /// Print the seed's progress lines.
     pub verbose: bool,
+    /// How the consumer and producer tasks are scheduled (two threads).
+    pub runtime: RuntimeKind,
 }
 
 /// One pingpong run.
@@ -39,6 +41,9 @@ pub struct PingpongResult {
     /// Requests that failed.
     #[serde(default)]
     pub failures: u64,
+    /// Railyard only: `loops` or `multi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
 }
 
 const ADDRESS: &str = "ping-address";
@@ -48,7 +53,7 @@ const ADDRESS: &str = "ping-address";
 /// # Panics
 /// If a bench task panics.
 pub async fn run(cfg: &PingpongConfig) -> PingpongResult {
-    let loops = EventLoops::new(2);
+    let loops = EventLoops::new(2, cfg.runtime);
     let bus = EventBus::new();
     let started = Instant::now();
     let consumer_bus = bus.clone();
@@ -131,5 +136,6 @@ pub async fn run(cfg: &PingpongConfig) -> PingpongResult {
         first_reply_ms: first.as_secs_f64() * 1e3,
         all_replies_ms: all.as_secs_f64() * 1e3,
         failures,
+        runtime: Some(cfg.runtime.as_str().into()),
     }
 }

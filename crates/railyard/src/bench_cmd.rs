@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use railyard_bench::echo::{self, ConsumerKind, Delivery, EchoConfig, EchoResult, Method};
+use railyard_bench::loops::RuntimeKind;
 use railyard_bench::peer::{default_peers_dir, JavaPeer};
 use railyard_bench::pingpong::{self, PingpongConfig, PingpongResult};
 use railyard_bench::report::{median, table, thousands, write_json};
@@ -35,6 +36,25 @@ pub(crate) struct CommonArgs {
     /// Where the peers live (default: ./peers).
     #[arg(long)]
     peers_dir: Option<PathBuf>,
+    /// Railyard's scheduling: `multi` (one work-stealing tokio runtime) or
+    /// `loops` (one single-threaded runtime per thread, like Vert.x event loops).
+    #[arg(long, value_enum, default_value_t = RuntimeArg::Multi)]
+    runtime: RuntimeArg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RuntimeArg {
+    Multi,
+    Loops,
+}
+
+impl RuntimeArg {
+    fn kind(self) -> RuntimeKind {
+        match self {
+            RuntimeArg::Multi => RuntimeKind::Multi,
+            RuntimeArg::Loops => RuntimeKind::Loops,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -81,7 +101,7 @@ pub(crate) struct EchoArgs {
     /// Run every consumer x delivery x method combination and print seed 001's table.
     #[arg(long)]
     matrix: bool,
-    /// Event-loop threads for Railyard (default: the number of cores).
+    /// Threads for Railyard (default: the number of cores).
     #[arg(long)]
     loops: Option<usize>,
     #[command(flatten)]
@@ -165,6 +185,7 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     let cfg = PingpongConfig {
         messages: a.messages,
         verbose: !a.quiet,
+        runtime: a.common.runtime.kind(),
     };
     let peer = a.common.vs.map(|_| vertx_peer(&a.common));
     if let Some(p) = &peer {
@@ -257,6 +278,7 @@ fn echo_configs(a: &EchoArgs) -> Vec<EchoConfig> {
         loops: a
             .loops
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        runtime: a.common.runtime.kind(),
     };
     if !a.matrix {
         return vec![base];
