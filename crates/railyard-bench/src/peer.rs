@@ -53,8 +53,12 @@ pub struct JavaPeer {
 impl JavaPeer {
     /// The peer in `peers_dir/name`, whose jar is `target/<jar>`.
     pub fn new(peers_dir: &Path, name: &str, jar: &str) -> Self {
+        let dir = peers_dir.join(name);
+        // The peer runs with its own directory as working directory, so every
+        // path handed to it must be absolute.
+        let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
         Self {
-            dir: peers_dir.join(name),
+            dir,
             jar: jar.to_owned(),
             label: name.to_owned(),
         }

@@ -28,6 +28,8 @@ final class EchoTester extends AbstractVerticle {
   static final String REPLY_TO_HEADER = "replyTo";
   /** The original's message body. */
   static final String BODY = ":)";
+  /** {@code -Dpeer.progress=true}: print each instance's rate once a second (diagnostics only). */
+  static final boolean PROGRESS = Boolean.getBoolean("peer.progress");
 
   private final EchoBench.Run run;
   private final EchoBench.Config cfg;
@@ -108,6 +110,19 @@ final class EchoTester extends AbstractVerticle {
         openWindow();
       }
       vertx.setTimer(Math.max(1, endMs), id -> closeWindow());
+      if (PROGRESS) {
+        long[] last = {0, System.nanoTime()};
+        vertx.setPeriodic(1000, id -> {
+          if (stopped) {
+            vertx.cancelTimer(id);
+            return;
+          }
+          long now = System.nanoTime();
+          System.out.printf("  [instance %d] %.0f round trips/s%n", index, (roundTrips - last[0]) * 1e9 / (now - last[1]));
+          last[0] = roundTrips;
+          last[1] = now;
+        });
+      }
       for (Runnable s : starters) {
         s.run();
       }
