@@ -1,0 +1,140 @@
+//! The binary's front door: `railyard node` starts and stops cleanly on
+//! SIGTERM; bad options give clear errors.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn railyard() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_railyard"))
+}
+
+#[test]
+fn node_starts_and_stops_gracefully_on_sigterm() {
+    let mut child = railyard()
+        .args(["node", "--name", "test-node", "--stats-every", "0"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start railyard node");
+    let stderr = child.stderr.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut started = false;
+    while Instant::now() < deadline {
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            if line.contains("node started") {
+                assert!(line.contains("test-node"), "{line}");
+                started = true;
+                break;
+            }
+        }
+    }
+    assert!(started, "the node did not log that it started");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+    let mut exited = None;
+    while Instant::now() < deadline {
+        if let Some(s) = child.try_wait().expect("wait") {
+            exited = Some(s);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let Some(status) = exited else {
+        let _ = child.kill();
+        panic!("the node did not stop after SIGTERM");
+    };
+    assert!(status.success(), "{status}");
+    let rest: Vec<String> = rx.try_iter().collect();
+    assert!(rest.iter().any(|l| l.contains("node stopping")), "{rest:?}");
+}
+
+#[test]
+fn unknown_cluster_manager_is_a_clear_error() {
+    let out = railyard()
+        .args([
+            "bench",
+            "echo",
+            "--cluster",
+            "zookeeper",
+            "--duration",
+            "1s",
+        ])
+        .output()
+        .expect("run railyard");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("only `none` is available"), "{err}");
+}
+
+#[test]
+fn short_bench_runs_write_json_rows() {
+    let dir = std::env::temp_dir().join(format!("railyard-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("echo.json");
+    let out = railyard()
+        .args([
+            "bench",
+            "echo",
+            "--duration",
+            "200ms",
+            "--warmup",
+            "100ms",
+            "--method",
+            "send-send",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("run railyard");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(r["scenario"], "echo");
+    assert_eq!(r["system"], "railyard");
+    assert_eq!(r["method"], "send-send");
+    assert_eq!(r["in_flight"], 64);
+    assert!(r["round_trips"].as_u64().unwrap() > 0, "{r}");
+
+    let json = dir.join("pingpong.json");
+    let out = railyard()
+        .args(["bench", "pingpong", "--messages", "20000", "--json"])
+        .arg(&json)
+        .output()
+        .expect("run railyard");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("20000 eventbus messages sent in"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("replyCount: 20000 after"), "{stdout}");
+    assert!(stdout.contains("all replies received in"), "{stdout}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rows[0]["messages"], 20000);
+    assert_eq!(rows[0]["failures"], 0);
+    assert!(
+        rows[0]["all_replies_ms"].as_f64().unwrap() >= rows[0]["first_reply_ms"].as_f64().unwrap()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
