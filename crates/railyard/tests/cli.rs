@@ -35,7 +35,11 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
             }
         }
     }
-    assert!(started, "the node did not log that it started");
+    if !started {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the node did not log that it started");
+    }
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -51,6 +55,7 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     }
     let Some(status) = exited else {
         let _ = child.kill();
+        let _ = child.wait();
         panic!("the node did not stop after SIGTERM");
     };
     assert!(status.success(), "{status}");
