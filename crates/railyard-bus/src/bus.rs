@@ -15,6 +15,7 @@ use crate::interceptor::{InterceptorId, MessageKind, Outbound, Verdict};
 use crate::metrics::{BusCounters, ConsumerStats};
 use crate::queue::{ConsumerQueue, Envelope, Refused};
 use crate::reply::PendingReply;
+use crate::timeouts::Timeouts;
 use crate::{
     Body, BusError, CodecError, CodecRegistry, DeliveryOptions, Headers, Interceptor, Message,
     MessageCodec, MetricsSnapshot, SendError,
@@ -87,6 +88,8 @@ pub(crate) struct Inner {
     next_id: AtomicU64,
     /// Totals of consumers that were unregistered, so bus metrics never go down.
     retired: Mutex<ConsumerStats>,
+    /// Request timeouts (one sweeper task per bus instead of a timer per request).
+    pub(crate) timeouts: Arc<Timeouts>,
 }
 
 /// The event bus. Cheap to clone; all clones are the same bus.
@@ -151,6 +154,7 @@ impl EventBus {
                 codecs: RwLock::new(CodecRegistry::new()),
                 next_id: AtomicU64::new(1),
                 retired: Mutex::new(ConsumerStats::default()),
+                timeouts: Timeouts::new(),
             }),
         }
     }

@@ -19,6 +19,8 @@
 //!   `reply_and_request`.
 //! - [`PendingReply`] (`reply`): a request's future; the reply travels
 //!   through a one-shot slot, not a registered reply address.
+//! - `timeouts`: request deadlines, swept by one task per bus instead of a
+//!   timer per request.
 //! - [`Interceptor`], [`Headers`], [`DeliveryOptions`], [`Body`],
 //!   [`MessageCodec`] / [`CodecRegistry`], [`MetricsSnapshot`].
 //!
@@ -48,6 +50,7 @@ mod metrics;
 mod options;
 mod queue;
 mod reply;
+mod timeouts;
 
 pub use body::Body;
 pub use bus::{EventBus, PublishReport};

@@ -23,7 +23,13 @@ thread_local! {
     static SHARD: usize = NEXT_SHARD.fetch_add(1, Ordering::Relaxed);
 }
 
-fn shard_count() -> usize {
+/// This thread's shard number (callers mask it to their shard count).
+#[inline]
+pub(crate) fn thread_shard() -> usize {
+    SHARD.with(|s| *s)
+}
+
+pub(crate) fn shard_count() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(4)
@@ -42,7 +48,7 @@ impl ShardedCounter {
 
     #[inline]
     pub(crate) fn add(&self, n: u64) {
-        let i = SHARD.with(|s| *s) & (self.shards.len() - 1);
+        let i = thread_shard() & (self.shards.len() - 1);
         self.shards[i].fetch_add(n, Ordering::Relaxed);
     }
 

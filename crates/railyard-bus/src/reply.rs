@@ -12,9 +12,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 
 use crate::queue::{ConsumerQueue, Envelope, Refused};
+use crate::timeouts::TimerKey;
 use crate::{BusError, EventBus, Message};
 
 pub(crate) type ReplyResult = Result<Message, BusError>;
@@ -52,9 +53,9 @@ pub struct PendingReply<'a> {
     state: State,
     deadline: Instant,
     timeout: Duration,
-    /// Created on the first poll that has to wait, so replies that are already
-    /// there never touch the timer.
-    sleep: Option<Pin<Box<Sleep>>>,
+    /// Armed on the first poll that has to wait, so replies that are already
+    /// there never touch the timer (see `timeouts`).
+    timer: Option<TimerKey>,
 }
 
 impl<'a> PendingReply<'a> {
@@ -100,7 +101,7 @@ impl<'a> PendingReply<'a> {
             state,
             deadline: start + timeout,
             timeout,
-            sleep: None,
+            timer: None,
         }
     }
 
@@ -189,11 +190,29 @@ impl<'a> PendingReply<'a> {
     }
 
     fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let deadline = self.deadline;
-        self.sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)))
-            .as_mut()
-            .poll(cx)
+        let timeouts = &self.bus.inner.timeouts;
+        match self.timer {
+            None => {
+                if self.deadline <= Instant::now() {
+                    return Poll::Ready(());
+                }
+                self.timer = Some(timeouts.arm(self.deadline, cx.waker()));
+                Poll::Pending
+            }
+            Some(key) => {
+                if timeouts.poll_fired(key, cx.waker()) {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
+    }
+
+    fn release_timer(&mut self) {
+        if let Some(key) = self.timer.take() {
+            self.bus.inner.timeouts.cancel(key);
+        }
     }
 
     fn finish_failed(&mut self, e: BusError) {
@@ -202,6 +221,7 @@ impl<'a> PendingReply<'a> {
 
     fn complete(&mut self, result: ReplyResult) -> Poll<ReplyResult> {
         self.state = State::Done;
+        self.release_timer();
         let c = &self.bus.inner.counters;
         c.replies_done.add(1);
         if let Err(e) = &result {
@@ -249,6 +269,7 @@ impl Future for PendingReply<'_> {
 
 impl Drop for PendingReply<'_> {
     fn drop(&mut self) {
+        self.release_timer();
         if !matches!(self.state, State::Done) {
             // Abandoned: no longer pending, not a failure anyone observed.
             self.bus.inner.counters.replies_done.add(1);
