@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use railyard_bus::{DeliveryOptions, EventBus, Message};
+use railyard_bus::{DeliveryOptions, EventBus};
 use serde::{Deserialize, Serialize};
 
 use crate::loops::{EventLoops, RuntimeKind};
@@ -176,10 +176,27 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
                     ConsumerKind::Consumer => bus.consumer(ECHO),
                     ConsumerKind::Local => bus.local_consumer(ECHO),
                 };
-                let echo_bus = bus.clone();
-                b.handler(move |m| echo(echo_bus.clone(), opts.clone(), method, m))
-                    .await
-                    .expect("register the echo consumer");
+                match method {
+                    Method::SendReply => {
+                        b.handler(|mut m| async move {
+                            let body = m.take_body();
+                            let _ = m.reply(body);
+                        })
+                        .await
+                    }
+                    Method::SendSend => {
+                        let echo_bus = bus.clone();
+                        b.handler(move |mut m| {
+                            let body = m.take_body();
+                            if let Some(to) = m.headers().get(REPLY_TO) {
+                                let _ = echo_bus.send_with(to, body, &opts);
+                            }
+                            std::future::ready(())
+                        })
+                        .await
+                    }
+                }
+                .expect("register the echo consumer");
             })
             .await;
     }
@@ -253,21 +270,6 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
         round_trips_per_s: round_trips as f64 / measured.as_secs_f64(),
         runtime: Some(cfg.runtime.as_str().into()),
         threads: Some(cfg.loops),
-    }
-}
-
-/// The echoer: reply (send-reply) or send to the `replyTo` header (send-send).
-async fn echo(bus: EventBus, opts: Arc<DeliveryOptions>, method: Method, mut m: Message) {
-    let body = m.take_body();
-    match method {
-        Method::SendReply => {
-            let _ = m.reply(body);
-        }
-        Method::SendSend => {
-            if let Some(to) = m.headers().get(REPLY_TO) {
-                let _ = bus.send_with(to, body, &opts);
-            }
-        }
     }
 }
 

@@ -22,14 +22,18 @@ pub(crate) type ReplyResult = Result<Message, BusError>;
 pub(crate) type ReplySender = oneshot::Sender<ReplyResult>;
 pub(crate) type ReplyReceiver = oneshot::Receiver<ReplyResult>;
 
+/// A request waiting for room. Boxed: rare, and it would otherwise make
+/// every `PendingReply` several times larger.
+struct Blocked {
+    queue: Arc<ConsumerQueue>,
+    envelope: Option<Envelope>,
+    address: String,
+    rx: ReplyReceiver,
+}
+
 enum State {
     /// Every buffer was full: waiting for room in `queue`.
-    Blocked {
-        queue: Arc<ConsumerQueue>,
-        envelope: Option<Envelope>,
-        address: String,
-        rx: ReplyReceiver,
-    },
+    Blocked(Box<Blocked>),
     /// In a consumer's buffer or being handled: waiting for the answer.
     Waiting(ReplyReceiver),
     /// Failed before it was delivered.
@@ -77,12 +81,12 @@ impl<'a> PendingReply<'a> {
         timeout: Duration,
         start: Instant,
     ) -> Self {
-        let state = State::Blocked {
+        let state = State::Blocked(Box::new(Blocked {
             queue,
             envelope: Some(envelope),
             address: address.to_owned(),
             rx,
-        };
+        }));
         Self::with_state(bus, state, timeout, start)
     }
 
@@ -107,7 +111,7 @@ impl<'a> PendingReply<'a> {
 
     /// Whether the request is in a consumer's buffer (or already answered).
     pub fn is_enqueued(&self) -> bool {
-        !matches!(self.state, State::Blocked { .. })
+        !matches!(self.state, State::Blocked(_))
     }
 
     /// Waits until the request is in a consumer's buffer (or has failed, which
@@ -132,51 +136,29 @@ impl<'a> PendingReply<'a> {
 
     /// Drives a blocked request into a buffer; `Ready` once it is no longer blocked.
     fn poll_enqueue(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let State::Blocked {
-            queue,
-            envelope,
-            address,
-            ..
-        } = &mut self.state
-        else {
+        let State::Blocked(b) = &mut self.state else {
             return Poll::Ready(());
         };
-        match queue.poll_push(envelope, cx) {
+        match b.queue.poll_push(&mut b.envelope, cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok(())) => {
-                let State::Blocked { rx, .. } = std::mem::replace(&mut self.state, State::Done)
-                else {
-                    unreachable!("matched Blocked above")
-                };
-                self.state = State::Waiting(rx);
+                self.unblock();
                 Poll::Ready(())
             }
             Poll::Ready(Err(Refused::Closed | Refused::Full)) => {
                 // The consumer went away: route again, maybe to another one.
-                let env = envelope.take().expect("envelope is present while blocked");
-                let address = std::mem::take(address);
-                match self.bus.route(&address, env, false) {
+                let env = b
+                    .envelope
+                    .take()
+                    .expect("envelope is present while blocked");
+                match self.bus.route(&b.address, env, false) {
                     Ok(()) => {
-                        let State::Blocked { rx, .. } =
-                            std::mem::replace(&mut self.state, State::Done)
-                        else {
-                            unreachable!("matched Blocked above")
-                        };
-                        self.state = State::Waiting(rx);
+                        self.unblock();
                         Poll::Ready(())
                     }
                     Err((BusError::Full { .. }, env, Some(q))) => {
-                        if let State::Blocked {
-                            queue,
-                            envelope,
-                            address: a,
-                            ..
-                        } = &mut self.state
-                        {
-                            *queue = q;
-                            *envelope = Some(env);
-                            *a = address;
-                        }
+                        b.queue = q;
+                        b.envelope = Some(env);
                         cx.waker().wake_by_ref();
                         Poll::Pending
                     }
@@ -186,6 +168,13 @@ impl<'a> PendingReply<'a> {
                     }
                 }
             }
+        }
+    }
+
+    /// Blocked -> Waiting, once the envelope is in a buffer.
+    fn unblock(&mut self) {
+        if let State::Blocked(b) = std::mem::replace(&mut self.state, State::Done) {
+            self.state = State::Waiting(b.rx);
         }
     }
 
@@ -261,7 +250,7 @@ impl Future for PendingReply<'_> {
                 let e = e.take().unwrap_or(BusError::NoReply);
                 this.complete(Err(e))
             }
-            State::Blocked { .. } => Poll::Pending,
+            State::Blocked(_) => Poll::Pending,
             State::Done => panic!("PendingReply polled after completion"),
         }
     }
@@ -280,7 +269,7 @@ impl Drop for PendingReply<'_> {
 impl std::fmt::Debug for PendingReply<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match self.state {
-            State::Blocked { .. } => "blocked",
+            State::Blocked(_) => "blocked",
             State::Waiting(_) => "waiting",
             State::Failed(_) => "failed",
             State::Done => "done",
