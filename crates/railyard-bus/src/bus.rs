@@ -79,6 +79,19 @@ pub(crate) struct Inner {
     /// Serializes registry writers so no update is lost between load and store.
     /// Never held across an await, never taken on the send path.
     write: Mutex<()>,
+    /// Totals of consumers that were unregistered, so bus metrics never go down.
+    retired: Mutex<ConsumerStats>,
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// What consumers and messages need from the bus, without the registry.
+///
+/// Each consumer queue holds one reference, taken at registration; a message
+/// reaches it through its consumer's queue. So answering a request touches
+/// only that consumer's reference count, never one shared by every core (and
+/// no cycle forms: the registry holds queues, queues hold this, this holds no
+/// queue).
+pub(crate) struct Shared {
     pub(crate) counters: BusCounters,
     /// Checked with one relaxed load on the hot path; the list itself is only
     /// read when set.
@@ -86,10 +99,52 @@ pub(crate) struct Inner {
     interceptors: ArcSwap<Vec<(InterceptorId, Arc<dyn Interceptor>)>>,
     codecs: RwLock<CodecRegistry>,
     next_id: AtomicU64,
-    /// Totals of consumers that were unregistered, so bus metrics never go down.
-    retired: Mutex<ConsumerStats>,
     /// Request timeouts (one sweeper task per bus instead of a timer per request).
     pub(crate) timeouts: Arc<Timeouts>,
+}
+
+impl Shared {
+    /// Runs outbound interceptors, if any are installed.
+    #[inline]
+    pub(crate) fn outbound_check(
+        &self,
+        address: &str,
+        kind: MessageKind,
+        headers: &mut Headers,
+        body: &Body,
+    ) -> Result<(), BusError> {
+        if !self.has_interceptors.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let list = self.interceptors.load();
+        let mut out = Outbound {
+            address,
+            kind,
+            headers,
+            body,
+        };
+        for (_, i) in list.iter() {
+            if let Verdict::Reject(reason) = i.outbound(&mut out) {
+                return Err(BusError::Rejected { reason });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs inbound interceptors; `Err` carries the veto.
+    #[inline]
+    pub(crate) fn inbound_check(&self, msg: &mut Message) -> Result<(), BusError> {
+        if !self.has_interceptors.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let list = self.interceptors.load();
+        for (_, i) in list.iter() {
+            if let Verdict::Reject(reason) = i.inbound(msg) {
+                return Err(BusError::Rejected { reason });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The event bus. Cheap to clone; all clones are the same bus.
@@ -148,13 +203,15 @@ impl EventBus {
             inner: Arc::new(Inner {
                 table: ArcSwap::from_pointee(Table::default()),
                 write: Mutex::new(()),
-                counters: BusCounters::new(),
-                has_interceptors: AtomicBool::new(false),
-                interceptors: ArcSwap::from_pointee(Vec::new()),
-                codecs: RwLock::new(CodecRegistry::new()),
-                next_id: AtomicU64::new(1),
                 retired: Mutex::new(ConsumerStats::default()),
-                timeouts: Timeouts::new(),
+                shared: Arc::new(Shared {
+                    counters: BusCounters::new(),
+                    has_interceptors: AtomicBool::new(false),
+                    interceptors: ArcSwap::from_pointee(Vec::new()),
+                    codecs: RwLock::new(CodecRegistry::new()),
+                    next_id: AtomicU64::new(1),
+                    timeouts: Timeouts::new(),
+                }),
             }),
         }
     }
@@ -203,7 +260,7 @@ impl EventBus {
         if let Err(e) = self.prepare(address, MessageKind::Send, &mut env, options) {
             return Err(SendError::new(e, env.body));
         }
-        self.inner.counters.sent.add(1);
+        self.inner.shared.counters.sent.add(1);
         self.route(address, env, options.local_only)
             .map_err(|(e, env, _)| SendError::new(e, env.body))
     }
@@ -230,7 +287,7 @@ impl EventBus {
         if let Err(e) = self.prepare(address, MessageKind::Send, &mut env, options) {
             return Err(SendError::new(e, env.body));
         }
-        self.inner.counters.sent.add(1);
+        self.inner.shared.counters.sent.add(1);
         let mut env = env;
         loop {
             match self.route(address, env, options.local_only) {
@@ -262,7 +319,7 @@ impl EventBus {
         options: &DeliveryOptions,
     ) -> PendingReply<'_> {
         let start = tokio::time::Instant::now();
-        self.inner.counters.requests.add(1);
+        self.inner.shared.counters.requests.add(1);
         let (tx, rx) = oneshot::channel();
         let mut env = Envelope {
             headers: options.headers.clone(),
@@ -273,9 +330,11 @@ impl EventBus {
         if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
             return PendingReply::failed(self, e);
         }
-        self.inner.counters.sent.add(1);
+        self.inner.shared.counters.sent.add(1);
         match self.route(address, env, options.local_only) {
-            Ok(()) => PendingReply::waiting(self, rx, options.timeout, start),
+            Ok(()) => {
+                PendingReply::waiting(&self.inner.shared, Some(self), rx, options.timeout, start)
+            }
             Err((BusError::Full { .. }, env, Some(queue))) => {
                 PendingReply::blocked(self, queue, env, address, rx, options.timeout, start)
             }
@@ -315,7 +374,7 @@ impl EventBus {
         if let Err(e) = self.prepare(address, MessageKind::Publish, &mut env, options) {
             return Err(SendError::new(e, env.body));
         }
-        self.inner.counters.published.add(1);
+        self.inner.shared.counters.published.add(1);
         let table = self.inner.table.load();
         let mut report = PublishReport::default();
         if let Some(entry) = table.get(address) {
@@ -334,33 +393,37 @@ impl EventBus {
             }
         }
         if report.delivered == 0 {
-            self.inner.counters.undeliverable.add(1);
+            self.inner.shared.counters.undeliverable.add(1);
         }
         Ok(report)
     }
 
     /// Installs an interceptor; it sees every message from now on.
     pub fn add_interceptor(&self, interceptor: Arc<dyn Interceptor>) -> InterceptorId {
-        let id = InterceptorId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let id = InterceptorId(self.inner.shared.next_id.fetch_add(1, Ordering::Relaxed));
         let _w = self.inner.write.lock();
-        let mut list = Vec::clone(&self.inner.interceptors.load());
+        let mut list = Vec::clone(&self.inner.shared.interceptors.load());
         list.push((id, interceptor));
-        self.inner.interceptors.store(Arc::new(list));
-        self.inner.has_interceptors.store(true, Ordering::Release);
+        self.inner.shared.interceptors.store(Arc::new(list));
+        self.inner
+            .shared
+            .has_interceptors
+            .store(true, Ordering::Release);
         id
     }
 
     /// Removes an interceptor; returns whether it was installed.
     pub fn remove_interceptor(&self, id: InterceptorId) -> bool {
         let _w = self.inner.write.lock();
-        let mut list = Vec::clone(&self.inner.interceptors.load());
+        let mut list = Vec::clone(&self.inner.shared.interceptors.load());
         let before = list.len();
         list.retain(|(i, _)| *i != id);
         let removed = list.len() != before;
         self.inner
+            .shared
             .has_interceptors
             .store(!list.is_empty(), Ordering::Release);
-        self.inner.interceptors.store(Arc::new(list));
+        self.inner.shared.interceptors.store(Arc::new(list));
         removed
     }
 
@@ -369,7 +432,7 @@ impl EventBus {
     /// # Errors
     /// [`CodecError::Duplicate`] if the name is taken.
     pub fn register_codec(&self, codec: Arc<dyn MessageCodec>) -> Result<(), CodecError> {
-        self.inner.codecs.write().register(codec)
+        self.inner.shared.codecs.write().register(codec)
     }
 
     /// Makes a registered codec the default for bodies of type `T`.
@@ -377,18 +440,18 @@ impl EventBus {
     /// # Errors
     /// [`CodecError::Unknown`] if no codec has that name.
     pub fn set_default_codec<T: Any>(&self, name: &str) -> Result<(), CodecError> {
-        self.inner.codecs.write().set_default::<T>(name)
+        self.inner.shared.codecs.write().set_default::<T>(name)
     }
 
     /// A copy of the codec registry (for transports that encode off the bus).
     pub fn codecs(&self) -> CodecRegistry {
-        self.inner.codecs.read().clone()
+        self.inner.shared.codecs.read().clone()
     }
 
     /// Reads every counter. Costs one lock per registered consumer: meant for
     /// scrapes, not for the hot path.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let c = &self.inner.counters;
+        let c = &self.inner.shared.counters;
         let requests = c.requests.get();
         let done = c.replies_done.get();
         let mut consumers = *self.inner.retired.lock();
@@ -438,61 +501,21 @@ impl EventBus {
             }));
         }
         if let Some(name) = &options.codec {
-            if !self.inner.codecs.read().contains(name) {
+            if !self.inner.shared.codecs.read().contains(name) {
                 return Err(self.refuse(BusError::UnknownCodec {
                     name: name.to_string(),
                 }));
             }
         }
-        self.outbound_check(address, kind, &mut env.headers, &env.body)
+        self.inner
+            .shared
+            .outbound_check(address, kind, &mut env.headers, &env.body)
             .map_err(|e| self.refuse(e))
     }
 
     fn refuse(&self, e: BusError) -> BusError {
-        self.inner.counters.undeliverable.add(1);
+        self.inner.shared.counters.undeliverable.add(1);
         e
-    }
-
-    /// Runs outbound interceptors, if any are installed.
-    #[inline]
-    pub(crate) fn outbound_check(
-        &self,
-        address: &str,
-        kind: MessageKind,
-        headers: &mut Headers,
-        body: &Body,
-    ) -> Result<(), BusError> {
-        if !self.inner.has_interceptors.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let list = self.inner.interceptors.load();
-        let mut out = Outbound {
-            address,
-            kind,
-            headers,
-            body,
-        };
-        for (_, i) in list.iter() {
-            if let Verdict::Reject(reason) = i.outbound(&mut out) {
-                return Err(BusError::Rejected { reason });
-            }
-        }
-        Ok(())
-    }
-
-    /// Runs inbound interceptors; `Err` carries the veto.
-    #[inline]
-    pub(crate) fn inbound_check(&self, msg: &mut Message) -> Result<(), BusError> {
-        if !self.inner.has_interceptors.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let list = self.inner.interceptors.load();
-        for (_, i) in list.iter() {
-            if let Verdict::Reject(reason) = i.inbound(msg) {
-                return Err(BusError::Rejected { reason });
-            }
-        }
-        Ok(())
     }
 
     /// Puts a point-to-point envelope into one consumer's buffer.
@@ -507,7 +530,7 @@ impl EventBus {
     ) -> Result<(), (BusError, Envelope, Option<Arc<ConsumerQueue>>)> {
         let table = self.inner.table.load();
         let Some(entry) = table.get(address) else {
-            self.inner.counters.undeliverable.add(1);
+            self.inner.shared.counters.undeliverable.add(1);
             return Err((
                 BusError::NoHandlers {
                     address: address.to_owned(),
@@ -535,7 +558,7 @@ impl EventBus {
                 }
             }
         }
-        self.inner.counters.undeliverable.add(1);
+        self.inner.shared.counters.undeliverable.add(1);
         if any_open {
             Err((
                 BusError::Full {
@@ -556,7 +579,7 @@ impl EventBus {
     }
 
     pub(crate) fn next_id(&self) -> u64 {
-        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+        self.inner.shared.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Adds a consumer queue to the registry.

@@ -58,7 +58,8 @@ impl<'a> ConsumerBuilder<'a> {
             });
         }
         Ok(Arc::new(ConsumerQueue::new(
-            self.address.as_str().into(),
+            &self.address,
+            self.bus.inner.shared.clone(),
             self.bus.next_id(),
             self.local,
             self.capacity,
@@ -85,7 +86,7 @@ impl<'a> ConsumerBuilder<'a> {
     {
         let queue = self.queue()?;
         self.bus.register(queue.clone());
-        let task = tokio::spawn(run_handler(queue.clone(), self.bus.clone(), handler));
+        let task = tokio::spawn(run_handler(queue.clone(), handler));
         Ok(Consumer {
             queue,
             bus: self.bus.clone(),
@@ -113,7 +114,7 @@ impl<'a> ConsumerBuilder<'a> {
 /// runtime, so a busy consumer cannot starve the tasks beside it.
 const YIELD_EVERY: usize = 256;
 
-async fn run_handler<F, Fut>(queue: Arc<ConsumerQueue>, bus: EventBus, handler: F)
+async fn run_handler<F, Fut>(queue: Arc<ConsumerQueue>, handler: F)
 where
     F: Fn(Message) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send + 'static,
@@ -127,7 +128,7 @@ where
         }
         since_yield += batch.len();
         while let Some(env) = batch.pop_front() {
-            let Some(msg) = admit(&queue, &bus, env) else {
+            let Some(msg) = admit(&queue, env) else {
                 continue;
             };
             if CatchUnwind(handler(msg)).await.is_err() {
@@ -143,9 +144,9 @@ where
 
 /// Turns an envelope into a message and runs inbound interceptors.
 #[inline]
-fn admit(queue: &ConsumerQueue, bus: &EventBus, env: Envelope) -> Option<Message> {
-    let mut msg = Message::delivered(env, &queue.address, bus);
-    if let Err(e) = bus.inbound_check(&mut msg) {
+fn admit(queue: &Arc<ConsumerQueue>, env: Envelope) -> Option<Message> {
+    let mut msg = Message::delivered(env, queue);
+    if let Err(e) = queue.shared.inbound_check(&mut msg) {
         queue.count_discarded();
         if msg.expects_reply() {
             // Tell the requester why instead of letting it time out.
@@ -274,7 +275,7 @@ impl Stream for MessageStream {
         let this = self.get_mut();
         loop {
             if let Some(env) = this.batch.pop_front() {
-                if let Some(msg) = admit(&this.queue, &this.bus, env) {
+                if let Some(msg) = admit(&this.queue, env) {
                     return Poll::Ready(Some(msg));
                 }
                 continue;

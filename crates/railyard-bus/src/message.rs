@@ -5,10 +5,12 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
+use crate::bus::Shared;
 use crate::interceptor::MessageKind;
+use crate::queue::ConsumerQueue;
 use crate::queue::Envelope;
 use crate::reply::{PendingReply, ReplySender};
-use crate::{Body, BusError, DeliveryOptions, EventBus, Headers};
+use crate::{Body, BusError, DeliveryOptions, Headers};
 
 /// A message as a consumer (or a requester, for replies) sees it.
 ///
@@ -17,33 +19,46 @@ use crate::{Body, BusError, DeliveryOptions, EventBus, Headers};
 /// unanswered fails it at once with [`BusError::NoReply`] (the requester does
 /// not wait for its timeout).
 pub struct Message {
-    /// `None` for replies, which have no address of their own.
-    address: Option<Arc<str>>,
+    /// Where it was delivered: the consumer's queue, which knows the address
+    /// and the bus's interceptors (`Delivered`), or the bus a reply belongs to
+    /// (`Reply`, which has no address of its own).
+    origin: Origin,
     headers: Headers,
     body: Body,
     reply: Option<ReplySender>,
     send: bool,
-    /// Present only when the message can be answered: replies go through the
-    /// bus's outbound interceptors and chains need it to create their request.
-    bus: Option<EventBus>,
+}
+
+enum Origin {
+    Delivered(Arc<ConsumerQueue>),
+    /// A reply; carries the bus only when it can itself be answered (a chain).
+    Reply(Option<Arc<Shared>>),
 }
 
 impl Message {
-    pub(crate) fn delivered(env: Envelope, address: &Arc<str>, bus: &EventBus) -> Self {
-        let bus = env.reply.as_ref().map(|_| bus.clone());
+    pub(crate) fn delivered(env: Envelope, queue: &Arc<ConsumerQueue>) -> Self {
         Self {
-            address: Some(address.clone()),
+            origin: Origin::Delivered(queue.clone()),
             headers: env.headers,
             body: env.body,
             reply: env.reply,
             send: env.send,
-            bus,
+        }
+    }
+
+    fn shared(&self) -> Option<&Arc<Shared>> {
+        match &self.origin {
+            Origin::Delivered(q) => Some(&q.shared),
+            Origin::Reply(s) => s.as_ref(),
         }
     }
 
     /// The address the message was sent to; empty for replies.
     pub fn address(&self) -> &str {
-        self.address.as_deref().unwrap_or("")
+        match &self.origin {
+            Origin::Delivered(q) => &q.address,
+            Origin::Reply(_) => "",
+        }
     }
 
     /// The message's headers.
@@ -114,10 +129,16 @@ impl Message {
         let start = tokio::time::Instant::now();
         let (tx, rx) = oneshot::channel();
         self.answer(options.headers.clone(), Body::new(body), Some(tx))?;
-        // `answer` succeeded, so this was a request, and requests carry the bus.
-        let bus = self.bus.as_ref().ok_or(BusError::NotReplyable)?;
-        bus.inner.counters.requests.add(1);
-        Ok(PendingReply::waiting(bus, rx, options.timeout, start))
+        // `answer` succeeded, so this was a request, and requests know their bus.
+        let shared = self.shared().ok_or(BusError::NotReplyable)?;
+        shared.counters.requests.add(1);
+        Ok(PendingReply::waiting(
+            shared,
+            None,
+            rx,
+            options.timeout,
+            start,
+        ))
     }
 
     /// Fails the request: the requester gets [`BusError::RecipientFailure`]
@@ -150,22 +171,21 @@ impl Message {
         expect: Option<ReplySender>,
     ) -> Result<(), BusError> {
         let slot = self.reply.take().ok_or(BusError::NotReplyable)?;
-        if let Some(bus) = &self.bus {
+        if let Some(shared) = self.shared() {
             if let Err(e) =
-                bus.outbound_check(self.address(), MessageKind::Reply, &mut headers, &body)
+                shared.outbound_check(self.address(), MessageKind::Reply, &mut headers, &body)
             {
                 let _ = slot.send(Err(e.clone()));
                 return Err(e);
             }
         }
-        let bus = expect.as_ref().and(self.bus.clone());
+        let chain = expect.as_ref().and_then(|_| self.shared().cloned());
         let reply = Message {
-            address: None,
+            origin: Origin::Reply(chain),
             headers,
             body,
             reply: expect,
             send: true,
-            bus,
         };
         // The requester may have timed out and gone; its loss, nothing to undo.
         let _ = slot.send(Ok(reply));

@@ -18,6 +18,7 @@ use std::task::{Context, Poll, Waker};
 
 use parking_lot::Mutex;
 
+use crate::bus::Shared;
 use crate::metrics::ConsumerStats;
 use crate::reply::ReplySender;
 use crate::{Body, Headers};
@@ -42,12 +43,26 @@ pub(crate) enum Refused {
     Closed,
 }
 
+impl std::fmt::Debug for ConsumerQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerQueue")
+            .field("address", &self.address)
+            .field("id", &self.id)
+            .field("local", &self.local)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Demand value meaning "flowing": the consumer takes whatever arrives.
 const FLOWING: u64 = u64::MAX;
 
-#[derive(Debug)]
 pub(crate) struct ConsumerQueue {
+    /// This consumer's own copy: messages clone it on the consumer's thread
+    /// only, so its reference count never bounces between cores.
     pub(crate) address: Arc<str>,
+    /// The bus's interceptors, counters and timeouts, for answering requests.
+    pub(crate) shared: Arc<Shared>,
     pub(crate) id: u64,
     /// Registered with `local_consumer`: never advertised to a cluster.
     pub(crate) local: bool,
@@ -70,14 +85,16 @@ struct State {
 
 impl ConsumerQueue {
     pub(crate) fn new(
-        address: Arc<str>,
+        address: &str,
+        shared: Arc<Shared>,
         id: u64,
         local: bool,
         capacity: usize,
         paused: bool,
     ) -> Self {
         Self {
-            address,
+            address: address.into(),
+            shared,
             id,
             local,
             capacity: capacity.max(1),

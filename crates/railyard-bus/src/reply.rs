@@ -14,6 +14,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::bus::Shared;
 use crate::queue::{ConsumerQueue, Envelope, Refused};
 use crate::timeouts::TimerKey;
 use crate::{BusError, EventBus, Message};
@@ -53,7 +54,10 @@ enum State {
 /// answer is discarded. A request still waiting for room is withdrawn.
 #[must_use = "a request does nothing useful unless its reply is awaited"]
 pub struct PendingReply<'a> {
-    bus: &'a EventBus,
+    shared: &'a Shared,
+    /// Routes a blocked request again if its consumer went away; `None` for
+    /// a chained reply's request, which never blocks.
+    router: Option<&'a EventBus>,
     state: State,
     deadline: Instant,
     timeout: Duration,
@@ -64,12 +68,13 @@ pub struct PendingReply<'a> {
 
 impl<'a> PendingReply<'a> {
     pub(crate) fn waiting(
-        bus: &'a EventBus,
+        shared: &'a Shared,
+        router: Option<&'a EventBus>,
         rx: ReplyReceiver,
         timeout: Duration,
         start: Instant,
     ) -> Self {
-        Self::with_state(bus, State::Waiting(rx), timeout, start)
+        Self::with_state(shared, router, State::Waiting(rx), timeout, start)
     }
 
     pub(crate) fn blocked(
@@ -87,21 +92,29 @@ impl<'a> PendingReply<'a> {
             address: address.to_owned(),
             rx,
         }));
-        Self::with_state(bus, state, timeout, start)
+        Self::with_state(&bus.inner.shared, Some(bus), state, timeout, start)
     }
 
     pub(crate) fn failed(bus: &'a EventBus, error: BusError) -> Self {
         Self::with_state(
-            bus,
+            &bus.inner.shared,
+            Some(bus),
             State::Failed(Some(error)),
             Duration::ZERO,
             Instant::now(),
         )
     }
 
-    fn with_state(bus: &'a EventBus, state: State, timeout: Duration, start: Instant) -> Self {
+    fn with_state(
+        shared: &'a Shared,
+        router: Option<&'a EventBus>,
+        state: State,
+        timeout: Duration,
+        start: Instant,
+    ) -> Self {
         Self {
-            bus,
+            shared,
+            router,
             state,
             deadline: start + timeout,
             timeout,
@@ -151,7 +164,12 @@ impl<'a> PendingReply<'a> {
                     .envelope
                     .take()
                     .expect("envelope is present while blocked");
-                match self.bus.route(&b.address, env, false) {
+                let Some(router) = self.router else {
+                    let address = std::mem::take(&mut b.address);
+                    self.finish_failed(BusError::NoHandlers { address });
+                    return Poll::Ready(());
+                };
+                match router.route(&b.address, env, false) {
                     Ok(()) => {
                         self.unblock();
                         Poll::Ready(())
@@ -179,7 +197,7 @@ impl<'a> PendingReply<'a> {
     }
 
     fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let timeouts = &self.bus.inner.timeouts;
+        let timeouts = &self.shared.timeouts;
         match self.timer {
             None => {
                 if self.deadline <= Instant::now() {
@@ -200,7 +218,7 @@ impl<'a> PendingReply<'a> {
 
     fn release_timer(&mut self) {
         if let Some(key) = self.timer.take() {
-            self.bus.inner.timeouts.cancel(key);
+            self.shared.timeouts.cancel(key);
         }
     }
 
@@ -211,7 +229,7 @@ impl<'a> PendingReply<'a> {
     fn complete(&mut self, result: ReplyResult) -> Poll<ReplyResult> {
         self.state = State::Done;
         self.release_timer();
-        let c = &self.bus.inner.counters;
+        let c = &self.shared.counters;
         c.replies_done.add(1);
         if let Err(e) = &result {
             c.failure(e.kind());
@@ -261,7 +279,7 @@ impl Drop for PendingReply<'_> {
         self.release_timer();
         if !matches!(self.state, State::Done) {
             // Abandoned: no longer pending, not a failure anyone observed.
-            self.bus.inner.counters.replies_done.add(1);
+            self.shared.counters.replies_done.add(1);
         }
     }
 }
