@@ -195,7 +195,12 @@ impl ConsumerQueue {
             let n = max
                 .min(s.items.len())
                 .min(usize::try_from(s.demand).unwrap_or(usize::MAX));
-            out.extend(s.items.drain(..n));
+            if n == s.items.len() && out.is_empty() {
+                // The common case: take everything by swapping buffers, O(1).
+                std::mem::swap(&mut s.items, out);
+            } else {
+                out.extend(s.items.drain(..n));
+            }
             if s.demand != FLOWING {
                 s.demand -= n as u64;
             }
