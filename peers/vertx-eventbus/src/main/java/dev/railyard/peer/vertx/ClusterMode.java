@@ -48,8 +48,12 @@ public enum ClusterMode {
   /** Creates the Vert.x instance for this mode, blocking until it is ready. */
   public Vertx start(VertxOptions options) throws Exception {
     switch (this) {
-      case NONE:
-        return Vertx.vertx(options);
+      case NONE: {
+        Vertx vertx = Vertx.vertx(options);
+        System.out.println("Vert.x " + io.vertx.core.impl.launcher.commands.VersionCommand.getVersion()
+          + ", transport: " + (vertx.isNativeTransportEnabled() ? "native" : "nio"));
+        return vertx;
+      }
       default:
         // Unreachable while from() rejects the clustered modes; kept explicit for the follow-up.
         // Later: options.setClusterManager(new XxxClusterManager());

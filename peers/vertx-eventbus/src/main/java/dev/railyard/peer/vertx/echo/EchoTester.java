@@ -41,10 +41,8 @@ final class EchoTester extends AbstractVerticle {
   private Context context;
   private final List<Runnable> starters = new ArrayList<>();
 
-  // Confined to this instance's event-loop thread.
-  private long roundTrips;
-  private long failures;
-  private boolean stopped;
+  // Confined to this instance's event-loop thread; allocated there in start().
+  private InstanceCounters hot;
   private long windowStartCount;
   private long windowStartFailures;
   private long windowStartNanos;
@@ -64,6 +62,7 @@ final class EchoTester extends AbstractVerticle {
   @Override
   public void start(Promise<Void> startPromise) {
     eb = vertx.eventBus();
+    hot = new InstanceCounters();
     options = cfg.deliveryOptions();
     context = vertx.getOrCreateContext();
     List<Future<Void>> registrations = new ArrayList<>();
@@ -111,15 +110,17 @@ final class EchoTester extends AbstractVerticle {
       }
       vertx.setTimer(Math.max(1, endMs), id -> closeWindow());
       if (PROGRESS) {
-        long[] last = {0, System.nanoTime()};
+        long kicked = System.nanoTime();
+        long[] last = {0, kicked};
         vertx.setPeriodic(1000, id -> {
-          if (stopped) {
+          if (hot.stopped) {
             vertx.cancelTimer(id);
             return;
           }
           long now = System.nanoTime();
-          System.out.printf("  [instance %d] %.0f round trips/s%n", index, (roundTrips - last[0]) * 1e9 / (now - last[1]));
-          last[0] = roundTrips;
+          System.out.printf("  [instance %d] t=%.1fs %.0f round trips/s%n", index, (now - kicked) / 1e9,
+            (hot.roundTrips - last[0]) * 1e9 / (now - last[1]));
+          last[0] = hot.roundTrips;
           last[1] = now;
         });
       }
@@ -131,16 +132,16 @@ final class EchoTester extends AbstractVerticle {
 
   private void openWindow() {
     windowStartNanos = System.nanoTime();
-    windowStartCount = roundTrips;
-    windowStartFailures = failures;
+    windowStartCount = hot.roundTrips;
+    windowStartFailures = hot.failures;
   }
 
   private void closeWindow() {
     long now = System.nanoTime();
-    windowRoundTrips = roundTrips - windowStartCount;
-    windowFailures = failures - windowStartFailures;
+    windowRoundTrips = hot.roundTrips - windowStartCount;
+    windowFailures = hot.failures - windowStartFailures;
     windowMeasuredNanos = now - windowStartNanos;
-    stopped = true;
+    hot.stopped = true;
     run.windowsClosed.countDown();
   }
 
@@ -164,12 +165,13 @@ final class EchoTester extends AbstractVerticle {
 
     @Override
     public void handle(AsyncResult<Message<Object>> ar) {
+      InstanceCounters h = hot;
       if (ar.succeeded() && BODY.equals(ar.result().body())) {
-        roundTrips++;
+        h.roundTrips++;
       } else {
-        failures++;
+        h.failures++;
       }
-      if (!stopped) {
+      if (!h.stopped) {
         send();
       }
     }
@@ -195,12 +197,13 @@ final class EchoTester extends AbstractVerticle {
 
     @Override
     public void handle(Message<Object> msg) {
+      InstanceCounters h = hot;
       if (BODY.equals(msg.body())) {
-        roundTrips++;
+        h.roundTrips++;
       } else {
-        failures++;
+        h.failures++;
       }
-      if (!stopped) {
+      if (!h.stopped) {
         send();
       }
     }
