@@ -219,7 +219,7 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
         thousands(a.messages),
         format!("{:.1}", med(&ours, |r| r.first_reply_ms).unwrap_or(0.0)),
         format!("{our_all:.1}"),
-        "1.00x".to_owned(),
+        "-".to_owned(),
     ]);
     if !theirs.is_empty() {
         let their_all = med(&theirs, |r| r.all_replies_ms).unwrap_or(0.0);
@@ -228,7 +228,7 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
             thousands(a.messages),
             format!("{:.1}", med(&theirs, |r| r.first_reply_ms).unwrap_or(0.0)),
             format!("{their_all:.1}"),
-            format!("{:.2}x", our_all / their_all),
+            format!("{:.2}x", their_all / our_all),
         ]);
         println!(
             "\nrailyard is {:.1}x faster than vertx (median all_replies_ms)",
@@ -244,7 +244,7 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
                 "messages",
                 "first reply ms",
                 "all replies ms",
-                "time vs railyard"
+                "its time / railyard time"
             ],
             rows
         )
