@@ -36,10 +36,11 @@ pub(crate) struct CommonArgs {
     /// Where the peers live (default: ./peers).
     #[arg(long)]
     peers_dir: Option<PathBuf>,
-    /// Railyard's scheduling: `multi` (one work-stealing tokio runtime) or
-    /// `loops` (one single-threaded runtime per thread, like Vert.x event loops).
-    #[arg(long, value_enum, default_value_t = RuntimeArg::Multi)]
-    runtime: RuntimeArg,
+    /// Railyard's scheduling: `loops` (one single-threaded runtime per core, like
+    /// Vert.x event loops; echo's default) or `multi` (one work-stealing tokio
+    /// runtime; pingpong's default, where it measured faster).
+    #[arg(long, value_enum)]
+    runtime: Option<RuntimeArg>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -185,7 +186,7 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     let cfg = PingpongConfig {
         messages: a.messages,
         verbose: !a.quiet,
-        runtime: a.common.runtime.kind(),
+        runtime: a.common.runtime.unwrap_or(RuntimeArg::Multi).kind(),
     };
     let peer = a.common.vs.map(|_| vertx_peer(&a.common));
     if let Some(p) = &peer {
@@ -278,7 +279,7 @@ fn echo_configs(a: &EchoArgs) -> Vec<EchoConfig> {
         loops: a
             .loops
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
-        runtime: a.common.runtime.kind(),
+        runtime: a.common.runtime.unwrap_or(RuntimeArg::Loops).kind(),
     };
     if !a.matrix {
         return vec![base];
