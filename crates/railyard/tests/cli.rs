@@ -81,24 +81,13 @@ fn unknown_cluster_manager_is_a_clear_error() {
     assert!(err.contains("only `none` is available"), "{err}");
 }
 
-#[test]
-fn short_bench_runs_write_json_rows() {
-    let dir = std::env::temp_dir().join(format!("railyard-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("echo.json");
+/// Runs `railyard bench <args> --json <file>`; returns its stdout and the JSON rows.
+fn bench_json(args: &[&str], json: &std::path::Path) -> (String, Vec<serde_json::Value>) {
     let out = railyard()
-        .args([
-            "bench",
-            "echo",
-            "--duration",
-            "200ms",
-            "--warmup",
-            "100ms",
-            "--method",
-            "send-send",
-            "--json",
-        ])
-        .arg(&json)
+        .arg("bench")
+        .args(args)
+        .arg("--json")
+        .arg(json)
         .output()
         .expect("run railyard");
     assert!(
@@ -106,8 +95,27 @@ fn short_bench_runs_write_json_rows() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<serde_json::Value> =
-        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = serde_json::from_slice(&std::fs::read(json).expect("the JSON file exists"))
+        .expect("the JSON file is an array of rows");
+    (String::from_utf8_lossy(&out.stdout).into_owned(), rows)
+}
+
+#[test]
+fn short_bench_runs_write_json_rows() {
+    let dir = std::env::temp_dir().join(format!("railyard-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (_, rows) = bench_json(
+        &[
+            "echo",
+            "--duration",
+            "200ms",
+            "--warmup",
+            "100ms",
+            "--method",
+            "send-send",
+        ],
+        &dir.join("echo.json"),
+    );
     assert_eq!(rows.len(), 1);
     let r = &rows[0];
     assert_eq!(r["scenario"], "echo");
@@ -116,26 +124,16 @@ fn short_bench_runs_write_json_rows() {
     assert_eq!(r["in_flight"], 64);
     assert!(r["round_trips"].as_u64().unwrap() > 0, "{r}");
 
-    let json = dir.join("pingpong.json");
-    let out = railyard()
-        .args(["bench", "pingpong", "--messages", "20000", "--json"])
-        .arg(&json)
-        .output()
-        .expect("run railyard");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let (stdout, rows) = bench_json(
+        &["pingpong", "--messages", "20000"],
+        &dir.join("pingpong.json"),
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("20000 eventbus messages sent in"),
         "{stdout}"
     );
     assert!(stdout.contains("replyCount: 20000 after"), "{stdout}");
     assert!(stdout.contains("all replies received in"), "{stdout}");
-    let rows: Vec<serde_json::Value> =
-        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(rows[0]["messages"], 20000);
     assert_eq!(rows[0]["failures"], 0);
     assert!(
