@@ -7,6 +7,30 @@
 //! on a local hop. There is no network code here; the cluster and the bridge
 //! build on [`CodecRegistry`] to put bodies on the wire.
 //!
+//! # Example
+//! ```
+//! use railyard_bus::{BusError, EventBus};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), BusError> {
+//! let bus = EventBus::new();
+//! let _greeter = bus
+//!     .consumer("greet")
+//!     .handler(|mut msg| async move {
+//!         let name = msg.body::<String>().cloned().unwrap_or_default();
+//!         let _ = msg.reply(format!("hello, {name}"));
+//!     })
+//!     .await?;
+//!
+//! let reply = bus.request("greet", String::from("yard")).await?;
+//! assert_eq!(reply.body::<String>().map(String::as_str), Some("hello, yard"));
+//!
+//! let err = bus.request("nobody", ()).await.unwrap_err();
+//! assert_eq!(err.kind().as_str(), "NO_HANDLERS");
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Map
 //! - [`EventBus`] (`bus`): the registry (an atomically swapped snapshot, read
 //!   without locks on every send), routing, send / publish / request,
