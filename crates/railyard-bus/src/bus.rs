@@ -288,7 +288,6 @@ impl EventBus {
             return Err(SendError::new(e, env.body));
         }
         self.inner.shared.counters.sent.add(1);
-        let mut env = env;
         loop {
             match self.route(address, env, options.local_only) {
                 Ok(()) => return Ok(()),
@@ -521,11 +520,12 @@ impl EventBus {
     /// Puts a point-to-point envelope into one consumer's buffer.
     ///
     /// On `Full`, returns the queue a waiting sender should wait on.
+    /// `_local_only` is unused until a cluster exists: today every consumer is local.
     #[inline]
     pub(crate) fn route(
         &self,
         address: &str,
-        env: Envelope,
+        mut env: Envelope,
         _local_only: bool,
     ) -> Result<(), (BusError, Envelope, Option<Arc<ConsumerQueue>>)> {
         let table = self.inner.table.load();
@@ -542,7 +542,6 @@ impl EventBus {
         let consumers = &entry.consumers;
         let n = consumers.len();
         let start = entry.next_start();
-        let mut env = env;
         let mut any_open = false;
         for k in 0..n {
             let idx = if start + k >= n {
