@@ -99,7 +99,7 @@ impl EventLoops {
         }
     }
 
-    /// Number of loops.
+    /// Number of runtimes: the loops, or 1 for a multi-thread runtime.
     pub fn len(&self) -> usize {
         self.handles.len()
     }

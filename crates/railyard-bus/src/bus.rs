@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 
 use crate::consumer::ConsumerBuilder;
 use crate::interceptor::{InterceptorId, MessageKind, Outbound, Verdict};
-use crate::metrics::{BusCounters, ConsumerStats};
+use crate::metrics::{shard_count, thread_shard, BusCounters, ConsumerStats};
 use crate::queue::{ConsumerQueue, Envelope, Refused};
 use crate::reply::PendingReply;
 use crate::timeouts::Timeouts;
@@ -32,18 +32,11 @@ struct AddressEntry {
     cursors: Box<[CachePadded<AtomicUsize>]>,
 }
 
-static NEXT_CURSOR: AtomicUsize = AtomicUsize::new(0);
-thread_local! {
-    static CURSOR_SHARD: usize = NEXT_CURSOR.fetch_add(1, Ordering::Relaxed);
-}
-
 impl AddressEntry {
     fn new(consumers: Box<[Arc<ConsumerQueue>]>) -> Self {
+        // The same per-thread shards as the counters (a power of two).
         let shards = if consumers.len() > 1 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(4)
-                .next_power_of_two()
+            shard_count()
         } else {
             0
         };
@@ -62,7 +55,7 @@ impl AddressEntry {
         if n <= 1 {
             return 0;
         }
-        let shard = CURSOR_SHARD.with(|s| *s) & (self.cursors.len() - 1);
+        let shard = thread_shard() & (self.cursors.len() - 1);
         // Only this thread's shard writes here in the common case; a relaxed
         // load + store (no lock prefix) is enough for round-robin fairness.
         let c = &self.cursors[shard];
@@ -625,11 +618,7 @@ impl EventBus {
             return;
         };
         for env in left {
-            if let Some(slot) = env.reply {
-                let _ = slot.send(Err(BusError::NoHandlers {
-                    address: queue.address.to_string(),
-                }));
-            }
+            env.fail_unhandled(&queue.address);
         }
         self.inner.retired.lock().merge(&queue.stats());
     }

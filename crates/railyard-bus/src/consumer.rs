@@ -148,13 +148,9 @@ fn admit(queue: &Arc<ConsumerQueue>, env: Envelope) -> Option<Message> {
     let mut msg = Message::delivered(env, queue);
     if let Err(e) = queue.shared.inbound_check(&mut msg) {
         queue.count_discarded();
-        if msg.expects_reply() {
-            // Tell the requester why instead of letting it time out.
-            let BusError::Rejected { reason } = e else {
-                unreachable!("inbound_check only rejects")
-            };
-            let _ = msg.fail_rejected(reason);
-        }
+        // Tell a requester why instead of letting it time out (a send has
+        // nobody to tell, so `NotReplyable` is expected and ignored).
+        let _ = msg.fail_with(e);
         return None;
     }
     Some(msg)
@@ -293,11 +289,7 @@ impl Drop for MessageStream {
     fn drop(&mut self) {
         self.bus.unregister(&self.queue);
         for env in self.batch.drain(..) {
-            if let Some(slot) = env.reply {
-                let _ = slot.send(Err(BusError::NoHandlers {
-                    address: self.queue.address.to_string(),
-                }));
-            }
+            env.fail_unhandled(&self.queue.address);
         }
     }
 }

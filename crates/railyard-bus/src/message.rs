@@ -148,19 +148,17 @@ impl Message {
     /// [`BusError::NotReplyable`] if the message was not a request or was
     /// already answered.
     pub fn fail(&mut self, code: i32, message: impl Into<String>) -> Result<(), BusError> {
-        let slot = self.reply.take().ok_or(BusError::NotReplyable)?;
-        // A requester that already gave up simply does not read it.
-        let _ = slot.send(Err(BusError::RecipientFailure {
+        self.fail_with(BusError::RecipientFailure {
             code,
             message: message.into(),
-        }));
-        Ok(())
+        })
     }
 
-    /// Fails a request an inbound interceptor vetoed.
-    pub(crate) fn fail_rejected(&mut self, reason: String) -> Result<(), BusError> {
+    /// Answers the request with `error`.
+    pub(crate) fn fail_with(&mut self, error: BusError) -> Result<(), BusError> {
         let slot = self.reply.take().ok_or(BusError::NotReplyable)?;
-        let _ = slot.send(Err(BusError::Rejected { reason }));
+        // A requester that already gave up simply does not read it.
+        let _ = slot.send(Err(error));
         Ok(())
     }
 

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use crate::bus::Shared;
 use crate::metrics::ConsumerStats;
 use crate::reply::ReplySender;
-use crate::{Body, Headers};
+use crate::{Body, BusError, Headers};
 
 /// Most messages a consumer takes per lock acquisition.
 pub(crate) const BATCH: usize = 64;
@@ -34,6 +34,18 @@ pub(crate) struct Envelope {
     pub(crate) reply: Option<ReplySender>,
     /// `true` for point-to-point (`send`, `request`), `false` for `publish`.
     pub(crate) send: bool,
+}
+
+impl Envelope {
+    /// Drops a message no consumer will handle; a request among them fails
+    /// at once with `NO_HANDLERS` instead of waiting for its timeout.
+    pub(crate) fn fail_unhandled(self, address: &str) {
+        if let Some(slot) = self.reply {
+            let _ = slot.send(Err(BusError::NoHandlers {
+                address: address.to_owned(),
+            }));
+        }
+    }
 }
 
 /// Why a push was refused; the envelope comes back with it.

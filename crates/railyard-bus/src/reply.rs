@@ -131,20 +131,22 @@ impl<'a> PendingReply<'a> {
     /// the reply will then report). Lets a producer pace itself on consumer
     /// back-pressure while collecting replies later.
     pub async fn enqueued(&mut self) {
-        std::future::poll_fn(|cx| match self.poll_enqueue(cx) {
-            Poll::Ready(()) => Poll::Ready(()),
-            Poll::Pending => {
-                if self.poll_deadline(cx).is_ready() {
-                    self.finish_failed(BusError::Timeout {
-                        after: self.timeout,
-                    });
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending
-                }
-            }
-        })
-        .await
+        std::future::poll_fn(|cx| self.poll_enqueued(cx)).await
+    }
+
+    /// `Ready` once the request is no longer blocked: in a buffer, or failed
+    /// (a timeout while blocked leaves it `Failed`).
+    fn poll_enqueued(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.poll_enqueue(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        if self.poll_deadline(cx).is_ready() {
+            self.finish_failed(BusError::Timeout {
+                after: self.timeout,
+            });
+            return Poll::Ready(());
+        }
+        Poll::Pending
     }
 
     /// Drives a blocked request into a buffer; `Ready` once it is no longer blocked.
@@ -243,12 +245,7 @@ impl Future for PendingReply<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        if this.poll_enqueue(cx).is_pending() {
-            if this.poll_deadline(cx).is_ready() {
-                return this.complete(Err(BusError::Timeout {
-                    after: this.timeout,
-                }));
-            }
+        if this.poll_enqueued(cx).is_pending() {
             return Poll::Pending;
         }
         match &mut this.state {

@@ -720,3 +720,37 @@ fn public_types_are_send_and_sync() {
     send_sync::<MetricsSnapshot>();
     send::<PendingReply<'static>>();
 }
+
+#[tokio::test(start_paused = true)]
+async fn request_blocked_on_a_full_buffer_times_out() {
+    let bus = EventBus::new();
+    let c = bus
+        .consumer("stuck")
+        .capacity(1)
+        .paused()
+        .handler(|_m| async {})
+        .await
+        .unwrap();
+    bus.send("stuck", 0u8).unwrap();
+    let opts = DeliveryOptions::new().timeout(Duration::from_secs(2));
+    let mut req = bus.request_with("stuck", 1u8, &opts);
+    assert!(!req.is_enqueued());
+    req.enqueued().await;
+    assert!(
+        req.is_enqueued(),
+        "a timed-out request is no longer blocked"
+    );
+    assert_eq!(
+        req.await.unwrap_err(),
+        BusError::Timeout {
+            after: Duration::from_secs(2)
+        }
+    );
+    assert_eq!(
+        c.stats().received,
+        1,
+        "the blocked request never entered the buffer"
+    );
+    assert_eq!(bus.metrics().reply_failures(FailureKind::Timeout), 1);
+    assert_eq!(bus.metrics().pending_replies, 0);
+}
