@@ -29,12 +29,13 @@ pub(crate) fn thread_shard() -> usize {
     SHARD.with(|s| *s)
 }
 
+/// Shards per counter: four per core, so that the few hot threads of a
+/// process (event loops, runtime workers), numbered in order of first use,
+/// rarely land on the same cache line. A power of two, for masking.
 pub(crate) fn shard_count() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(4)
+    (std::thread::available_parallelism().map_or(4, |n| n.get()) * 4)
         .next_power_of_two()
-        .clamp(2, 64)
+        .clamp(4, 256)
 }
 
 impl ShardedCounter {
