@@ -10,7 +10,9 @@ use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
 mod bench_cmd;
+mod bridge_node;
 mod node;
+mod node_config;
 
 // The bus allocates one small `Arc` per message; mimalloc's thread-local free
 // lists make that, and the cross-thread frees it implies, cheap.
@@ -38,7 +40,7 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a node on embedded defaults (the event bus, for now), until SIGINT or SIGTERM.
+    /// Run a node on embedded defaults (the event bus and its TCP bridge), until SIGINT or SIGTERM.
     Node(node::NodeArgs),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]

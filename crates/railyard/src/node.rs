@@ -14,12 +14,17 @@ pub(crate) struct NodeArgs {
     /// How often to log the bus's counters (0 disables).
     #[arg(long, default_value = "60s", value_parser = crate::bench_cmd::parse_duration)]
     stats_every: Duration,
+    #[command(flatten)]
+    config: crate::node_config::ConfigArgs,
+    #[command(flatten)]
+    bridge: crate::bridge_node::BridgeArgs,
 }
 
 /// Address of the node's built-in echo service, handy for trying the bus.
 const NODE_ECHO: &str = "railyard.node.echo";
 
 pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let file = args.config.load().await?;
     let bus = EventBus::new();
     let _echo = bus
         .consumer(NODE_ECHO)
@@ -29,6 +34,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         })
         .await
         .context("registering the node's echo service")?;
+    let bridge = crate::bridge_node::start(&bus, &args.bridge, file.bridge).await?;
     tracing::info!(node = %args.name, echo = NODE_ECHO, "node started; press Ctrl-C to stop");
 
     let mut ticker = (!args.stats_every.is_zero()).then(|| tokio::time::interval(args.stats_every));
@@ -44,10 +50,14 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
                     pending = m.pending(), pending_replies = m.pending_replies,
                     consumers = m.registered_consumers, "bus counters"
                 );
+                crate::bridge_node::log_stats(bridge.as_ref());
             }
         }
     }
     tracing::info!(node = %args.name, "node stopping");
+    if let Some(b) = bridge {
+        b.shutdown().await;
+    }
     Ok(())
 }
 

@@ -12,7 +12,15 @@ fn railyard() -> Command {
 #[test]
 fn node_starts_and_stops_gracefully_on_sigterm() {
     let mut child = railyard()
-        .args(["node", "--name", "test-node", "--stats-every", "0"])
+        .args([
+            "node",
+            "--name",
+            "test-node",
+            "--stats-every",
+            "0",
+            "--bridge-port",
+            "0",
+        ])
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()

@@ -1,0 +1,116 @@
+//! The bridge's configuration: a plain serde struct, read from the `[bridge]`
+//! section of a node's config file, with a `Default` for every field.
+
+use serde::{Deserialize, Serialize};
+
+/// The default TCP port, the one Vert.x bridge clients connect to by default.
+pub const DEFAULT_PORT: u16 = 7000;
+
+/// How the bridge listens, whom it lets through and how much it lets each
+/// connection hold.
+///
+/// Every field has a default, so an empty `[bridge]` section is valid: it
+/// listens on `127.0.0.1:7000` and, with both permission lists empty, denies
+/// every address (clients can still `ping`).
+///
+/// ```toml
+/// [bridge]
+/// port = 7000
+/// inbound_permitted = [{ address = "railyard.node.echo" }, { address_regex = "orders\\..+" }]
+/// outbound_permitted = [{ address_regex = "news\\..+" }]
+/// max_frame_size = 1048576
+/// auth_token = "change-me"
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BridgeConfig {
+    /// Whether the node serves the bridge at all. Default `true`.
+    pub enabled: bool,
+    /// Interface to listen on. Default `127.0.0.1`; use `0.0.0.0` to accept
+    /// other machines (then also set `auth_token`).
+    pub host: String,
+    /// TCP port. Default [`DEFAULT_PORT`] (7000); `0` picks a free port.
+    pub port: u16,
+    /// Addresses clients may `send` and `publish` to. Empty denies everything.
+    /// Replies to a message the client received are always allowed.
+    pub inbound_permitted: Vec<PermittedOptions>,
+    /// Addresses clients may `register` at (and so receive from). Empty
+    /// denies everything.
+    pub outbound_permitted: Vec<PermittedOptions>,
+    /// Largest frame accepted from a client, in bytes of JSON (the 4-byte
+    /// length prefix excluded). A larger length prefix gets an
+    /// `frame_too_large` err frame and the connection is closed. Default 1 MiB.
+    pub max_frame_size: usize,
+    /// Most addresses one connection may be registered at. Default 1024.
+    pub max_registrations: usize,
+    /// Most requests (`send` with `replyAddress`) one connection may have
+    /// waiting for a reply from the bus. Default 1024.
+    pub max_pending_requests: usize,
+    /// Most bus requests one connection may have received and not answered
+    /// yet. Past it, new requests for that client are failed at once
+    /// (`RECIPIENT_FAILURE`, code -1) so their senders need not wait for a
+    /// timeout. Default 1024.
+    pub max_pending_replies: usize,
+    /// Outbound queue per connection, in bytes of encoded frames. When it is
+    /// this full the connection stops taking work (see the crate docs,
+    /// Back-pressure) until the client has read some. Default 1 MiB.
+    pub outbound_queue_bytes: usize,
+    /// Most connections open at once. Past it a new connection gets a
+    /// `too_many_connections` err frame and is closed. Default 16384.
+    pub max_connections: usize,
+    /// When set, a client must send this value in the `authToken` header of
+    /// its first frame other than `ping`; otherwise it gets an
+    /// `authentication_failed` err frame and is closed. Default: unset.
+    pub auth_token: Option<String>,
+}
+
+impl Default for BridgeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            host: "127.0.0.1".into(),
+            port: DEFAULT_PORT,
+            inbound_permitted: Vec::new(),
+            outbound_permitted: Vec::new(),
+            max_frame_size: 1 << 20,
+            max_registrations: 1024,
+            max_pending_requests: 1024,
+            max_pending_replies: 1024,
+            outbound_queue_bytes: 1 << 20,
+            max_connections: 16_384,
+            auth_token: None,
+        }
+    }
+}
+
+/// One permitted address, as in Vert.x's `PermittedOptions`: an exact
+/// `address`, or an `address_regex` the whole address must match. An entry
+/// with neither permits every address (as in Vert.x). Vert.x's `match`
+/// (permission by body content) is not supported.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PermittedOptions {
+    /// The exact address. Wins over `address_regex` when both are set.
+    pub address: Option<String>,
+    /// A regular expression (Rust `regex` syntax) matched against the whole address.
+    #[serde(alias = "addressRegex")]
+    pub address_regex: Option<String>,
+}
+
+impl PermittedOptions {
+    /// Permits exactly `address`.
+    pub fn address(address: impl Into<String>) -> Self {
+        Self {
+            address: Some(address.into()),
+            address_regex: None,
+        }
+    }
+
+    /// Permits every address the whole of which matches `regex`.
+    pub fn regex(regex: impl Into<String>) -> Self {
+        Self {
+            address: None,
+            address_regex: Some(regex.into()),
+        }
+    }
+}

@@ -1,0 +1,649 @@
+//! One task per client connection. It owns the socket, reads and handles
+//! frames, polls the connection's bus registrations and in-flight requests,
+//! and writes everything through one bounded outbound buffer.
+//!
+//! Nothing here blocks: socket I/O is readiness-based (`try_read` /
+//! `try_write` on the one `TcpStream`), so reading and writing never wait on
+//! each other, and a full outbound buffer simply disables the branches that
+//! would add to it (see Back-pressure in the crate docs).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use railyard_bus::{BusError, DeliveryOptions, EventBus, Message, MessageStream, PendingReply};
+use serde_json::{Map, Value};
+use tokio::net::TcpStream;
+use tokio_stream::StreamMap;
+use tokio_util::sync::CancellationToken;
+
+use crate::frame::{self, FrameError, Inbound};
+use crate::metrics::LocalCounters;
+use crate::server::Shared;
+
+/// The header that carries the shared token (see `BridgeConfig::auth_token`).
+pub const AUTH_HEADER: &str = "authToken";
+
+/// How long a closing connection may take to flush its last frames.
+const CLOSE_FLUSH: Duration = Duration::from_secs(1);
+
+/// Read buffer growth step; a connection holds no read buffer while idle.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// A request from the client, waiting for the bus's answer.
+struct InFlight<'a> {
+    /// The client's `replyAddress`: the answer is addressed to it.
+    reply_address: String,
+    /// Where the request went, for `err` frames' `sourceAddress`.
+    source: String,
+    reply: PendingReply<'a>,
+}
+
+type Answered = (String, String, Result<Message, BusError>);
+
+impl Future for InFlight<'_> {
+    type Output = Answered;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answered> {
+        let this = self.get_mut();
+        let result = ready!(Pin::new(&mut this.reply).poll(cx));
+        Poll::Ready((
+            std::mem::take(&mut this.reply_address),
+            std::mem::take(&mut this.source),
+            result,
+        ))
+    }
+}
+
+/// What the caller should do after handling something.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    /// Flush what is queued (bounded in time), then close.
+    Close,
+}
+
+struct Conn<'a> {
+    bus: &'a EventBus,
+    shared: &'a Shared,
+    /// Registrations by address; dropping one unregisters it.
+    regs: StreamMap<String, MessageStream>,
+    /// Bus requests delivered to the client and not answered yet, by the
+    /// reply address the client was given.
+    replies: HashMap<String, Message>,
+    inflight: FuturesUnordered<InFlight<'a>>,
+    /// Encoded frames not yet written: the bounded outbound queue.
+    out: BytesMut,
+    /// Bytes read and not yet handled (at most one partial frame once handled).
+    inbuf: BytesMut,
+    authed: bool,
+    next_reply: u64,
+    paused: bool,
+    local: LocalCounters,
+}
+
+/// Serves one client until it leaves, breaks the protocol, or `shutdown`.
+/// Registrations end with the connection; bus requests the client did not
+/// answer fail at once ([`BusError::NoReply`]); the client's own pending
+/// requests are abandoned.
+pub(crate) async fn serve(stream: TcpStream, shared: &Shared, shutdown: &CancellationToken) {
+    let bus = shared.bus.clone();
+    let mut conn = Conn {
+        bus: &bus,
+        shared,
+        regs: StreamMap::new(),
+        replies: HashMap::new(),
+        inflight: FuturesUnordered::new(),
+        out: BytesMut::new(),
+        inbuf: BytesMut::new(),
+        authed: shared.config.auth_token.is_none(),
+        next_reply: 0,
+        paused: false,
+        local: LocalCounters::default(),
+    };
+    let flow = conn.run(&stream, shutdown).await;
+    if flow == Flow::Close && !conn.out.is_empty() {
+        let _ = tokio::time::timeout(CLOSE_FLUSH, conn.flush_all(&stream)).await;
+    }
+    conn.local.0.connections_closed += 1;
+    conn.local.flush(&shared.counters);
+    tracing::debug!(
+        registrations = conn.regs.len(),
+        unanswered = conn.replies.len(),
+        "bridge connection closed"
+    );
+}
+
+impl<'a> Conn<'a> {
+    async fn run(&mut self, stream: &TcpStream, shutdown: &CancellationToken) -> Flow {
+        let high = self.shared.config.outbound_queue_bytes;
+        loop {
+            // Frames already buffered are handled first, as room allows.
+            if self.handle_buffered().await == Flow::Close {
+                return Flow::Close;
+            }
+            let room = self.out.len() < high;
+            if !room && !self.paused {
+                self.local.0.outbound_pauses += 1;
+            }
+            self.paused = !room;
+            // Counters reach the shared ones before the task may sleep.
+            self.local.flush(&self.shared.counters);
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return Flow::Close,
+                r = stream.readable(), if room => {
+                    if r.is_err() {
+                        return Flow::Close;
+                    }
+                    match self.read(stream) {
+                        Ok(true) => {}
+                        Ok(false) => return Flow::Close,
+                        Err(()) => return Flow::Close,
+                    }
+                }
+                Some(done) = self.inflight.next(), if room && !self.inflight.is_empty() => {
+                    self.on_answer(done);
+                    while self.out.len() < high {
+                        match self.inflight.next().now_or_never() {
+                            Some(Some(done)) => self.on_answer(done),
+                            _ => break,
+                        }
+                    }
+                }
+                Some((_, msg)) = self.regs.next(), if room && !self.regs.is_empty() => {
+                    self.deliver(msg);
+                    while self.out.len() < high {
+                        match self.regs.next().now_or_never() {
+                            Some(Some((_, msg))) => self.deliver(msg),
+                            _ => break,
+                        }
+                    }
+                }
+                r = stream.writable(), if !self.out.is_empty() => {
+                    if r.is_err() {
+                        return Flow::Close;
+                    }
+                }
+            }
+            if !self.out.is_empty() && self.flush(stream).is_err() {
+                // The client is gone: nothing left to tell it.
+                self.out.clear();
+                return Flow::Close;
+            }
+        }
+    }
+
+    /// Reads what the socket has. `Ok(false)` at end of stream, `Err` on a
+    /// socket error (both close the connection).
+    fn read(&mut self, stream: &TcpStream) -> Result<bool, ()> {
+        if self.inbuf.capacity() - self.inbuf.len() < READ_CHUNK / 4 {
+            self.inbuf.reserve(READ_CHUNK);
+        }
+        match stream.try_read_buf(&mut self.inbuf) {
+            Ok(0) => {
+                if !self.inbuf.is_empty() {
+                    let e = FrameError::Truncated(self.inbuf.len());
+                    tracing::debug!(error = %e, "bridge client left mid-frame");
+                    self.err(e.wire_message());
+                }
+                Ok(false)
+            }
+            Ok(n) => {
+                self.local.0.bytes_in += n as u64;
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(true),
+            Err(_) => Err(()),
+        }
+    }
+
+    /// Handles complete frames in the read buffer while the outbound queue has room.
+    async fn handle_buffered(&mut self) -> Flow {
+        let high = self.shared.config.outbound_queue_bytes;
+        while self.out.len() < high {
+            let payload =
+                match frame::next_frame(&mut self.inbuf, self.shared.config.max_frame_size) {
+                    Ok(Some(p)) => p,
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.local.0.oversized_frames += 1;
+                        tracing::debug!(error = %e, "bridge frame refused");
+                        self.err(e.wire_message());
+                        return Flow::Close;
+                    }
+                };
+            self.local.0.frames_in += 1;
+            if self.handle(&payload).await == Flow::Close {
+                return Flow::Close;
+            }
+        }
+        if self.inbuf.is_empty() && self.inbuf.capacity() > 4 * READ_CHUNK {
+            // Give back the room a large frame needed.
+            self.inbuf = BytesMut::new();
+        }
+        Flow::Continue
+    }
+
+    async fn handle(&mut self, payload: &[u8]) -> Flow {
+        let f = match frame::parse(payload) {
+            Ok(f) => f,
+            Err(e) => {
+                self.local.0.malformed_frames += 1;
+                tracing::debug!(error = %e, "malformed bridge frame");
+                self.err(e.wire_message());
+                return Flow::Close;
+            }
+        };
+        // Vert.x reads a missing type as "message", which no client may send.
+        let kind = f.kind.as_deref().unwrap_or("message");
+        if kind == "ping" {
+            self.local.0.pings += 1;
+            self.local.0.frames_out += 1;
+            frame::put_pong(&mut self.out);
+            return Flow::Continue;
+        }
+        if !self.authed {
+            if !self.token_ok(&f) {
+                self.local.0.auth_failures += 1;
+                self.err("authentication_failed");
+                return Flow::Close;
+            }
+            self.authed = true;
+        }
+        let Some(address) = f.address.clone() else {
+            self.err("missing_address");
+            return Flow::Continue;
+        };
+        match kind {
+            "send" => self.on_send(address, f),
+            "publish" => self.on_publish(address, f),
+            "register" => self.on_register(address).await,
+            "unregister" => self.on_unregister(&address),
+            _ => self.err("unknown_type"),
+        }
+        Flow::Continue
+    }
+
+    fn token_ok(&self, f: &Inbound) -> bool {
+        let Some(expected) = self.shared.config.auth_token.as_deref() else {
+            return true;
+        };
+        let given = f
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(AUTH_HEADER))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        constant_time_eq(given.as_bytes(), expected.as_bytes())
+    }
+
+    fn on_send(&mut self, address: String, f: Inbound) {
+        let options = match self.options(f.headers) {
+            Ok(o) => o,
+            Err(m) => return self.err(m),
+        };
+        let body = f.body.unwrap_or(Value::Null);
+        // A send to a reply address this client was given answers that request.
+        if let Some(mut msg) = self.replies.remove(&address) {
+            self.local.0.client_answers += 1;
+            // The requester may have timed out and gone: nothing to tell.
+            let _ = match f.failure_code {
+                Some(code) => msg.fail(
+                    code.clamp(i32::MIN.into(), i32::MAX.into()) as i32,
+                    f.message.unwrap_or_default(),
+                ),
+                None => msg.reply_with(body, &options),
+            };
+            if let Some(ra) = f.reply_address {
+                self.failure(
+                    Some(&ra),
+                    &address,
+                    -1,
+                    "ERROR",
+                    "reply chains are not supported by this bridge: the reply was delivered, no answer to it will come",
+                );
+            }
+            return;
+        }
+        if !self.shared.inbound.allows(&address) {
+            return self.denied();
+        }
+        match f.reply_address {
+            Some(reply_address) => {
+                if self.inflight.len() >= self.shared.config.max_pending_requests {
+                    self.local.0.limit_rejections += 1;
+                    return self.failure(
+                        Some(&reply_address),
+                        &address,
+                        -1,
+                        "ERROR",
+                        "too_many_pending_requests",
+                    );
+                }
+                self.local.0.requests += 1;
+                let reply = self.bus.request_with(&address, body, &options);
+                self.inflight.push(InFlight {
+                    reply_address,
+                    source: address,
+                    reply,
+                });
+            }
+            None => match self.bus.send_with(&address, body, &options) {
+                Ok(()) => self.local.0.sends += 1,
+                Err(e) => {
+                    self.local.0.bus_refusals += 1;
+                    let (code, kind, message) = describe(&e.error, &address, None, options.timeout);
+                    self.failure(None, &address, code, kind, &message);
+                }
+            },
+        }
+    }
+
+    fn on_publish(&mut self, address: String, f: Inbound) {
+        if !self.shared.inbound.allows(&address) {
+            return self.denied();
+        }
+        let options = match self.options(f.headers) {
+            Ok(o) => o,
+            Err(m) => return self.err(m),
+        };
+        match self
+            .bus
+            .publish_with(&address, f.body.unwrap_or(Value::Null), &options)
+        {
+            Ok(report) => {
+                self.local.0.publishes += 1;
+                if report.skipped_full > 0 {
+                    // Publish is at-most-once per consumer; the client learns
+                    // which consumers it did not reach, as a count.
+                    self.local.0.bus_refusals += 1;
+                    let message = format!(
+                        "published to {} consumers; {} had full buffers and did not get it",
+                        report.delivered, report.skipped_full
+                    );
+                    self.failure(None, &address, -1, "ERROR", &message);
+                }
+            }
+            Err(e) => {
+                self.local.0.bus_refusals += 1;
+                let (code, kind, message) = describe(&e.error, &address, None, options.timeout);
+                self.failure(None, &address, code, kind, &message);
+            }
+        }
+    }
+
+    async fn on_register(&mut self, address: String) {
+        if !self.shared.outbound.allows(&address) {
+            return self.denied();
+        }
+        if self.regs.contains_key(&address) {
+            // Already registered: one registration per address and
+            // connection, so messages are never delivered twice.
+            return;
+        }
+        if self.regs.len() >= self.shared.config.max_registrations {
+            self.local.0.limit_rejections += 1;
+            return self.err("too_many_registrations");
+        }
+        match self.bus.consumer(address.clone()).stream().await {
+            Ok(stream) => {
+                self.local.0.registrations += 1;
+                self.regs.insert(address, stream);
+            }
+            Err(_) => self.err("invalid_address"),
+        }
+    }
+
+    fn on_unregister(&mut self, address: &str) {
+        if !self.shared.outbound.allows(address) {
+            return self.denied();
+        }
+        if self.regs.remove(address).is_none() {
+            self.err("unknown_address");
+        }
+    }
+
+    /// A bus message for one of this client's registrations.
+    fn deliver(&mut self, mut msg: Message) {
+        let reply_address = if msg.expects_reply() {
+            if self.replies.len() >= self.shared.config.max_pending_replies {
+                self.local.0.replies_refused += 1;
+                let _ = msg.fail(
+                    -1,
+                    "the bridge client has too many unanswered requests (max_pending_replies)",
+                );
+                return;
+            }
+            Some(self.reply_address())
+        } else {
+            None
+        };
+        let sent = {
+            let codecs = || self.bus.codecs();
+            match frame::body_json(msg.raw_body(), codecs) {
+                Ok(body) => Ok(frame::put_message(
+                    &mut self.out,
+                    msg.address(),
+                    reply_address.as_deref(),
+                    msg.headers(),
+                    body,
+                    msg.is_send(),
+                )),
+                Err(e) => Err(e),
+            }
+        };
+        match sent {
+            Ok(_) => {
+                self.local.0.frames_out += 1;
+                self.local.0.deliveries += 1;
+                if let Some(ra) = reply_address {
+                    self.replies.insert(ra, msg);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, address = msg.address(), "bus body not sendable to a bridge client");
+                let _ = msg.fail(-1, e.to_string());
+                let address = msg.address().to_owned();
+                self.failure(None, &address, -1, "ERROR", &e.to_string());
+            }
+        }
+    }
+
+    /// The bus answered one of this client's requests.
+    fn on_answer(&mut self, (reply_address, source, result): Answered) {
+        match result {
+            Ok(mut reply) => {
+                // A reply that itself expects an answer (a chain) gets a reply
+                // address the client can send its answer to.
+                let next = if reply.expects_reply() {
+                    if self.replies.len() >= self.shared.config.max_pending_replies {
+                        self.local.0.replies_refused += 1;
+                        let _ =
+                            reply.fail(-1, "the bridge client has too many unanswered requests");
+                        None
+                    } else {
+                        Some(self.reply_address())
+                    }
+                } else {
+                    None
+                };
+                let codecs = || self.bus.codecs();
+                match frame::body_json(reply.raw_body(), codecs) {
+                    Ok(body) => {
+                        frame::put_message(
+                            &mut self.out,
+                            &reply_address,
+                            next.as_deref(),
+                            reply.headers(),
+                            body,
+                            true,
+                        );
+                        self.local.0.frames_out += 1;
+                        self.local.0.request_replies += 1;
+                        if let Some(ra) = next {
+                            self.replies.insert(ra, reply);
+                        }
+                    }
+                    Err(e) => {
+                        self.local.0.request_failures += 1;
+                        self.failure(Some(&reply_address), &source, -1, "ERROR", &e.to_string());
+                    }
+                }
+            }
+            Err(e) => {
+                self.local.0.request_failures += 1;
+                let (code, kind, message) =
+                    describe(&e, &source, Some(&reply_address), request_timeout(&e));
+                self.failure(Some(&reply_address), &source, code, kind, &message);
+            }
+        }
+    }
+
+    fn reply_address(&mut self) -> String {
+        self.next_reply += 1;
+        format!("__railyard.reply.{}", self.next_reply)
+    }
+
+    /// Delivery options from a frame's headers, as Vert.x's bridge maps them.
+    fn options(
+        &self,
+        headers: Option<Map<String, Value>>,
+    ) -> Result<DeliveryOptions, &'static str> {
+        let mut o = DeliveryOptions::new();
+        let Some(headers) = headers else {
+            return Ok(o);
+        };
+        let strip_token = self.shared.config.auth_token.is_some();
+        for (name, value) in headers {
+            match name.as_str() {
+                "timeout" => {
+                    let ms = value
+                        .as_u64()
+                        .ok_or("invalid_header: timeout must be a number of milliseconds")?;
+                    o.timeout = Duration::from_millis(ms);
+                }
+                "localOnly" => {
+                    o.local_only = value
+                        .as_bool()
+                        .ok_or("invalid_header: localOnly must be a boolean")?;
+                }
+                "codecName" => {
+                    let c = value
+                        .as_str()
+                        .ok_or("invalid_header: codecName must be a string")?;
+                    o.codec = Some(c.into());
+                }
+                AUTH_HEADER if strip_token => {}
+                _ => match value {
+                    Value::Null => {}
+                    Value::String(s) => {
+                        o.headers.add(name, s);
+                    }
+                    other => {
+                        o.headers.add(name, other.to_string());
+                    }
+                },
+            }
+        }
+        Ok(o)
+    }
+
+    fn err(&mut self, message: &str) {
+        self.local.0.err_frames += 1;
+        self.local.0.frames_out += 1;
+        frame::put_err(&mut self.out, message);
+    }
+
+    fn denied(&mut self) {
+        self.local.0.access_denied += 1;
+        self.err("access_denied");
+    }
+
+    fn failure(
+        &mut self,
+        address: Option<&str>,
+        source: &str,
+        code: i64,
+        kind: &str,
+        message: &str,
+    ) {
+        self.local.0.err_frames += 1;
+        self.local.0.frames_out += 1;
+        frame::put_failure(&mut self.out, address, source, code, kind, message);
+    }
+
+    /// Writes as much as the socket takes now.
+    fn flush(&mut self, stream: &TcpStream) -> io::Result<()> {
+        while !self.out.is_empty() {
+            match stream.try_write(&self.out) {
+                Ok(n) => {
+                    self.local.0.bytes_out += n as u64;
+                    self.out.advance(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    async fn flush_all(&mut self, stream: &TcpStream) -> io::Result<()> {
+        while !self.out.is_empty() {
+            stream.writable().await?;
+            self.flush(stream)?;
+        }
+        Ok(())
+    }
+}
+
+/// The timeout a failed request had, for the Vert.x-style timeout message.
+fn request_timeout(e: &BusError) -> Duration {
+    match e {
+        BusError::Timeout { after } => *after,
+        _ => Duration::ZERO,
+    }
+}
+
+/// `failureCode`, `failureType` and `message` for a bus error, worded as
+/// Vert.x words them where Vert.x has the same failure.
+fn describe(
+    e: &BusError,
+    address: &str,
+    reply_address: Option<&str>,
+    timeout: Duration,
+) -> (i64, &'static str, String) {
+    let kind = e.kind().as_str();
+    match e {
+        BusError::RecipientFailure { code, message } => (i64::from(*code), kind, message.clone()),
+        BusError::NoHandlers { .. } => (-1, kind, format!("No handlers for address {address}")),
+        BusError::Timeout { .. } => (
+            -1,
+            kind,
+            format!(
+                "Timed out after waiting {}(ms) for a reply. address: {}, repliedAddress: {address}",
+                timeout.as_millis(),
+                reply_address.unwrap_or(""),
+            ),
+        ),
+        other => (-1, kind, other.to_string()),
+    }
+}
+
+/// Compares without an early exit, so the time taken says nothing about
+/// how much of a guessed token was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= usize::from(x ^ y);
+    }
+    diff == 0
+}

@@ -1,0 +1,602 @@
+//! The bridge against a real listener on loopback, driven by raw frames:
+//! every frame type, every error, permissions, bad input, cleanup, limits,
+//! authentication and back-pressure.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{eventually, open_config, start, Client, WAIT};
+use futures::StreamExt;
+use railyard_bridge::{BridgeConfig, PermittedOptions};
+use railyard_bus::{BusError, EventBus};
+use serde_json::{json, Value};
+
+async fn echo(bus: &EventBus, address: &str) -> railyard_bus::Consumer {
+    bus.consumer(address)
+        .handler(|mut m| async move {
+            let body = m.take_body();
+            let _ = m.reply(body);
+        })
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn ping_gets_pong() {
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            port: 0,
+            ..BridgeConfig::default()
+        },
+    )
+    .await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.ping_pong().await;
+    assert_eq!(bridge.metrics().pings, 1);
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn request_reply_through_the_bridge() {
+    let bus = EventBus::new();
+    let _e = bus
+        .consumer("test.echo")
+        .handler(|mut m| async move {
+            let body = m.body::<Value>().cloned().unwrap();
+            let seen = m.headers().get("x-trace").unwrap_or("-").to_owned();
+            let opts = railyard_bus::DeliveryOptions::new().header("seen", seen);
+            let _ = m.reply_with(body, &opts);
+        })
+        .await
+        .unwrap();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(
+        json!({"type":"send","address":"test.echo","replyAddress":"r-1",
+        "headers":{"x-trace":"abc","timeout":5000},"body":{"n":1,"s":"x"}}),
+    )
+    .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"message","address":"r-1","headers":{"seen":"abc"},"body":{"n":1,"s":"x"},"send":true})
+    );
+    let m = bridge.metrics();
+    assert_eq!((m.requests, m.request_replies), (1, 1));
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn request_failures_become_err_frames() {
+    let bus = EventBus::new();
+    let _fail = bus
+        .consumer("test.fail")
+        .handler(|mut m| async move {
+            let _ = m.fail(42, "boom");
+        })
+        .await
+        .unwrap();
+    // Holds requests without answering, so they time out.
+    let mut hold = bus.consumer("test.hold").stream().await.unwrap();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+
+    c.send(json!({"type":"send","address":"test.fail","replyAddress":"r1","body":1}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","address":"r1","sourceAddress":"test.fail","failureCode":42,
+            "failureType":"RECIPIENT_FAILURE","message":"boom"})
+    );
+
+    c.send(json!({"type":"send","address":"test.nobody","replyAddress":"r2","body":1}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","address":"r2","sourceAddress":"test.nobody","failureCode":-1,
+            "failureType":"NO_HANDLERS","message":"No handlers for address test.nobody"})
+    );
+
+    c.send(json!({"type":"send","address":"test.hold","replyAddress":"r3","headers":{"timeout":50},"body":1}))
+        .await;
+    let held = hold.next().await.unwrap();
+    let err = c.recv().await;
+    assert_eq!(err["type"], "err");
+    assert_eq!(err["address"], "r3");
+    assert_eq!(err["failureType"], "TIMEOUT");
+    assert_eq!(err["failureCode"], -1);
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("Timed out after waiting 50(ms)"),
+        "{err}"
+    );
+    drop(held);
+    assert_eq!(bridge.metrics().request_failures, 3);
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn send_and_publish_reach_bus_consumers_with_headers() {
+    let bus = EventBus::new();
+    let mut a = bus.consumer("test.news").stream().await.unwrap();
+    let mut b = bus.consumer("test.news").stream().await.unwrap();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+
+    c.send(json!({"type":"send","address":"test.news","headers":{"k":"v","n":7,"localOnly":true},"body":[1,2]}))
+        .await;
+    c.send(json!({"type":"publish","address":"test.news","body":"all"}))
+        .await;
+    let first = tokio::time::timeout(WAIT, a.next()).await.unwrap().unwrap();
+    assert!(first.is_send());
+    assert_eq!(first.body::<Value>(), Some(&json!([1, 2])));
+    assert_eq!(first.headers().get("k"), Some("v"));
+    assert_eq!(first.headers().get("n"), Some("7"));
+    assert!(
+        !first.headers().contains("localOnly"),
+        "delivery options are not headers"
+    );
+    let pa = tokio::time::timeout(WAIT, a.next()).await.unwrap().unwrap();
+    let pb = tokio::time::timeout(WAIT, b.next()).await.unwrap().unwrap();
+    for p in [&pa, &pb] {
+        assert!(!p.is_send());
+        assert_eq!(p.body::<Value>(), Some(&json!("all")));
+    }
+    let m = bridge.metrics();
+    assert_eq!((m.sends, m.publishes), (1, 1));
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn plain_send_refused_by_the_bus_is_reported() {
+    let bus = EventBus::new();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"send","address":"test.nobody","body":1}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","sourceAddress":"test.nobody","failureCode":-1,
+            "failureType":"NO_HANDLERS","message":"No handlers for address test.nobody"})
+    );
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn registered_client_receives_sends_publishes_and_requests() {
+    let bus = EventBus::new();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.inbox"}))
+        .await;
+    eventually("registered", || bus.consumer_count("test.inbox") == 1).await;
+
+    bus.send("test.inbox", json!({"hello": 1})).unwrap();
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"message","address":"test.inbox","headers":{},"body":{"hello":1},"send":true})
+    );
+    bus.publish_with(
+        "test.inbox",
+        String::from("to all"),
+        &railyard_bus::DeliveryOptions::new().header("h", "1"),
+    )
+    .unwrap();
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"message","address":"test.inbox","headers":{"h":"1"},"body":"to all","send":false})
+    );
+
+    // A request: the client answers by sending to the reply address it got.
+    let bus2 = bus.clone();
+    let asker = tokio::spawn(async move { bus2.request("test.inbox", json!("question")).await });
+    let m = c.recv().await;
+    assert_eq!(m["body"], "question");
+    assert_eq!(m["send"], true);
+    let ra = m["replyAddress"].as_str().unwrap().to_owned();
+    c.send(json!({"type":"send","address":ra,"body":{"answer":42}}))
+        .await;
+    let reply = asker.await.unwrap().unwrap();
+    assert_eq!(reply.body::<Value>(), Some(&json!({"answer": 42})));
+
+    // And a failure.
+    let bus3 = bus.clone();
+    let asker = tokio::spawn(async move { bus3.request("test.inbox", 5u32).await });
+    let m = c.recv().await;
+    assert_eq!(m["body"], 5);
+    let ra = m["replyAddress"].as_str().unwrap().to_owned();
+    c.send(json!({"type":"send","address":ra,"failureCode":7,"message":"nope"}))
+        .await;
+    assert_eq!(
+        asker.await.unwrap().unwrap_err(),
+        BusError::RecipientFailure {
+            code: 7,
+            message: "nope".into()
+        }
+    );
+    assert_eq!(bridge.metrics().client_answers, 2);
+
+    c.send(json!({"type":"unregister","address":"test.inbox"}))
+        .await;
+    eventually("unregistered", || bus.consumer_count("test.inbox") == 0).await;
+    c.send(json!({"type":"unregister","address":"test.inbox"}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"unknown_address"})
+    );
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn protocol_errors_keep_the_connection() {
+    let bus = EventBus::new();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"send","body":1})).await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"missing_address"})
+    );
+    c.send(json!({"type":"shout","address":"test.x"})).await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"unknown_type"})
+    );
+    c.send(json!({"address":"test.x"})).await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"unknown_type"})
+    );
+    c.send(json!({"type":"send","address":"test.x","headers":{"timeout":"soon"}}))
+        .await;
+    let e = c.recv().await;
+    assert!(
+        e["message"].as_str().unwrap().starts_with("invalid_header"),
+        "{e}"
+    );
+    c.ping_pong().await;
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn permissions_exact_and_regex_allow_and_deny() {
+    let bus = EventBus::new();
+    let _e = echo(&bus, "svc.echo").await;
+    let _o = echo(&bus, "svc.other").await;
+    let config = BridgeConfig {
+        port: 0,
+        inbound_permitted: vec![PermittedOptions::address("svc.echo")],
+        outbound_permitted: vec![PermittedOptions::regex("feed\\.[0-9]+")],
+        ..BridgeConfig::default()
+    };
+    let bridge = start(&bus, config).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    let denied = json!({"type":"err","message":"access_denied"});
+
+    c.send(json!({"type":"send","address":"svc.echo","replyAddress":"r","body":1}))
+        .await;
+    assert_eq!(c.recv().await["type"], "message", "exact inbound allowed");
+    c.send(json!({"type":"send","address":"svc.other","replyAddress":"r","body":1}))
+        .await;
+    assert_eq!(c.recv().await, denied, "inbound not listed");
+    c.send(json!({"type":"publish","address":"svc.echo.x","body":1}))
+        .await;
+    assert_eq!(c.recv().await, denied, "exact means exact");
+
+    c.send(json!({"type":"register","address":"feed.12"})).await;
+    eventually("regex registration", || bus.consumer_count("feed.12") == 1).await;
+    c.send(json!({"type":"register","address":"feed.12x"}))
+        .await;
+    assert_eq!(c.recv().await, denied, "regex must match the whole address");
+    c.send(json!({"type":"register","address":"svc.echo"}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        denied,
+        "inbound permission does not grant outbound"
+    );
+    c.send(json!({"type":"unregister","address":"svc.echo"}))
+        .await;
+    assert_eq!(c.recv().await, denied);
+    assert_eq!(bridge.metrics().access_denied, 5);
+    bridge.shutdown().await;
+
+    // Empty lists deny everything.
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            port: 0,
+            ..BridgeConfig::default()
+        },
+    )
+    .await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"send","address":"svc.echo","replyAddress":"r","body":1}))
+        .await;
+    assert_eq!(c.recv().await, denied);
+    c.send(json!({"type":"register","address":"svc.echo"}))
+        .await;
+    assert_eq!(c.recv().await, denied);
+    bridge.shutdown().await;
+}
+
+async fn assert_closed_with(
+    bridge_addr: std::net::SocketAddr,
+    bytes: &[u8],
+    half_close: bool,
+    message: &str,
+) {
+    let mut bad = Client::connect(bridge_addr).await;
+    let mut good = Client::connect(bridge_addr).await;
+    bad.send_raw(bytes).await;
+    if half_close {
+        use tokio::io::AsyncWriteExt;
+        bad.stream.shutdown().await.unwrap();
+    }
+    assert_eq!(bad.recv().await, json!({"type":"err","message":message}));
+    bad.expect_closed().await;
+    good.ping_pong().await;
+}
+
+#[tokio::test]
+async fn bad_frames_close_only_their_connection() {
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            port: 0,
+            max_frame_size: 1024,
+            ..BridgeConfig::default()
+        },
+    )
+    .await;
+    let addr = bridge.local_addr();
+
+    let mut malformed = 9u32.to_be_bytes().to_vec();
+    malformed.extend_from_slice(b"{not json");
+    assert_closed_with(addr, &malformed, false, "invalid_json").await;
+
+    let mut not_object = 3u32.to_be_bytes().to_vec();
+    not_object.extend_from_slice(b"[1]");
+    assert_closed_with(addr, &not_object, false, "invalid_json").await;
+
+    let mut oversized = 2000u32.to_be_bytes().to_vec();
+    oversized.extend_from_slice(&[b' '; 100]);
+    assert_closed_with(addr, &oversized, false, "frame_too_large").await;
+
+    // A negative Java int as length.
+    assert_closed_with(addr, &(-1i32).to_be_bytes(), false, "frame_too_large").await;
+
+    // A length prefix promising more than ever comes.
+    let mut short = 100u32.to_be_bytes().to_vec();
+    short.extend_from_slice(b"{\"type\":");
+    assert_closed_with(addr, &short, true, "truncated_frame").await;
+
+    let m = bridge.metrics();
+    assert_eq!(m.malformed_frames, 2);
+    assert_eq!(m.oversized_frames, 2);
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn disconnect_removes_registrations_and_fails_unanswered_requests() {
+    let bus = EventBus::new();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.a"})).await;
+    c.send(json!({"type":"register","address":"test.b"})).await;
+    eventually("both registered", || {
+        bus.consumer_count("test.a") + bus.consumer_count("test.b") == 2
+    })
+    .await;
+
+    let bus2 = bus.clone();
+    let asker = tokio::spawn(async move { bus2.request("test.a", json!(1)).await });
+    let m = c.recv().await;
+    assert!(m["replyAddress"].is_string());
+    drop(c);
+    eventually("registrations removed", || {
+        bus.consumer_count("test.a") + bus.consumer_count("test.b") == 0
+    })
+    .await;
+    let err = tokio::time::timeout(WAIT, asker)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        BusError::NoReply,
+        "the requester learns at once, not at its timeout"
+    );
+    eventually("connection counted closed", || {
+        bridge.metrics().connections_open() == 0
+    })
+    .await;
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn per_connection_limits_answer_with_err_frames() {
+    let bus = EventBus::new();
+    let mut hold = bus.consumer("test.hold").stream().await.unwrap();
+    let config = BridgeConfig {
+        max_registrations: 2,
+        max_pending_requests: 1,
+        max_pending_replies: 1,
+        max_connections: 2,
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+
+    for a in ["test.r1", "test.r2", "test.r3"] {
+        c.send(json!({"type":"register","address":a})).await;
+    }
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"too_many_registrations"})
+    );
+    // Registering an address twice is one registration.
+    c.send(json!({"type":"register","address":"test.r1"})).await;
+    c.ping_pong().await;
+    assert_eq!(bus.consumer_count("test.r1"), 1);
+
+    c.send(json!({"type":"send","address":"test.hold","replyAddress":"q1","body":1}))
+        .await;
+    c.send(json!({"type":"send","address":"test.hold","replyAddress":"q2","body":2}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","address":"q2","sourceAddress":"test.hold","failureCode":-1,
+            "failureType":"ERROR","message":"too_many_pending_requests"})
+    );
+    let mut held = hold.next().await.unwrap();
+    held.reply(json!("late")).unwrap();
+    assert_eq!(c.recv().await["address"], "q1");
+
+    // One unanswered bus request per client: the second fails at once.
+    let first = tokio::spawn({
+        let bus = bus.clone();
+        async move { bus.request("test.r1", json!(1)).await }
+    });
+    let m = c.recv().await;
+    assert!(m["replyAddress"].is_string());
+    let second = bus.request("test.r1", json!(2)).await.unwrap_err();
+    assert!(
+        matches!(second, BusError::RecipientFailure { code: -1, .. }),
+        "{second:?}"
+    );
+    c.send(json!({"type":"send","address":m["replyAddress"],"body":"ok"}))
+        .await;
+    assert_eq!(
+        first.await.unwrap().unwrap().body::<Value>(),
+        Some(&json!("ok"))
+    );
+
+    // Connections: two fit, the third is told and closed.
+    let _second = Client::connect(bridge.local_addr()).await;
+    let mut third = Client::connect(bridge.local_addr()).await;
+    assert_eq!(
+        third.recv().await,
+        json!({"type":"err","message":"too_many_connections"})
+    );
+    third.expect_closed().await;
+    let m = bridge.metrics();
+    assert_eq!(
+        (m.limit_rejections, m.replies_refused, m.connections_refused),
+        (2, 1, 1)
+    );
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn shared_token_authentication() {
+    let bus = EventBus::new();
+    let _e = echo(&bus, "test.echo").await;
+    let config = BridgeConfig {
+        auth_token: Some("s3cret".into()),
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
+
+    let mut anon = Client::connect(bridge.local_addr()).await;
+    anon.ping_pong().await; // pings need no token
+    anon.send(json!({"type":"register","address":"test.x"}))
+        .await;
+    assert_eq!(
+        anon.recv().await,
+        json!({"type":"err","message":"authentication_failed"})
+    );
+    anon.expect_closed().await;
+
+    let mut wrong = Client::connect(bridge.local_addr()).await;
+    wrong
+        .send(
+            json!({"type":"send","address":"test.echo","headers":{"authToken":"s3creT"},"body":1}),
+        )
+        .await;
+    assert_eq!(
+        wrong.recv().await,
+        json!({"type":"err","message":"authentication_failed"})
+    );
+    wrong.expect_closed().await;
+
+    let mut ok = Client::connect(bridge.local_addr()).await;
+    ok.send(json!({"type":"send","address":"test.echo","replyAddress":"r","headers":{"authToken":"s3cret"},"body":1}))
+        .await;
+    let reply = ok.recv().await;
+    assert_eq!(reply["body"], 1);
+    assert_eq!(
+        reply["headers"],
+        json!({}),
+        "the token is not forwarded to the bus"
+    );
+    // Later frames need no token.
+    ok.send(json!({"type":"send","address":"test.echo","replyAddress":"r","body":2}))
+        .await;
+    assert_eq!(ok.recv().await["body"], 2);
+    assert_eq!(bridge.metrics().auth_failures, 2);
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn slow_client_pauses_and_loses_nothing() {
+    let bus = EventBus::new();
+    let config = BridgeConfig {
+        outbound_queue_bytes: 16 * 1024,
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.flood"}))
+        .await;
+    eventually("registered", || bus.consumer_count("test.flood") == 1).await;
+
+    // The client reads nothing while the bus sends 4 KiB messages until it refuses.
+    let payload = "x".repeat(4096);
+    let mut accepted = 0u64;
+    let mut refused = false;
+    for i in 0..100_000u64 {
+        match bus.send("test.flood", json!({"i": i, "p": payload})) {
+            Ok(()) => accepted += 1,
+            Err(e) => {
+                assert!(matches!(e.error, BusError::Full { .. }), "{e}");
+                refused = true;
+                break;
+            }
+        }
+        if i % 64 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    assert!(
+        refused,
+        "a client that never reads must eventually push back on the bus"
+    );
+    assert!(bridge.metrics().outbound_pauses >= 1);
+    // Everything the bus accepted reaches the client, in order.
+    for i in 0..accepted {
+        let m = c.recv().await;
+        assert_eq!(m["body"]["i"], i);
+    }
+    assert!(c.quiet_for(Duration::from_millis(100)).await);
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_connections() {
+    let bus = EventBus::new();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.s"})).await;
+    c.ping_pong().await;
+    bridge.shutdown().await;
+    c.expect_closed().await;
+    assert_eq!(bus.consumer_count("test.s"), 0);
+}

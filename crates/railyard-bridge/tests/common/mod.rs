@@ -1,0 +1,114 @@
+//! A raw wire-protocol client for the tests: frames in, frames out, nothing hidden.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use railyard_bridge::{BridgeConfig, BridgeServer, PermittedOptions, RunningBridge};
+use railyard_bus::EventBus;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Every wait in the tests is bounded by this.
+pub const WAIT: Duration = Duration::from_secs(5);
+
+/// A config on a free loopback port permitting everything under `test.` both ways.
+pub fn open_config() -> BridgeConfig {
+    BridgeConfig {
+        port: 0,
+        inbound_permitted: vec![PermittedOptions::regex("test\\..*")],
+        outbound_permitted: vec![PermittedOptions::regex("test\\..*")],
+        ..BridgeConfig::default()
+    }
+}
+
+pub async fn start(bus: &EventBus, config: BridgeConfig) -> RunningBridge {
+    BridgeServer::new(bus.clone(), config)
+        .expect("valid config")
+        .start()
+        .await
+        .expect("bridge binds a loopback port")
+}
+
+pub struct Client {
+    pub stream: TcpStream,
+}
+
+impl Client {
+    pub async fn connect(addr: SocketAddr) -> Self {
+        let stream = tokio::time::timeout(WAIT, TcpStream::connect(addr))
+            .await
+            .expect("connect in time")
+            .expect("connect");
+        stream.set_nodelay(true).unwrap();
+        Self { stream }
+    }
+
+    pub async fn send(&mut self, frame: Value) {
+        let text = serde_json::to_vec(&frame).unwrap();
+        let mut bytes = (text.len() as u32).to_be_bytes().to_vec();
+        bytes.extend_from_slice(&text);
+        self.send_raw(&bytes).await;
+    }
+
+    pub async fn send_raw(&mut self, bytes: &[u8]) {
+        self.stream
+            .write_all(bytes)
+            .await
+            .expect("write to the bridge");
+    }
+
+    /// The next frame, or `None` at end of stream; panics after [`WAIT`].
+    pub async fn recv_or_eof(&mut self) -> Option<Value> {
+        tokio::time::timeout(WAIT, async {
+            let mut len = [0u8; 4];
+            match self.stream.read_exact(&mut len).await {
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+            let mut payload = vec![0u8; u32::from_be_bytes(len) as usize];
+            self.stream.read_exact(&mut payload).await.ok()?;
+            Some(serde_json::from_slice(&payload).expect("the bridge sends JSON"))
+        })
+        .await
+        .expect("a frame or end of stream within the wait")
+    }
+
+    pub async fn recv(&mut self) -> Value {
+        self.recv_or_eof()
+            .await
+            .expect("a frame, not end of stream")
+    }
+
+    /// Nothing arrives within `d`.
+    pub async fn quiet_for(&mut self, d: Duration) -> bool {
+        let mut b = [0u8; 1];
+        tokio::time::timeout(d, self.stream.peek(&mut b))
+            .await
+            .is_err()
+    }
+
+    /// Reads until the server closes; panics if it does not within [`WAIT`].
+    pub async fn expect_closed(&mut self) {
+        while self.recv_or_eof().await.is_some() {}
+    }
+
+    pub async fn ping_pong(&mut self) {
+        self.send(serde_json::json!({"type": "ping"})).await;
+        assert_eq!(self.recv().await, serde_json::json!({"type": "pong"}));
+    }
+}
+
+/// Polls `cond` every 10 ms until it holds; panics after [`WAIT`].
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
