@@ -112,3 +112,79 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// The services the Vert.x peer (`peers/vertx-bridge`, mode `server`) runs, on
+/// Railyard's bus, so the same client script can talk to either server:
+/// `railyard.node.echo` and `test.echo` reply with the body, `test.fail`
+/// fails with 42 "boom", `test.trigger {"to": A}` sends `{"n":1}` to A,
+/// publishes `{"n":2}` to A, requests `{"n":3}` from A and sends A's answer
+/// back to A as `{"reply": body}` or `{"failed": code, "message": m}`.
+pub async fn peer_services(bus: &EventBus) -> Vec<railyard_bus::Consumer> {
+    let mut out = Vec::new();
+    for address in ["railyard.node.echo", "test.echo"] {
+        out.push(
+            bus.consumer(address)
+                .handler(|mut m| async move {
+                    let body = m.take_body();
+                    let _ = m.reply(body);
+                })
+                .await
+                .unwrap(),
+        );
+    }
+    out.push(
+        bus.consumer("test.fail")
+            .handler(|mut m| async move {
+                let _ = m.fail(42, "boom");
+            })
+            .await
+            .unwrap(),
+    );
+    let b = bus.clone();
+    out.push(
+        bus.consumer("test.trigger")
+            .handler(move |m| {
+                let bus = b.clone();
+                async move {
+                    let Some(to) = m
+                        .body::<Value>()
+                        .and_then(|v| v["to"].as_str())
+                        .map(str::to_owned)
+                    else {
+                        return;
+                    };
+                    let _ = bus.send(&to, serde_json::json!({"n": 1}));
+                    let _ = bus.publish(&to, serde_json::json!({"n": 2}));
+                    tokio::spawn(async move {
+                        let answer = match bus.request(&to, serde_json::json!({"n": 3})).await {
+                            Ok(r) => serde_json::json!({"reply": r.body::<Value>().cloned()}),
+                            Err(e) => serde_json::json!({
+                                "failed": e.failure_code().unwrap_or(-1),
+                                "message": match e {
+                                    railyard_bus::BusError::RecipientFailure { message, .. } => message,
+                                    other => other.to_string(),
+                                },
+                            }),
+                        };
+                        let _ = bus.send(&to, answer);
+                    });
+                }
+            })
+            .await
+            .unwrap(),
+    );
+    out
+}
+
+/// The permissions the Vert.x peer runs with.
+pub fn peer_config() -> BridgeConfig {
+    BridgeConfig {
+        port: 0,
+        inbound_permitted: vec![
+            PermittedOptions::address("railyard.node.echo"),
+            PermittedOptions::regex("test\\..*"),
+        ],
+        outbound_permitted: vec![PermittedOptions::regex("test\\..*")],
+        ..BridgeConfig::default()
+    }
+}
