@@ -105,6 +105,17 @@ impl JavaPeer {
             .collect()
     }
 
+    /// `java <jvm.options> -jar <jar>`, in the peer's directory, for callers
+    /// that run the peer as a long-lived server rather than to a `RESULT`.
+    pub fn java_command(&self) -> Command {
+        let mut cmd = Command::new("java");
+        cmd.args(self.jvm_flags())
+            .arg("-jar")
+            .arg(self.jar_path())
+            .current_dir(&self.dir);
+        cmd
+    }
+
     /// Runs the peer with `args`, echoing its output when `verbose`, and
     /// returns the parsed `RESULT` object.
     ///

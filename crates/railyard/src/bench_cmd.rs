@@ -17,6 +17,8 @@ pub(crate) enum BenchCommand {
     Pingpong(PingpongArgs),
     /// Seed 001: echo round trips in a fixed window (optionally the whole matrix).
     Echo(EchoArgs),
+    /// Request/reply round trips through the TCP event-bus bridge (node vs Vert.x's bridge).
+    Bridge(crate::bench_bridge::BridgeArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -152,6 +154,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Pingpong(a) => run_pingpong(a).await,
         BenchCommand::Echo(a) => run_echo(a).await,
+        BenchCommand::Bridge(a) => crate::bench_bridge::run(a).await,
     }
 }
 
@@ -325,7 +328,7 @@ fn peer_echo_args(c: &EchoConfig) -> Vec<String> {
     .collect()
 }
 
-fn progress_bar(label: String, total: Duration) -> ProgressBar {
+pub(crate) fn progress_bar(label: String, total: Duration) -> ProgressBar {
     let pb = ProgressBar::new(total.as_millis() as u64);
     pb.set_style(
         ProgressStyle::with_template("{prefix:>40} [{bar:30}] {elapsed:>3} {msg}")

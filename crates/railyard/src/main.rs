@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
+mod bench_bridge;
 mod bench_cmd;
 mod bridge_node;
 mod node;

@@ -1,0 +1,436 @@
+//! Request/reply round trips through a TCP event-bus bridge.
+//!
+//! The server under test runs as its own process: `railyard node` with a
+//! bridge config, or the Vert.x peer (`peers/vertx-bridge`, mode `server`),
+//! both with the same permissions and an echo consumer at
+//! [`ECHO_ADDRESS`]. The same load client drives both: `clients` tokio tasks,
+//! each with its own connection and `in_flight` requests outstanding
+//! (`send` with `replyAddress`, body `{"payload": "..."}`); every `message`
+//! frame back counts one round trip and triggers the next request, every
+//! `err` frame counts an error. Only round trips completed inside the
+//! measured window (after the warm-up) count.
+//!
+//! With `idle > 0`, that many further connections are opened first, each
+//! checked with a `ping`/`pong`, and held open through the measured window:
+//! the "10,000 idle clients hold" check. The server's resident memory is
+//! read from `/proc` after they connect.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+
+use crate::peer::JavaPeer;
+
+/// The echo service both servers run (Railyard's node has it built in).
+pub const ECHO_ADDRESS: &str = "railyard.node.echo";
+
+/// The `[bridge]` section Railyard runs with: the Vert.x peer's permissions.
+pub fn railyard_config(port: u16) -> String {
+    format!(
+        "[bridge]\nhost = \"127.0.0.1\"\nport = {port}\n\
+         inbound_permitted = [{{ address = \"{ECHO_ADDRESS}\" }}, {{ address_regex = \"test\\\\..*\" }}]\n\
+         outbound_permitted = [{{ address_regex = \"test\\\\..*\" }}]\n\
+         max_connections = 19000\n"
+    )
+}
+
+/// One bench run's settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BridgeBenchConfig {
+    /// Load-generating connections.
+    pub clients: usize,
+    /// Requests each keeps outstanding.
+    pub in_flight: usize,
+    /// Measured window.
+    pub duration: Duration,
+    /// Not counted, before the window.
+    pub warmup: Duration,
+    /// Extra idle connections held open during the run (0: none).
+    pub idle: usize,
+    /// Bytes of payload text in each request body.
+    pub body_bytes: usize,
+}
+
+/// One run's result row.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BridgeResult {
+    /// Always `bridge`.
+    pub scenario: String,
+    /// `railyard` or `vertx`.
+    pub system: String,
+    /// Load connections.
+    pub clients: usize,
+    /// Requests outstanding per load connection.
+    pub in_flight: usize,
+    /// Measured window, seconds.
+    pub duration_s: f64,
+    /// Warm-up, seconds.
+    pub warmup_s: f64,
+    /// Request body payload bytes.
+    pub body_bytes: usize,
+    /// Round trips completed inside the window.
+    pub round_trips: u64,
+    /// `round_trips / duration_s`.
+    pub round_trips_per_s: f64,
+    /// `err` frames, unexpected frames and broken connections inside the window.
+    pub errors: u64,
+    /// Idle connections asked for.
+    pub idle_clients: usize,
+    /// Idle connections that connected and answered a ping.
+    pub idle_ok: usize,
+    /// Idle connections still open (answering a second ping) after the window.
+    pub idle_held: usize,
+    /// Server resident memory after the idle clients connected, MiB (0 if unknown).
+    pub server_rss_mib: f64,
+}
+
+/// Why a bench run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BridgeBenchError {
+    /// The server process could not start.
+    #[error("starting the {system} bridge server: {source}")]
+    Spawn {
+        /// Which server.
+        system: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// It did not accept connections in time.
+    #[error("the {0} bridge server did not accept connections within 90 s")]
+    NotListening(String),
+    /// The load clients could not connect.
+    #[error("load client could not connect to {addr}: {source}")]
+    Connect {
+        /// Where.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Writing the config file failed.
+    #[error("writing the bench's node config: {0}")]
+    Config(std::io::Error),
+    /// The peer could not be built.
+    #[error(transparent)]
+    Peer(#[from] crate::peer::PeerError),
+}
+
+/// A bridge server process under test; killed on drop.
+#[derive(Debug)]
+pub struct ServerUnderTest {
+    system: String,
+    child: Child,
+    addr: SocketAddr,
+    _config_dir: Option<TempDir>,
+}
+
+#[derive(Debug)]
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl ServerUnderTest {
+    /// `railyard_exe node --config <tmp> --stats-every 0` with [`railyard_config`].
+    ///
+    /// # Errors
+    /// [`BridgeBenchError::Spawn`], [`BridgeBenchError::Config`], [`BridgeBenchError::NotListening`].
+    pub async fn railyard(railyard_exe: &Path) -> Result<Self, BridgeBenchError> {
+        let port = free_port().map_err(BridgeBenchError::Config)?;
+        let dir = std::env::temp_dir().join(format!(
+            "railyard-bench-bridge-{}-{port}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).map_err(BridgeBenchError::Config)?;
+        let dir = TempDir(dir);
+        let config = dir.0.join("node.toml");
+        std::fs::write(&config, railyard_config(port)).map_err(BridgeBenchError::Config)?;
+        let child = Command::new(railyard_exe)
+            .args([
+                "node",
+                "--stats-every",
+                "0",
+                "--name",
+                "bench-bridge",
+                "--config",
+            ])
+            .arg(&config)
+            .env("RAILYARD_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| BridgeBenchError::Spawn {
+                system: "railyard".into(),
+                source,
+            })?;
+        Self::ready("railyard", child, port, Some(dir)).await
+    }
+
+    /// The Vert.x peer's `server` mode on a free port.
+    ///
+    /// # Errors
+    /// As [`railyard`](Self::railyard), and peer build errors.
+    pub async fn vertx(peer: &JavaPeer) -> Result<Self, BridgeBenchError> {
+        peer.ensure_built().await?;
+        let port = free_port().map_err(BridgeBenchError::Config)?;
+        let child = peer
+            .java_command()
+            .args(["server", "--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| BridgeBenchError::Spawn {
+                system: "vertx".into(),
+                source,
+            })?;
+        Self::ready("vertx", child, port, None).await
+    }
+
+    async fn ready(
+        system: &str,
+        mut child: Child,
+        port: u16,
+        dir: Option<TempDir>,
+    ) -> Result<Self, BridgeBenchError> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            if let Ok(mut s) = TcpStream::connect(addr).await {
+                // Listening is not enough: the bridge must answer.
+                if ping(&mut s).await {
+                    return Ok(Self {
+                        system: system.to_owned(),
+                        child,
+                        addr,
+                        _config_dir: dir,
+                    });
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(BridgeBenchError::NotListening(system.to_owned()))
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Resident memory now, MiB (0 if unknown).
+    pub fn rss_mib(&self) -> f64 {
+        let Some(pid) = self.child.id() else {
+            return 0.0;
+        };
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|kb| kb.parse::<f64>().ok())
+            })
+            .map_or(0.0, |kb| kb / 1024.0)
+    }
+
+    /// Which system it is.
+    pub fn system(&self) -> &str {
+        &self.system
+    }
+}
+
+fn frame(v: &serde_json::Value) -> Vec<u8> {
+    let text = serde_json::to_vec(v).expect("in-memory JSON");
+    let mut out = Vec::with_capacity(text.len() + 4);
+    out.extend_from_slice(&(text.len() as u32).to_be_bytes());
+    out.extend_from_slice(&text);
+    out
+}
+
+/// Reads one frame's payload into `buf` (replacing it); `false` on EOF/error.
+async fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
+    let mut len = [0u8; 4];
+    if s.read_exact(&mut len).await.is_err() {
+        return false;
+    }
+    buf.resize(u32::from_be_bytes(len) as usize, 0);
+    s.read_exact(buf).await.is_ok()
+}
+
+async fn ping(s: &mut TcpStream) -> bool {
+    let ping = frame(&serde_json::json!({"type": "ping"}));
+    let mut buf = Vec::new();
+    let ok = tokio::time::timeout(Duration::from_secs(10), async {
+        s.write_all(&ping).await.is_ok() && read_frame(s, &mut buf).await
+    })
+    .await
+    .unwrap_or(false);
+    ok && buf == br#"{"type":"pong"}"#
+}
+
+/// Opens `n` connections and pings each; returns those that answered.
+async fn open_idle(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut held = Vec::with_capacity(n);
+    // 256 connects at a time: fast, without overrunning the accept backlog.
+    let mut left = n;
+    while left > 0 {
+        let batch = left.min(256);
+        left -= batch;
+        let tasks: Vec<_> = (0..batch)
+            .map(|_| {
+                tokio::spawn(async move {
+                    let mut s =
+                        tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(addr))
+                            .await
+                            .ok()?
+                            .ok()?;
+                    ping(&mut s).await.then_some(s)
+                })
+            })
+            .collect();
+        for t in tasks {
+            if let Ok(Some(s)) = t.await {
+                held.push(s);
+            }
+        }
+    }
+    held
+}
+
+/// How many of `held` still answer a ping.
+async fn still_held(held: Vec<TcpStream>) -> usize {
+    let tasks: Vec<_> = held
+        .into_iter()
+        .map(|mut s| tokio::spawn(async move { ping(&mut s).await }))
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        if matches!(t.await, Ok(true)) {
+            ok += 1;
+        }
+    }
+    ok
+}
+
+/// Runs the load against `server` and returns its row.
+///
+/// # Errors
+/// [`BridgeBenchError::Connect`] if a load connection cannot be opened.
+pub async fn run(
+    server: &ServerUnderTest,
+    cfg: &BridgeBenchConfig,
+    progress: impl Fn(&str),
+) -> Result<BridgeResult, BridgeBenchError> {
+    let addr = server.addr();
+    let idle = if cfg.idle > 0 {
+        progress(&format!("opening {} idle connections", cfg.idle));
+        open_idle(addr, cfg.idle).await
+    } else {
+        Vec::new()
+    };
+    let idle_ok = idle.len();
+    let rss = server.rss_mib();
+
+    let request = frame(&serde_json::json!({
+        "type": "send",
+        "address": ECHO_ADDRESS,
+        "replyAddress": "bench.reply",
+        "body": {"payload": "x".repeat(cfg.body_bytes)},
+    }));
+    let batch: Arc<Vec<u8>> = Arc::new(request.repeat(cfg.in_flight.max(1)));
+    let done = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::with_capacity(cfg.clients);
+    for _ in 0..cfg.clients {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(|source| BridgeBenchError::Connect { addr, source })?;
+        let _ = s.set_nodelay(true);
+        let (request, batch) = (request.clone(), batch.clone());
+        let (done, errors, stop) = (done.clone(), errors.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            if s.write_all(&batch).await.is_err() {
+                errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let mut buf = Vec::with_capacity(256);
+            while !stop.load(Ordering::Relaxed) {
+                if !read_frame(&mut s, &mut buf).await {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                if buf.starts_with(br#"{"type":"message""#) {
+                    done.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+                if s.write_all(&request).await.is_err() {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }));
+    }
+    progress("warming up");
+    tokio::time::sleep(cfg.warmup).await;
+    let (d0, e0) = (done.load(Ordering::Relaxed), errors.load(Ordering::Relaxed));
+    let t0 = Instant::now();
+    progress("measuring");
+    tokio::time::sleep(cfg.duration).await;
+    let (d1, e1) = (done.load(Ordering::Relaxed), errors.load(Ordering::Relaxed));
+    let secs = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        // Each task ends at its next reply; a stuck one is aborted.
+        let abort = t.abort_handle();
+        if tokio::time::timeout(Duration::from_secs(5), t)
+            .await
+            .is_err()
+        {
+            abort.abort();
+        }
+    }
+    let idle_held = if idle_ok > 0 {
+        still_held(idle).await
+    } else {
+        0
+    };
+    let round_trips = d1 - d0;
+    Ok(BridgeResult {
+        scenario: "bridge".into(),
+        system: server.system().to_owned(),
+        clients: cfg.clients,
+        in_flight: cfg.in_flight,
+        duration_s: secs,
+        warmup_s: cfg.warmup.as_secs_f64(),
+        body_bytes: cfg.body_bytes,
+        round_trips,
+        round_trips_per_s: round_trips as f64 / secs,
+        errors: e1 - e0,
+        idle_clients: cfg.idle,
+        idle_ok,
+        idle_held,
+        server_rss_mib: rss,
+    })
+}
