@@ -90,6 +90,23 @@ pub struct BridgeResult {
     pub idle_held: usize,
     /// Server resident memory after the idle clients connected, MiB (0 if unknown).
     pub server_rss_mib: f64,
+    /// CPU time (user + system) the server process used inside the window,
+    /// per round trip, in microseconds: its cost, independent of how busy
+    /// the machine was (0 if unknown).
+    pub server_cpu_us_per_rt: f64,
+    /// The same for the load client (this process), for context.
+    pub client_cpu_us_per_rt: f64,
+}
+
+/// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesized command name; utime and stime are the
+    // 14th and 15th fields overall, in USER_HZ (100 per second on Linux).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 /// Why a bench run failed.
@@ -253,6 +270,11 @@ impl ServerUnderTest {
             .map_or(0.0, |kb| kb / 1024.0)
     }
 
+    /// CPU seconds it has used so far.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        cpu_seconds(&self.child.id()?.to_string())
+    }
+
     /// Which system it is.
     pub fn system(&self) -> &str {
         &self.system
@@ -286,6 +308,70 @@ async fn ping(s: &mut TcpStream) -> bool {
     .await
     .unwrap_or(false);
     ok && buf == br#"{"type":"pong"}"#
+}
+
+/// Buffered frame reading for the load client: one `read` per batch of
+/// replies instead of two per frame.
+#[derive(Default)]
+struct FrameReader {
+    buf: Vec<u8>,
+    /// Start of the first unconsumed byte.
+    pos: usize,
+}
+
+impl FrameReader {
+    fn complete(&self) -> usize {
+        let mut n = 0;
+        let mut at = self.pos;
+        while self.buf.len() - at >= 4 {
+            let len = u32::from_be_bytes([
+                self.buf[at],
+                self.buf[at + 1],
+                self.buf[at + 2],
+                self.buf[at + 3],
+            ]) as usize;
+            if self.buf.len() - at - 4 < len {
+                break;
+            }
+            at += 4 + len;
+            n += 1;
+        }
+        n
+    }
+
+    /// Reads until at least one frame is complete; returns how many are. `None` on EOF or error.
+    async fn fill(&mut self, s: &mut TcpStream) -> Option<usize> {
+        loop {
+            let n = self.complete();
+            if n > 0 {
+                return Some(n);
+            }
+            if self.pos > 0 {
+                self.buf.drain(..self.pos);
+                self.pos = 0;
+            }
+            if self.buf.capacity() - self.buf.len() < 1024 {
+                self.buf.reserve(8192);
+            }
+            match s.read_buf(&mut self.buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// The next complete frame's payload (call only after `fill` said one is there).
+    fn pop(&mut self) -> &[u8] {
+        let at = self.pos;
+        let len = u32::from_be_bytes([
+            self.buf[at],
+            self.buf[at + 1],
+            self.buf[at + 2],
+            self.buf[at + 3],
+        ]) as usize;
+        self.pos = at + 4 + len;
+        &self.buf[at + 4..at + 4 + len]
+    }
 }
 
 /// Opens `n` connections and pings each; returns those that answered.
@@ -362,6 +448,7 @@ pub async fn run(
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::with_capacity(cfg.clients);
+    let in_flight = cfg.in_flight.max(1);
     for _ in 0..cfg.clients {
         let mut s = TcpStream::connect(addr)
             .await
@@ -374,18 +461,36 @@ pub async fn run(
                 errors.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            let mut buf = Vec::with_capacity(256);
+            let mut frames = FrameReader::default();
             while !stop.load(Ordering::Relaxed) {
-                if !read_frame(&mut s, &mut buf).await {
-                    errors.fetch_add(1, Ordering::Relaxed);
-                    return;
+                // One read usually brings every reply that is ready; answer
+                // each with the next request, in one write.
+                let n = match frames.fill(&mut s).await {
+                    Some(n) => n,
+                    None => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                };
+                let (mut ok, mut bad) = (0u64, 0u64);
+                for _ in 0..n {
+                    let payload = frames.pop();
+                    if payload.starts_with(br#"{"type":"message""#) {
+                        ok += 1;
+                    } else {
+                        bad += 1;
+                    }
                 }
-                if buf.starts_with(br#"{"type":"message""#) {
-                    done.fetch_add(1, Ordering::Relaxed);
+                done.fetch_add(ok, Ordering::Relaxed);
+                if bad > 0 {
+                    errors.fetch_add(bad, Ordering::Relaxed);
+                }
+                let out = if n == 1 {
+                    &request[..]
                 } else {
-                    errors.fetch_add(1, Ordering::Relaxed);
-                }
-                if s.write_all(&request).await.is_err() {
+                    &batch[..request.len() * n.min(in_flight)]
+                };
+                if s.write_all(out).await.is_err() {
                     errors.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
@@ -395,10 +500,12 @@ pub async fn run(
     progress("warming up");
     tokio::time::sleep(cfg.warmup).await;
     let (d0, e0) = (done.load(Ordering::Relaxed), errors.load(Ordering::Relaxed));
+    let (s0, c0) = (server.cpu_seconds(), cpu_seconds("self"));
     let t0 = Instant::now();
     progress("measuring");
     tokio::time::sleep(cfg.duration).await;
     let (d1, e1) = (done.load(Ordering::Relaxed), errors.load(Ordering::Relaxed));
+    let (s1, c1) = (server.cpu_seconds(), cpu_seconds("self"));
     let secs = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
@@ -417,7 +524,13 @@ pub async fn run(
         0
     };
     let round_trips = d1 - d0;
+    let per_rt = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if round_trips > 0 => (b - a) * 1e6 / round_trips as f64,
+        _ => 0.0,
+    };
     Ok(BridgeResult {
+        server_cpu_us_per_rt: per_rt(s0, s1),
+        client_cpu_us_per_rt: per_rt(c0, c1),
         scenario: "bridge".into(),
         system: server.system().to_owned(),
         clients: cfg.clients,

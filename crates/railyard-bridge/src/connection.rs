@@ -19,6 +19,8 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use railyard_bus::{BusError, DeliveryOptions, EventBus, Message, MessageStream, PendingReply};
 use serde_json::{Map, Value};
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio_stream::StreamMap;
 use tokio_util::sync::CancellationToken;
@@ -33,8 +35,9 @@ pub const AUTH_HEADER: &str = "authToken";
 /// How long a closing connection may take to flush its last frames.
 const CLOSE_FLUSH: Duration = Duration::from_secs(1);
 
-/// Read buffer growth step; a connection holds no read buffer while idle.
-const READ_CHUNK: usize = 16 * 1024;
+/// Read buffer growth step: an idle connection holds one such buffer, and
+/// one grown for a large frame is given back once drained.
+const READ_CHUNK: usize = 4 * 1024;
 
 /// A request from the client, waiting for the bus's answer.
 struct InFlight<'a> {
@@ -92,7 +95,7 @@ struct Conn<'a> {
 /// Registrations end with the connection; bus requests the client did not
 /// answer fail at once ([`BusError::NoReply`]); the client's own pending
 /// requests are abandoned.
-pub(crate) async fn serve(stream: TcpStream, shared: &Shared, shutdown: &CancellationToken) {
+pub(crate) async fn serve(mut stream: TcpStream, shared: &Shared, shutdown: &CancellationToken) {
     let bus = shared.bus.clone();
     let mut conn = Conn {
         bus: &bus,
@@ -107,9 +110,10 @@ pub(crate) async fn serve(stream: TcpStream, shared: &Shared, shutdown: &Cancell
         paused: false,
         local: LocalCounters::default(),
     };
-    let flow = conn.run(&stream, shutdown).await;
+    let (rd, wr) = stream.split();
+    let flow = conn.run(rd, &wr, shutdown).await;
     if flow == Flow::Close && !conn.out.is_empty() {
-        let _ = tokio::time::timeout(CLOSE_FLUSH, conn.flush_all(&stream)).await;
+        let _ = tokio::time::timeout(CLOSE_FLUSH, conn.flush_all(&wr)).await;
     }
     conn.local.0.connections_closed += 1;
     conn.local.flush(&shared.counters);
@@ -121,8 +125,16 @@ pub(crate) async fn serve(stream: TcpStream, shared: &Shared, shutdown: &Cancell
 }
 
 impl<'a> Conn<'a> {
-    async fn run(&mut self, stream: &TcpStream, shutdown: &CancellationToken) -> Flow {
+    async fn run(
+        &mut self,
+        mut rd: ReadHalf<'_>,
+        wr: &WriteHalf<'_>,
+        shutdown: &CancellationToken,
+    ) -> Flow {
         let high = self.shared.config.outbound_queue_bytes;
+        // Registered once, not on every turn of the loop.
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
         loop {
             // Frames already buffered are handled first, as room allows.
             if self.handle_buffered().await == Flow::Close {
@@ -135,19 +147,27 @@ impl<'a> Conn<'a> {
             self.paused = !room;
             // Counters reach the shared ones before the task may sleep.
             self.local.flush(&self.shared.counters);
+            if room && self.inbuf.capacity() - self.inbuf.len() < READ_CHUNK / 4 {
+                self.inbuf.reserve(READ_CHUNK);
+            }
             tokio::select! {
                 biased;
-                () = shutdown.cancelled() => return Flow::Close,
-                r = stream.readable(), if room => {
-                    if r.is_err() {
+                () = &mut cancelled => return Flow::Close,
+                // `read_buf` (not readiness + `try_read`): tokio then clears the
+                // readiness after a short read, saving a `read` that would
+                // only say "would block" on every round trip.
+                r = rd.read_buf(&mut self.inbuf), if room => match r {
+                    Ok(0) => {
+                        if !self.inbuf.is_empty() {
+                            let e = FrameError::Truncated(self.inbuf.len());
+                            tracing::debug!(error = %e, "bridge client left mid-frame");
+                            self.err(e.wire_message());
+                        }
                         return Flow::Close;
                     }
-                    match self.read(stream) {
-                        Ok(true) => {}
-                        Ok(false) => return Flow::Close,
-                        Err(()) => return Flow::Close,
-                    }
-                }
+                    Ok(n) => self.local.0.bytes_in += n as u64,
+                    Err(_) => return Flow::Close,
+                },
                 Some(done) = self.inflight.next(), if room && !self.inflight.is_empty() => {
                     self.on_answer(done);
                     while self.out.len() < high {
@@ -166,41 +186,17 @@ impl<'a> Conn<'a> {
                         }
                     }
                 }
-                r = stream.writable(), if !self.out.is_empty() => {
+                r = wr.writable(), if !self.out.is_empty() => {
                     if r.is_err() {
                         return Flow::Close;
                     }
                 }
             }
-            if !self.out.is_empty() && self.flush(stream).is_err() {
+            if !self.out.is_empty() && self.flush(wr).is_err() {
                 // The client is gone: nothing left to tell it.
                 self.out.clear();
                 return Flow::Close;
             }
-        }
-    }
-
-    /// Reads what the socket has. `Ok(false)` at end of stream, `Err` on a
-    /// socket error (both close the connection).
-    fn read(&mut self, stream: &TcpStream) -> Result<bool, ()> {
-        if self.inbuf.capacity() - self.inbuf.len() < READ_CHUNK / 4 {
-            self.inbuf.reserve(READ_CHUNK);
-        }
-        match stream.try_read_buf(&mut self.inbuf) {
-            Ok(0) => {
-                if !self.inbuf.is_empty() {
-                    let e = FrameError::Truncated(self.inbuf.len());
-                    tracing::debug!(error = %e, "bridge client left mid-frame");
-                    self.err(e.wire_message());
-                }
-                Ok(false)
-            }
-            Ok(n) => {
-                self.local.0.bytes_in += n as u64;
-                Ok(true)
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(true),
-            Err(_) => Err(()),
         }
     }
 
@@ -580,7 +576,7 @@ impl<'a> Conn<'a> {
     }
 
     /// Writes as much as the socket takes now.
-    fn flush(&mut self, stream: &TcpStream) -> io::Result<()> {
+    fn flush(&mut self, stream: &WriteHalf<'_>) -> io::Result<()> {
         while !self.out.is_empty() {
             match stream.try_write(&self.out) {
                 Ok(n) => {
@@ -594,7 +590,7 @@ impl<'a> Conn<'a> {
         Ok(())
     }
 
-    async fn flush_all(&mut self, stream: &TcpStream) -> io::Result<()> {
+    async fn flush_all(&mut self, stream: &WriteHalf<'_>) -> io::Result<()> {
         while !self.out.is_empty() {
             stream.writable().await?;
             self.flush(stream)?;

@@ -114,9 +114,11 @@ pub(crate) async fn run(a: BridgeArgs) -> anyhow::Result<()> {
             drop(server);
             let r = result?;
             eprintln!(
-                "{system}: {} round trips/s, {} errors{}",
+                "{system}: {} round trips/s, {} errors, server {:.1} µs CPU per round trip (load client {:.1}){}",
                 thousands(r.round_trips_per_s as u64),
                 r.errors,
+                r.server_cpu_us_per_rt,
+                r.client_cpu_us_per_rt,
                 if r.idle_clients > 0 {
                     format!(
                         ", idle {}/{} held, server RSS {:.0} MiB",
@@ -139,12 +141,19 @@ pub(crate) async fn run(a: BridgeArgs) -> anyhow::Result<()> {
         let errors: u64 = rs.iter().map(|r| r.errors).sum();
         let held = rs.iter().map(|r| r.idle_held).min().unwrap_or(0);
         let rss = median(&rs.iter().map(|r| r.server_rss_mib).collect::<Vec<_>>()).unwrap_or(0.0);
+        let cpu = median(
+            &rs.iter()
+                .map(|r| r.server_cpu_us_per_rt)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap_or(0.0);
         (
             rate,
             vec![
                 name.to_owned(),
                 a.clients.to_string(),
                 thousands(rate as u64),
+                format!("{cpu:.1}"),
                 errors.to_string(),
                 if a.idle > 0 {
                     format!("{held}/{}", a.idle)
@@ -183,6 +192,7 @@ pub(crate) async fn run(a: BridgeArgs) -> anyhow::Result<()> {
                 "system",
                 "clients",
                 "round trips/s",
+                "server CPU µs/rt",
                 "errors",
                 "idle held",
                 "server RSS MiB",
