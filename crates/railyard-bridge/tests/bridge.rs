@@ -235,6 +235,7 @@ async fn registered_client_receives_sends_publishes_and_requests() {
 #[tokio::test]
 async fn protocol_errors_keep_the_connection() {
     let bus = EventBus::new();
+    let _e = echo(&bus, "test.echo").await;
     let bridge = start(&bus, open_config()).await;
     let mut c = Client::connect(bridge.local_addr()).await;
     c.send(json!({"type":"send","body":1})).await;
@@ -251,6 +252,18 @@ async fn protocol_errors_keep_the_connection() {
     assert_eq!(
         c.recv().await,
         json!({"type":"err","message":"unknown_type"})
+    );
+    c.send(json!({"type":"send","address":"test.echo","replyAddress":"rc","headers":{"codecName":"nope"},"body":1}))
+        .await;
+    let e = c.recv().await;
+    assert_eq!(
+        (&e["type"], &e["address"], &e["failureType"]),
+        (&json!("err"), &json!("rc"), &json!("ERROR")),
+        "{e}"
+    );
+    assert!(
+        e["message"].as_str().unwrap().contains("unknown codec"),
+        "{e}"
     );
     c.send(json!({"type":"send","address":"test.x","headers":{"timeout":"soon"}}))
         .await;
