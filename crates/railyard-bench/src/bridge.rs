@@ -57,6 +57,12 @@ pub struct BridgeBenchConfig {
     pub idle: usize,
     /// Bytes of payload text in each request body.
     pub body_bytes: usize,
+    /// Threads the server under test runs its connections on: tokio
+    /// workers for Railyard (`TOKIO_WORKER_THREADS`), event loops and
+    /// bridge instances for Vert.x (`--instances`).
+    pub server_threads: usize,
+    /// Threads of the load client's own tokio runtime.
+    pub client_threads: usize,
 }
 
 /// One run's result row.
@@ -76,6 +82,10 @@ pub struct BridgeResult {
     pub warmup_s: f64,
     /// Request body payload bytes.
     pub body_bytes: usize,
+    /// Server threads (see [`BridgeBenchConfig::server_threads`]).
+    pub server_threads: usize,
+    /// Load client threads.
+    pub client_threads: usize,
     /// Round trips completed inside the window.
     pub round_trips: u64,
     /// `round_trips / duration_s`.
@@ -168,7 +178,7 @@ impl ServerUnderTest {
     ///
     /// # Errors
     /// [`BridgeBenchError::Spawn`], [`BridgeBenchError::Config`], [`BridgeBenchError::NotListening`].
-    pub async fn railyard(railyard_exe: &Path) -> Result<Self, BridgeBenchError> {
+    pub async fn railyard(railyard_exe: &Path, threads: usize) -> Result<Self, BridgeBenchError> {
         let port = free_port().map_err(BridgeBenchError::Config)?;
         let dir = std::env::temp_dir().join(format!(
             "railyard-bench-bridge-{}-{port}",
@@ -189,6 +199,7 @@ impl ServerUnderTest {
             ])
             .arg(&config)
             .env("RAILYARD_LOG", "warn")
+            .env("TOKIO_WORKER_THREADS", threads.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -204,12 +215,18 @@ impl ServerUnderTest {
     ///
     /// # Errors
     /// As [`railyard`](Self::railyard), and peer build errors.
-    pub async fn vertx(peer: &JavaPeer) -> Result<Self, BridgeBenchError> {
+    pub async fn vertx(peer: &JavaPeer, threads: usize) -> Result<Self, BridgeBenchError> {
         peer.ensure_built().await?;
         let port = free_port().map_err(BridgeBenchError::Config)?;
         let child = peer
             .java_command()
-            .args(["server", "--port", &port.to_string()])
+            .args([
+                "server",
+                "--port",
+                &port.to_string(),
+                "--instances",
+                &threads.to_string(),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -418,6 +435,11 @@ async fn still_held(held: Vec<TcpStream>) -> usize {
     ok
 }
 
+/// Drops a runtime from async code: on a blocking thread, where that is allowed.
+async fn stop_runtime(rt: tokio::runtime::Runtime) {
+    let _ = tokio::task::spawn_blocking(move || rt.shutdown_timeout(Duration::from_secs(1))).await;
+}
+
 /// Runs the load against `server` and returns its row.
 ///
 /// # Errors
@@ -447,56 +469,81 @@ pub async fn run(
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::with_capacity(cfg.clients);
+    // The load client runs on its own runtime, so its thread count is a
+    // setting of the bench, not of whoever called it.
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.client_threads.max(1))
+        .thread_name("bridge-load")
+        .enable_all()
+        .build()
+        .map_err(BridgeBenchError::Config)?;
+    let clients = cfg.clients;
     let in_flight = cfg.in_flight.max(1);
-    for _ in 0..cfg.clients {
-        let mut s = TcpStream::connect(addr)
-            .await
-            .map_err(|source| BridgeBenchError::Connect { addr, source })?;
-        let _ = s.set_nodelay(true);
-        let (request, batch) = (request.clone(), batch.clone());
-        let (done, errors, stop) = (done.clone(), errors.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            if s.write_all(&batch).await.is_err() {
-                errors.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            let mut frames = FrameReader::default();
-            while !stop.load(Ordering::Relaxed) {
-                // One read usually brings every reply that is ready; answer
-                // each with the next request, in one write.
-                let n = match frames.fill(&mut s).await {
-                    Some(n) => n,
-                    None => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        return;
-                    }
-                };
-                let (mut ok, mut bad) = (0u64, 0u64);
-                for _ in 0..n {
-                    let payload = frames.pop();
-                    if payload.starts_with(br#"{"type":"message""#) {
-                        ok += 1;
-                    } else {
-                        bad += 1;
-                    }
-                }
-                done.fetch_add(ok, Ordering::Relaxed);
-                if bad > 0 {
-                    errors.fetch_add(bad, Ordering::Relaxed);
-                }
-                let out = if n == 1 {
-                    &request[..]
-                } else {
-                    &batch[..request.len() * n.min(in_flight)]
-                };
-                if s.write_all(out).await.is_err() {
+    let (done2, errors2, stop2) = (done.clone(), errors.clone(), stop.clone());
+    let started = client_rt.spawn(async move {
+        let (done, errors, stop) = (done2, errors2, stop2);
+        let mut tasks = Vec::with_capacity(clients);
+        for _ in 0..clients {
+            let mut s = TcpStream::connect(addr)
+                .await
+                .map_err(|source| BridgeBenchError::Connect { addr, source })?;
+            let _ = s.set_nodelay(true);
+            let (request, batch) = (request.clone(), batch.clone());
+            let (done, errors, stop) = (done.clone(), errors.clone(), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                if s.write_all(&batch).await.is_err() {
                     errors.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
-            }
-        }));
-    }
+                let mut frames = FrameReader::default();
+                while !stop.load(Ordering::Relaxed) {
+                    // One read usually brings every reply that is ready; answer
+                    // each with the next request, in one write.
+                    let n = match frames.fill(&mut s).await {
+                        Some(n) => n,
+                        None => {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                            return;
+                        }
+                    };
+                    let (mut ok, mut bad) = (0u64, 0u64);
+                    for _ in 0..n {
+                        let payload = frames.pop();
+                        if payload.starts_with(br#"{"type":"message""#) {
+                            ok += 1;
+                        } else {
+                            bad += 1;
+                        }
+                    }
+                    done.fetch_add(ok, Ordering::Relaxed);
+                    if bad > 0 {
+                        errors.fetch_add(bad, Ordering::Relaxed);
+                    }
+                    let out = if n == 1 {
+                        &request[..]
+                    } else {
+                        &batch[..request.len() * n.min(in_flight)]
+                    };
+                    if s.write_all(out).await.is_err() {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }));
+        }
+        Ok::<_, BridgeBenchError>(tasks)
+    });
+    let tasks = match started.await {
+        Ok(Ok(tasks)) => tasks,
+        Ok(Err(e)) => {
+            stop_runtime(client_rt).await;
+            return Err(e);
+        }
+        Err(e) => {
+            stop_runtime(client_rt).await;
+            return Err(BridgeBenchError::Config(std::io::Error::other(e)));
+        }
+    };
     progress("warming up");
     tokio::time::sleep(cfg.warmup).await;
     let (d0, e0) = (done.load(Ordering::Relaxed), errors.load(Ordering::Relaxed));
@@ -518,6 +565,7 @@ pub async fn run(
             abort.abort();
         }
     }
+    stop_runtime(client_rt).await;
     let idle_held = if idle_ok > 0 {
         still_held(idle).await
     } else {
@@ -538,6 +586,8 @@ pub async fn run(
         duration_s: secs,
         warmup_s: cfg.warmup.as_secs_f64(),
         body_bytes: cfg.body_bytes,
+        server_threads: cfg.server_threads,
+        client_threads: cfg.client_threads,
         round_trips,
         round_trips_per_s: round_trips as f64 / secs,
         errors: e1 - e0,

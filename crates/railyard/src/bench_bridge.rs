@@ -32,6 +32,13 @@ pub(crate) struct BridgeArgs {
     /// Payload bytes in each request body.
     #[arg(long, default_value_t = 16)]
     body_bytes: usize,
+    /// Threads each server runs connections on: Railyard's tokio workers,
+    /// Vert.x's event loops (default: the number of cores).
+    #[arg(long)]
+    server_threads: Option<usize>,
+    /// Threads of the load client's own runtime (the same client drives both servers).
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
     /// Also run Vert.x 4.5.14's TCP bridge (peers/vertx-bridge) in the same run.
     #[arg(long, value_enum)]
     vs: Option<Peer>,
@@ -79,6 +86,11 @@ pub(crate) async fn run(a: BridgeArgs) -> anyhow::Result<()> {
         warmup: a.warmup,
         idle: a.idle,
         body_bytes: a.body_bytes,
+        server_threads: a
+            .server_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+            .max(1),
+        client_threads: a.client_threads.max(1),
     };
     let mut ours: Vec<BridgeResult> = Vec::new();
     let mut theirs: Vec<BridgeResult> = Vec::new();
@@ -91,8 +103,8 @@ pub(crate) async fn run(a: BridgeArgs) -> anyhow::Result<()> {
         for &system in systems {
             eprintln!("== bridge run {run}/{}: {system} ==", a.runs);
             let server = match (system, &peer) {
-                ("vertx", Some(p)) => ServerUnderTest::vertx(p).await?,
-                _ => ServerUnderTest::railyard(&exe).await?,
+                ("vertx", Some(p)) => ServerUnderTest::vertx(p, cfg.server_threads).await?,
+                _ => ServerUnderTest::railyard(&exe, cfg.server_threads).await?,
             };
             let pb = crate::bench_cmd::progress_bar(
                 format!("{system} run {run}"),
