@@ -150,24 +150,11 @@ impl<'a> Conn<'a> {
             if room && self.inbuf.capacity() - self.inbuf.len() < READ_CHUNK / 4 {
                 self.inbuf.reserve(READ_CHUNK);
             }
+            // Answers and deliveries are drained before more is read, so a
+            // client that floods requests still gets its replies.
             tokio::select! {
                 biased;
                 () = &mut cancelled => return Flow::Close,
-                // `read_buf` (not readiness + `try_read`): tokio then clears the
-                // readiness after a short read, saving a `read` that would
-                // only say "would block" on every round trip.
-                r = rd.read_buf(&mut self.inbuf), if room => match r {
-                    Ok(0) => {
-                        if !self.inbuf.is_empty() {
-                            let e = FrameError::Truncated(self.inbuf.len());
-                            tracing::debug!(error = %e, "bridge client left mid-frame");
-                            self.err(e.wire_message());
-                        }
-                        return Flow::Close;
-                    }
-                    Ok(n) => self.local.0.bytes_in += n as u64,
-                    Err(_) => return Flow::Close,
-                },
                 Some(done) = self.inflight.next(), if room && !self.inflight.is_empty() => {
                     self.on_answer(done);
                     while self.out.len() < high {
@@ -186,6 +173,21 @@ impl<'a> Conn<'a> {
                         }
                     }
                 }
+                // `read_buf` (not readiness + `try_read`): tokio then clears the
+                // readiness after a short read, saving a `read` that would
+                // only say "would block" on every round trip.
+                r = rd.read_buf(&mut self.inbuf), if room => match r {
+                    Ok(0) => {
+                        if !self.inbuf.is_empty() {
+                            let e = FrameError::Truncated(self.inbuf.len());
+                            tracing::debug!(error = %e, "bridge client left mid-frame");
+                            self.err(e.wire_message());
+                        }
+                        return Flow::Close;
+                    }
+                    Ok(n) => self.local.0.bytes_in += n as u64,
+                    Err(_) => return Flow::Close,
+                },
                 r = wr.writable(), if !self.out.is_empty() => {
                     if r.is_err() {
                         return Flow::Close;

@@ -613,3 +613,32 @@ async fn shutdown_closes_connections() {
     c.expect_closed().await;
     assert_eq!(bus.consumer_count("test.s"), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_all_get_replies() {
+    let bus = EventBus::new();
+    let _e = echo(&bus, "test.echo").await;
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    // 1,000 requests in one write: answers are interleaved with reading, and
+    // every one arrives.
+    let mut bytes = Vec::new();
+    for i in 0..1000 {
+        let text = serde_json::to_vec(
+            &json!({"type":"send","address":"test.echo","replyAddress":"r","body":i}),
+        )
+        .unwrap();
+        bytes.extend_from_slice(&(text.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(&text);
+    }
+    c.send_raw(&bytes).await;
+    let mut seen = vec![false; 1000];
+    for _ in 0..1000 {
+        let m = c.recv().await;
+        assert_eq!(m["type"], "message", "{m}");
+        seen[m["body"].as_u64().unwrap() as usize] = true;
+    }
+    assert!(seen.iter().all(|s| *s));
+    assert_eq!(bridge.metrics().limit_rejections, 0);
+    bridge.shutdown().await;
+}
