@@ -100,10 +100,9 @@ counters! {
 #[derive(Debug, Default)]
 pub(crate) struct LocalCounters(pub(crate) BridgeMetricsSnapshot);
 
-/// Connections open now, derived (accepted - refused - closed) so that no
-/// gauge needs a decrement on the hot path.
 impl BridgeMetricsSnapshot {
-    /// Connections open at the time of the snapshot.
+    /// Connections open at the time of the snapshot, derived (accepted -
+    /// refused - closed) so that no gauge needs a decrement on the hot path.
     pub fn connections_open(&self) -> u64 {
         self.connections_accepted
             .saturating_sub(self.connections_refused)
