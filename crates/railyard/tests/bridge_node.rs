@@ -120,3 +120,49 @@ fn bad_config_file_is_a_clear_error() {
     assert!(err.contains("prot"), "unknown keys are named: {err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_bridge_writes_json_rows() {
+    let dir =
+        std::env::temp_dir().join(format!("railyard-bench-bridge-json-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("rows.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args([
+            "bench",
+            "bridge",
+            "--clients",
+            "2",
+            "--duration",
+            "300ms",
+            "--warmup",
+            "100ms",
+            "--idle",
+            "3",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(
+        (r["scenario"].as_str(), r["system"].as_str()),
+        (Some("bridge"), Some("railyard"))
+    );
+    assert_eq!(r["clients"], 2);
+    assert_eq!(
+        (r["idle_ok"].as_u64(), r["idle_held"].as_u64()),
+        (Some(3), Some(3))
+    );
+    assert!(r["round_trips"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["errors"], 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
