@@ -67,7 +67,9 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
         panic!("the node did not stop after SIGTERM");
     };
     assert!(status.success(), "{status}");
-    let rest: Vec<String> = rx.try_iter().collect();
+    // The reader thread ends at EOF, which comes with the exit: wait for it
+    // rather than race it for the last lines.
+    let rest: Vec<String> = rx.iter().collect();
     assert!(rest.iter().any(|l| l.contains("node stopping")), "{rest:?}");
 }
 
