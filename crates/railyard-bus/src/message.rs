@@ -46,6 +46,17 @@ impl Message {
         }
     }
 
+    /// A reply that came from another node.
+    pub(crate) fn remote_reply(headers: Headers, body: Body) -> Self {
+        Self {
+            origin: Origin::Reply(None),
+            headers,
+            body,
+            reply: None,
+            send: true,
+        }
+    }
+
     fn shared(&self) -> Option<&Arc<Shared>> {
         match &self.origin {
             Origin::Delivered(q) => Some(&q.shared),

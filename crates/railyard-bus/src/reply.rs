@@ -171,7 +171,7 @@ impl<'a> PendingReply<'a> {
                     self.finish_failed(BusError::NoHandlers { address });
                     return Poll::Ready(());
                 };
-                match router.route(&b.address, env, false) {
+                match router.route(&b.address, env, &crate::DeliveryOptions::DEFAULT) {
                     Ok(()) => {
                         self.unblock();
                         Poll::Ready(())
