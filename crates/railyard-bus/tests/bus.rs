@@ -824,7 +824,11 @@ mod remote {
         for i in 0..10u32 {
             bus.send("a", i).unwrap();
         }
-        assert_eq!(node.got.lock().unwrap().len(), 5, "round-robin over 2 targets");
+        assert_eq!(
+            node.got.lock().unwrap().len(),
+            5,
+            "round-robin over 2 targets"
+        );
         assert_eq!(local.stats().received, 5);
         let only_here = DeliveryOptions::new().local_only(true);
         for i in 0..4u32 {
@@ -834,7 +838,10 @@ mod remote {
         assert_eq!(local.stats().received, 9);
         let report = bus.publish("a", 1u32).unwrap();
         assert_eq!(report.delivered, 2);
-        assert_eq!(node.got.lock().unwrap().last().unwrap().1, RemoteKind::Publish);
+        assert_eq!(
+            node.got.lock().unwrap().last().unwrap().1,
+            RemoteKind::Publish
+        );
         // A remote-only address answers requests through the link.
         bus.set_remote_nodes("b", vec![node.clone() as Arc<dyn RemoteNode>]);
         let reply = bus.request("b", String::from("hi")).await.unwrap();
