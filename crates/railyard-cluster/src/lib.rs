@@ -10,6 +10,8 @@
 //!   Implementations: [`EtcdManager`] (`etcd`: leases, keep-alive, prefix
 //!   watches) and [`InProcessRegistry`] / [`InProcessManager`] (`inproc`:
 //!   several nodes in one process, for tests).
+//! - [`EtcdServer`] (`etcd_server`): a throwaway etcd on loopback for tests,
+//!   the bench and `railyard dev etcd`.
 //! - [`ClusterNode`] (`node`): joins a bus to a cluster. It listens for
 //!   peers, keeps one `Link` per peer, installs the bus's cluster hook (a
 //!   public consumer's registration resolves once the manager has stored the
@@ -35,6 +37,7 @@
 //! are the product. etcd access uses `etcd-client`.
 
 mod etcd;
+mod etcd_server;
 mod frame;
 mod inproc;
 mod link;
@@ -43,6 +46,7 @@ mod metrics;
 mod node;
 
 pub use etcd::{EtcdConfig, EtcdManager};
+pub use etcd_server::{EtcdServer, EtcdServerError};
 pub use frame::{FailKind, Frame, FrameError, Mode, DEFAULT_MAX_FRAME, VERSION};
 pub use inproc::{InProcessManager, InProcessRegistry};
 pub use manager::{BoxFuture, ClusterManager, ClusterView, ManagerError, NodeInfo};
