@@ -81,7 +81,7 @@ mod timeouts;
 
 pub use body::Body;
 pub use bus::{EventBus, PublishReport};
-pub use codec::{BytesCodec, CodecRegistry, JsonCodec, MessageCodec, StringCodec};
+pub use codec::{BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec, StringCodec};
 pub use consumer::{Consumer, ConsumerBuilder, MessageStream};
 pub use error::{BusError, CodecError, FailureKind, SendError};
 pub use headers::Headers;

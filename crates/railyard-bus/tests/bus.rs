@@ -682,9 +682,24 @@ fn codecs_round_trip_builtin_and_user_types() {
     );
 
     assert!(matches!(
-        codecs.encode(&Body::new(1u64), None),
+        codecs.encode(&Body::new(1u32), None),
         Err(CodecError::NoDefault(_))
     ));
+    for (v, name) in [(Body::new(7u64), "u64"), (Body::new(-7i64), "i64")] {
+        let (codec, bytes) = codecs.encode(&v, None).unwrap();
+        assert_eq!(&*codec, name);
+        let back = codecs.decode(name, bytes).unwrap();
+        assert_eq!(back.type_name(), v.type_name());
+    }
+    assert_eq!(
+        *codecs
+            .decode("i64", Bytes::from_static(&[0xff; 8]))
+            .unwrap()
+            .downcast_ref::<i64>()
+            .unwrap(),
+        -1
+    );
+    assert!(codecs.decode("u64", Bytes::from_static(b"short")).is_err());
     assert!(matches!(
         codecs.encode(&Body::new(1u64), Some("string")),
         Err(CodecError::WrongType { .. })

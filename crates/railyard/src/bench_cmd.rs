@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
+use railyard_bench::cluster::{self, ClusterTarget, ServeConfig};
 use railyard_bench::echo::{self, ConsumerKind, Delivery, EchoConfig, EchoResult, Method};
+use railyard_cluster::EtcdServer;
 use railyard_bench::loops::RuntimeKind;
 use railyard_bench::peer::{default_peers_dir, JavaPeer};
 use railyard_bench::pingpong::{self, PingpongConfig, PingpongResult};
@@ -17,6 +19,32 @@ pub(crate) enum BenchCommand {
     Pingpong(PingpongArgs),
     /// Seed 001: echo round trips in a fixed window (optionally the whole matrix).
     Echo(EchoArgs),
+    /// The second node of a `--nodes 2` run (started by the bench itself).
+    #[command(hide = true)]
+    Serve(ServeArgs),
+}
+
+/// Options of the hidden `bench serve` (the second node).
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// etcd endpoint.
+    #[arg(long)]
+    etcd: String,
+    /// Consumer address.
+    #[arg(long)]
+    address: String,
+    /// Consumers, one per event loop.
+    #[arg(long, default_value_t = 1)]
+    instances: usize,
+    /// Consumer kind.
+    #[arg(long, value_enum, default_value_t = ConsumerArg::Consumer)]
+    consumer: ConsumerArg,
+    /// Reply, or send to the `replyTo` header.
+    #[arg(long, value_enum, default_value_t = MethodArg::SendReply)]
+    method: MethodArg,
+    /// Event loops.
+    #[arg(long, default_value_t = 1)]
+    loops: usize,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -24,9 +52,17 @@ pub(crate) struct CommonArgs {
     /// Also run the original system from peers/ in the same run.
     #[arg(long, value_enum)]
     vs: Option<Peer>,
-    /// Cluster manager; only `none` exists so far.
-    #[arg(long, default_value = "none")]
-    cluster: String,
+    /// Cluster manager: `none` (a plain bus) or `etcd` (the bus joined to an
+    /// etcd cluster; the bench starts its own etcd unless --etcd is given).
+    #[arg(long, value_enum, default_value_t = ClusterArg::None)]
+    cluster: ClusterArg,
+    /// etcd endpoint to use instead of starting one (with --cluster etcd).
+    #[arg(long, value_name = "URL")]
+    etcd: Option<String>,
+    /// Processes: 1, or 2 to run the consumers in a second `railyard`
+    /// process so messages cross a real socket (needs --cluster etcd).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    nodes: u8,
     /// Runs per system; tables show the median.
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -41,6 +77,14 @@ pub(crate) struct CommonArgs {
     /// runtime; pingpong's default, where it measured faster).
     #[arg(long, value_enum)]
     runtime: Option<RuntimeArg>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ClusterArg {
+    /// No cluster.
+    None,
+    /// etcd.
+    Etcd,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -152,20 +196,76 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Pingpong(a) => run_pingpong(a).await,
         BenchCommand::Echo(a) => run_echo(a).await,
+        BenchCommand::Serve(a) => run_serve(a).await,
+    }
+}
+
+async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
+    let cfg = ServeConfig {
+        address: a.address,
+        instances: a.instances,
+        consumer: consumer_kind(a.consumer),
+        method: method(a.method),
+        loops: a.loops,
+    };
+    cluster::serve(&a.etcd, &cfg).await?;
+    Ok(())
+}
+
+fn consumer_kind(c: ConsumerArg) -> ConsumerKind {
+    match c {
+        ConsumerArg::Consumer => ConsumerKind::Consumer,
+        ConsumerArg::Local => ConsumerKind::Local,
+    }
+}
+
+fn method(m: MethodArg) -> Method {
+    match m {
+        MethodArg::SendReply => Method::SendReply,
+        MethodArg::SendSend => Method::SendSend,
     }
 }
 
 fn check_common(c: &CommonArgs) -> anyhow::Result<()> {
-    if c.cluster != "none" {
+    if c.nodes == 2 && c.cluster == ClusterArg::None {
+        bail!("--nodes 2 needs a cluster: add --cluster etcd");
+    }
+    if c.cluster != ClusterArg::None && c.vs.is_some() {
         bail!(
-            "--cluster {}: only `none` is available in this version (the clustered bus is not built yet)",
-            c.cluster
+            "--vs vertx runs Vert.x without a cluster; drop --vs, or compare with --cluster none"
         );
     }
     if c.runs == 0 {
         bail!("--runs must be at least 1");
     }
     Ok(())
+}
+
+/// The cluster a scenario runs in, and the etcd the bench started for it
+/// (kept alive for the whole bench, stopped when dropped).
+async fn cluster_target(
+    c: &CommonArgs,
+) -> anyhow::Result<(Option<ClusterTarget>, Option<EtcdServer>)> {
+    if c.cluster == ClusterArg::None {
+        return Ok((None, None));
+    }
+    let (etcd, server) = match &c.etcd {
+        Some(url) => (url.clone(), None),
+        None => {
+            eprintln!("starting a private etcd on loopback");
+            let s = tokio::task::spawn_blocking(EtcdServer::start).await??;
+            (s.endpoint(), Some(s))
+        }
+    };
+    let exe = std::env::current_exe().context("locating the railyard executable")?;
+    Ok((
+        Some(ClusterTarget {
+            etcd,
+            nodes: usize::from(c.nodes),
+            exe,
+        }),
+        server,
+    ))
 }
 
 fn vertx_peer(c: &CommonArgs) -> JavaPeer {
@@ -183,10 +283,12 @@ fn finish(rows: &[serde_json::Value], c: &CommonArgs) -> anyhow::Result<()> {
 
 async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     check_common(&a.common)?;
+    let (cluster, _etcd) = cluster_target(&a.common).await?;
     let cfg = PingpongConfig {
         messages: a.messages,
         verbose: !a.quiet,
         runtime: a.common.runtime.unwrap_or(RuntimeArg::Multi).kind(),
+        cluster,
     };
     let peer = a.common.vs.map(|_| vertx_peer(&a.common));
     if let Some(p) = &peer {
@@ -196,7 +298,7 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     let mut theirs: Vec<PingpongResult> = Vec::new();
     for run in 1..=a.common.runs {
         eprintln!("== pingpong run {run}/{}: railyard ==", a.common.runs);
-        ours.push(pingpong::run(&cfg).await);
+        ours.push(pingpong::run(&cfg).await?);
         if let Some(p) = &peer {
             eprintln!("== pingpong run {run}/{}: vertx ==", a.common.runs);
             let args = vec![
@@ -258,28 +360,23 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     finish(&json, &a.common)
 }
 
-fn echo_configs(a: &EchoArgs) -> Vec<EchoConfig> {
+fn echo_configs(a: &EchoArgs, cluster: Option<ClusterTarget>) -> Vec<EchoConfig> {
     let base = EchoConfig {
         duration: a.duration,
         warmup: a.warmup,
         instances: a.instances,
         in_flight: a.in_flight,
-        consumer: match a.consumer {
-            ConsumerArg::Consumer => ConsumerKind::Consumer,
-            ConsumerArg::Local => ConsumerKind::Local,
-        },
+        consumer: consumer_kind(a.consumer),
         delivery: match a.delivery {
             DeliveryArg::Default => Delivery::Default,
             DeliveryArg::LocalOnly => Delivery::LocalOnly,
         },
-        method: match a.method {
-            MethodArg::SendReply => Method::SendReply,
-            MethodArg::SendSend => Method::SendSend,
-        },
+        method: method(a.method),
         loops: a
             .loops
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
         runtime: a.common.runtime.unwrap_or(RuntimeArg::Loops).kind(),
+        cluster,
     };
     if !a.matrix {
         return vec![base];
@@ -345,7 +442,8 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
     if let Some(p) = &peer {
         p.ensure_built().await?;
     }
-    let configs = echo_configs(&a);
+    let (cluster, _etcd) = cluster_target(&a.common).await?;
+    let configs = echo_configs(&a, cluster);
     let mut all: Vec<EchoResult> = vec![];
     let mut rows = vec![];
     for cfg in &configs {
@@ -366,7 +464,7 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
                 pb.set_position(t.as_millis() as u64);
                 pb.set_message(format!("{} round trips", thousands(n)));
             })
-            .await;
+            .await?;
             pb.finish_with_message(format!(
                 "{} round trips/s",
                 thousands(r.round_trips_per_s as u64)
@@ -393,7 +491,11 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         };
         let our_rate = rate(&ours).unwrap_or(0.0);
         let mut row = vec![
-            "No cluster".to_owned(),
+            match &cfg.cluster {
+                None => "No cluster".to_owned(),
+                Some(t) if t.nodes >= 2 => format!("{}, 2 nodes", t.name()),
+                Some(t) => t.name().to_owned(),
+            },
             if cfg.consumer == ConsumerKind::Local {
                 "localConsumer"
             } else {
