@@ -112,12 +112,8 @@ pub async fn serve(etcd: &str, cfg: &ServeConfig) -> Result<(), ClusterBenchErro
     let (bus, node) = join(etcd, "server").await?;
     let loops = EventLoops::new(cfg.loops.max(1), RuntimeKind::Loops);
     for i in 0..cfg.instances.max(1) {
-        let (bus, address, kind, method) = (
-            bus.clone(),
-            cfg.address.clone(),
-            cfg.consumer,
-            cfg.method,
-        );
+        let (bus, address, kind, method) =
+            (bus.clone(), cfg.address.clone(), cfg.consumer, cfg.method);
         loops
             .run_on(i, async move {
                 let b = match kind {

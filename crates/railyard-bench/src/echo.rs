@@ -282,7 +282,10 @@ pub async fn run(
             Method::SendSend => {
                 let kind = cfg.consumer;
                 let kicks = loops
-                    .run_on(i, send_send_chains(bus.clone(), opts, stop, inst, share, i, kind))
+                    .run_on(
+                        i,
+                        send_send_chains(bus.clone(), opts, stop, inst, share, i, kind),
+                    )
                     .await;
                 if two_nodes {
                     // The echoers must route to every reply address before a
@@ -360,7 +363,10 @@ pub async fn run(
 /// Waits (at most 20 s) until the cluster store lists a subscription for
 /// each address, so other nodes are about to route to them; then lets their
 /// watches catch up briefly.
-async fn wait_subscribed(node: &ClusterNode, addresses: &[String]) -> Result<(), ClusterBenchError> {
+async fn wait_subscribed(
+    node: &ClusterNode,
+    addresses: &[String],
+) -> Result<(), ClusterBenchError> {
     for _ in 0..2000 {
         let view = node.view();
         if addresses.iter().all(|a| view.subscriptions.contains_key(a)) {

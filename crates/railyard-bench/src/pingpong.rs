@@ -100,16 +100,17 @@ pub async fn run(cfg: &PingpongConfig) -> Result<PingpongResult, ClusterBenchErr
                 return None;
             }
             Some(
-            consumer_bus
-                .consumer(ADDRESS)
-                .handler(|mut m| async move {
-                    let v = m.body::<u64>().copied().unwrap_or_default();
-                    // Only requests arrive here; an error would mean the
-                    // producer gave up, which the producer reports.
-                    let _ = m.reply(v);
-                })
-                .await
-                .expect("register the ping consumer"))
+                consumer_bus
+                    .consumer(ADDRESS)
+                    .handler(|mut m| async move {
+                        let v = m.body::<u64>().copied().unwrap_or_default();
+                        // Only requests arrive here; an error would mean the
+                        // producer gave up, which the producer reports.
+                        let _ = m.reply(v);
+                    })
+                    .await
+                    .expect("register the ping consumer"),
+            )
         })
         .await;
     if cfg.verbose {

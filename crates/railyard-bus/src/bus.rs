@@ -308,13 +308,17 @@ impl EventBus {
         loop {
             match self.route(address, env, options) {
                 Ok(()) => return Ok(()),
-                Err((BusError::Full { .. }, back, Some(queue))) => {
+                Err((BusError::Full { .. }, back, Some(Room::Local(queue)))) => {
                     let mut slot = Some(back);
                     match std::future::poll_fn(|cx| queue.poll_push(&mut slot, cx)).await {
                         Ok(()) => return Ok(()),
                         // Closed meanwhile: route again.
                         Err(_) => env = slot.take().expect("a refused push leaves the envelope"),
                     }
+                }
+                Err((BusError::Full { .. }, back, Some(Room::Remote(node)))) => {
+                    std::future::poll_fn(|cx| node.poll_room(cx)).await;
+                    env = back;
                 }
                 Err((e, back, _)) => return Err(SendError::new(e, back.body)),
             }
@@ -362,8 +366,8 @@ impl EventBus {
             Ok(()) => {
                 PendingReply::waiting(&self.inner.shared, Some(self), rx, options.timeout, start)
             }
-            Err((BusError::Full { .. }, env, Some(queue))) => {
-                PendingReply::blocked(self, queue, env, address, rx, options.timeout, start)
+            Err((BusError::Full { .. }, env, Some(room))) => {
+                PendingReply::blocked(self, room, env, address, rx, options.timeout, start)
             }
             Err((e, _, _)) => PendingReply::failed(self, e),
         }
@@ -589,7 +593,7 @@ impl EventBus {
         address: &str,
         mut env: Envelope,
         options: &DeliveryOptions,
-    ) -> Result<(), (BusError, Envelope, Option<Arc<ConsumerQueue>>)> {
+    ) -> Result<(), (BusError, Envelope, Option<Room>)> {
         let table = self.inner.table.load();
         let entry = table.get(address);
         let (locals, remotes) = entry.map_or((0, 0), |e| {
@@ -612,7 +616,7 @@ impl EventBus {
             ));
         };
         let start = entry.next_start(n);
-        let mut any_full = false;
+        let mut full: Option<Room> = None;
         for k in 0..n {
             let idx = if start + k >= n {
                 start + k - n
@@ -623,28 +627,35 @@ impl EventBus {
                 match entry.consumers[idx].try_push(env) {
                     Ok(()) => return Ok(()),
                     Err((refused, back)) => {
-                        any_full |= refused == Refused::Full;
+                        if refused == Refused::Full && !matches!(full, Some(Room::Local(_))) {
+                            full = Some(Room::Local(entry.consumers[idx].clone()));
+                        }
                         env = back;
                     }
                 }
             } else {
-                match self.route_remote(&entry.remotes[idx - locals], address, env, options) {
+                let node = &entry.remotes[idx - locals];
+                match self.route_remote(node, address, env, options) {
                     Ok(()) => return Ok(()),
                     Err((e, back)) => {
-                        any_full |= matches!(e, BusError::Full { .. });
+                        if matches!(e, BusError::Full { .. }) && full.is_none() {
+                            full = Some(Room::Remote(node.clone()));
+                        }
                         env = back;
                     }
                 }
             }
         }
         self.inner.shared.counters.undeliverable.add(1);
-        if any_full {
+        if full.is_some() {
+            // A waiting sender waits on a full local buffer if there is one
+            // (it drains fastest), else on a full link.
             Err((
                 BusError::Full {
                     address: address.to_owned(),
                 },
                 env,
-                entry.consumers.first().cloned(),
+                full,
             ))
         } else {
             Err((
@@ -856,6 +867,12 @@ impl EventBus {
         }
         self.inner.shared.codecs.read().decode(codec, bytes)
     }
+}
+
+/// Where a sender that found every target full waits for room.
+pub(crate) enum Room {
+    Local(Arc<ConsumerQueue>),
+    Remote(Arc<dyn RemoteNode>),
 }
 
 /// A pending cluster advertisement of a new subscription.

@@ -115,10 +115,13 @@ impl MessageCodec for IntCodec {
     }
 
     fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
-        let arr: [u8; 8] = bytes.as_ref().try_into().map_err(|_| CodecError::Malformed {
-            codec: self.name().to_owned(),
-            reason: format!("expected 8 bytes, got {}", bytes.len()),
-        })?;
+        let arr: [u8; 8] = bytes
+            .as_ref()
+            .try_into()
+            .map_err(|_| CodecError::Malformed {
+                codec: self.name().to_owned(),
+                reason: format!("expected 8 bytes, got {}", bytes.len()),
+            })?;
         let bits = u64::from_be_bytes(arr);
         Ok(if self.signed {
             Body::new(bits as i64)

@@ -16,6 +16,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::reply::ReplySender;
@@ -64,6 +65,15 @@ pub trait RemoteNode: Send + Sync + fmt::Debug + 'static {
     /// full, or another error when the link is gone; `send` then tries the
     /// next consumer, as for a full local buffer.
     fn deliver(&self, msg: RemoteMessage) -> Result<(), Box<Undelivered>>;
+
+    /// `Ready` when a refused [`deliver`](Self::deliver) is worth retrying
+    /// (the link's queue has room again); otherwise registers `cx`'s waker.
+    /// Waiting sends and requests use it, as they wait for a full local buffer.
+    /// The default is always ready.
+    fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let _ = cx;
+        Poll::Ready(())
+    }
 }
 
 /// A message a node's link would not take, and why. Boxed: refusals are rare

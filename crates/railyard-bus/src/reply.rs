@@ -7,15 +7,15 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::bus::Room;
 use crate::bus::Shared;
-use crate::queue::{ConsumerQueue, Envelope, Refused};
+use crate::queue::{Envelope, Refused};
 use crate::timeouts::TimerKey;
 use crate::{BusError, EventBus, Message};
 
@@ -26,7 +26,7 @@ pub(crate) type ReplyReceiver = oneshot::Receiver<ReplyResult>;
 /// A request waiting for room. Boxed: rare, and it would otherwise make
 /// every `PendingReply` several times larger.
 struct Blocked {
-    queue: Arc<ConsumerQueue>,
+    room: Room,
     envelope: Option<Envelope>,
     address: String,
     rx: ReplyReceiver,
@@ -79,7 +79,7 @@ impl<'a> PendingReply<'a> {
 
     pub(crate) fn blocked(
         bus: &'a EventBus,
-        queue: Arc<ConsumerQueue>,
+        room: Room,
         envelope: Envelope,
         address: &str,
         rx: ReplyReceiver,
@@ -87,7 +87,7 @@ impl<'a> PendingReply<'a> {
         start: Instant,
     ) -> Self {
         let state = State::Blocked(Box::new(Blocked {
-            queue,
+            room,
             envelope: Some(envelope),
             address: address.to_owned(),
             rx,
@@ -154,39 +154,44 @@ impl<'a> PendingReply<'a> {
         let State::Blocked(b) = &mut self.state else {
             return Poll::Ready(());
         };
-        match b.queue.poll_push(&mut b.envelope, cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok(())) => {
+        let retry = match &b.room {
+            Room::Local(q) => match q.poll_push(&mut b.envelope, cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) => {
+                    self.unblock();
+                    return Poll::Ready(());
+                }
+                // The consumer went away or filled again: route again.
+                Poll::Ready(Err(Refused::Closed | Refused::Full)) => true,
+            },
+            Room::Remote(node) => node.poll_room(cx).is_ready(),
+        };
+        if !retry {
+            return Poll::Pending;
+        }
+        let env = b
+            .envelope
+            .take()
+            .expect("envelope is present while blocked");
+        let Some(router) = self.router else {
+            let address = std::mem::take(&mut b.address);
+            self.finish_failed(BusError::NoHandlers { address });
+            return Poll::Ready(());
+        };
+        match router.route(&b.address, env, &crate::DeliveryOptions::DEFAULT) {
+            Ok(()) => {
                 self.unblock();
                 Poll::Ready(())
             }
-            Poll::Ready(Err(Refused::Closed | Refused::Full)) => {
-                // The consumer went away: route again, maybe to another one.
-                let env = b
-                    .envelope
-                    .take()
-                    .expect("envelope is present while blocked");
-                let Some(router) = self.router else {
-                    let address = std::mem::take(&mut b.address);
-                    self.finish_failed(BusError::NoHandlers { address });
-                    return Poll::Ready(());
-                };
-                match router.route(&b.address, env, &crate::DeliveryOptions::DEFAULT) {
-                    Ok(()) => {
-                        self.unblock();
-                        Poll::Ready(())
-                    }
-                    Err((BusError::Full { .. }, env, Some(q))) => {
-                        b.queue = q;
-                        b.envelope = Some(env);
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
-                    }
-                    Err((e, _, _)) => {
-                        self.finish_failed(e);
-                        Poll::Ready(())
-                    }
-                }
+            Err((BusError::Full { .. }, env, Some(room))) => {
+                b.room = room;
+                b.envelope = Some(env);
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Err((e, _, _)) => {
+                self.finish_failed(e);
+                Poll::Ready(())
             }
         }
     }

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -81,6 +82,8 @@ pub(crate) struct Link {
     next_id: AtomicU64,
     closed: AtomicBool,
     close_signal: Notify,
+    /// Senders waiting for room in a full queue (woken after each batch).
+    room_waiters: Mutex<Vec<Waker>>,
     /// For `Side::Accept`: connections the acceptor hands over.
     accepted: Mutex<Option<mpsc::Sender<TcpStream>>>,
     counters: Arc<ClusterCounters>,
@@ -140,9 +143,34 @@ impl RemoteNode for Link {
             }
         }
     }
+
+    fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.closed.load(Ordering::Acquire) || self.tx.capacity() > 0 {
+            return Poll::Ready(());
+        }
+        {
+            let mut w = self.room_waiters.lock();
+            if !w.iter().any(|x| x.will_wake(cx.waker())) {
+                w.push(cx.waker().clone());
+            }
+        }
+        // The task may have drained between the check and the registration.
+        if self.tx.capacity() > 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
 }
 
 impl Link {
+    fn wake_room_waiters(&self) {
+        let waiters = std::mem::take(&mut *self.room_waiters.lock());
+        for w in waiters {
+            w.wake();
+        }
+    }
+
     /// Creates the link and starts its task.
     pub(crate) fn start(
         peer: String,
@@ -168,6 +196,7 @@ impl Link {
             closed: AtomicBool::new(false),
             close_signal: Notify::new(),
             accepted: Mutex::new(Some(acc_tx)),
+            room_waiters: Mutex::new(Vec::new()),
             counters,
         });
         tokio::spawn(run(link.clone(), cfg, bus, rx, acc_rx));
@@ -199,6 +228,7 @@ impl Link {
             self.accepted.lock().take();
             self.close_signal.notify_one();
             self.fail_pending("left the cluster");
+            self.wake_room_waiters();
         }
     }
 
@@ -349,6 +379,7 @@ async fn serve(
                 for out in batch.drain(..) {
                     encode_out(link, bus, out, &mut outbuf);
                 }
+                link.wake_room_waiters();
                 if let Err(e) = wr.write_all(&outbuf).await {
                     outbuf.clear();
                     return format!("write failed: {e}");

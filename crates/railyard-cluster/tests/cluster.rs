@@ -265,3 +265,47 @@ async fn unregistering_withdraws_the_route_everywhere() {
     }
     assert!(a.remote_addresses().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_link_makes_requests_wait_not_fail() {
+    let reg = InProcessRegistry::new();
+    let bus_a = EventBus::new();
+    let mut cfg = ClusterConfig::new("a", "127.0.0.1:0".parse().unwrap());
+    cfg.link_queue = 4;
+    let _na = ClusterNode::start(bus_a.clone(), Arc::new(reg.manager()), cfg)
+        .await
+        .unwrap();
+    let (b, _nb) = start(&reg, "b").await;
+    let _e = echo(&b, "echo").await;
+    routed(&bus_a, "echo").await;
+    // Far more requests at once than the link queue holds.
+    let replies: Vec<_> = (0..2000u64).map(|i| bus_a.request("echo", i)).collect();
+    let mut n = 0;
+    for (i, r) in replies.into_iter().enumerate() {
+        let m = r.await.expect("waits for room instead of failing");
+        assert_eq!(*m.body::<u64>().unwrap(), i as u64);
+        n += 1;
+    }
+    assert_eq!(n, 2000);
+    // Plain sends see Full and get the body back; send_wait waits.
+    let mut full = 0;
+    for i in 0..2000u64 {
+        match bus_a.send("echo", i) {
+            Ok(()) => {}
+            Err(e) => {
+                assert!(matches!(e.error, BusError::Full { .. }), "{e:?}");
+                full += 1;
+            }
+        }
+    }
+    for i in 0..2000u64 {
+        bus_a
+            .send_wait("echo", i, &DeliveryOptions::new())
+            .await
+            .expect("waits for room");
+    }
+    assert!(
+        full > 0,
+        "a 4-message link queue must fill under 2000 sends"
+    );
+}

@@ -7,11 +7,11 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use railyard_bench::cluster::{self, ClusterTarget, ServeConfig};
 use railyard_bench::echo::{self, ConsumerKind, Delivery, EchoConfig, EchoResult, Method};
-use railyard_cluster::EtcdServer;
 use railyard_bench::loops::RuntimeKind;
 use railyard_bench::peer::{default_peers_dir, JavaPeer};
 use railyard_bench::pingpong::{self, PingpongConfig, PingpongResult};
 use railyard_bench::report::{median, table, thousands, write_json};
+use railyard_cluster::EtcdServer;
 
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum BenchCommand {
