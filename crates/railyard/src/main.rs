@@ -10,6 +10,8 @@ use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
 mod bench_cmd;
+mod cluster_node;
+mod dev;
 mod node;
 
 // The bus allocates one small `Arc` per message; mimalloc's thread-local free
@@ -38,11 +40,14 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a node on embedded defaults (the event bus, for now), until SIGINT or SIGTERM.
+    /// Run a node on embedded defaults (the event bus, optionally clustered on etcd), until SIGINT or SIGTERM.
     Node(node::NodeArgs),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
+    /// Developer helpers (a local etcd, ...).
+    #[command(subcommand)]
+    Dev(dev::DevCommand),
 }
 
 fn init_logging(format: LogFormat) {
@@ -75,6 +80,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Node(args) => node::run(args).await,
             Command::Bench(cmd) => bench_cmd::run(cmd).await,
+            Command::Dev(cmd) => dev::run(cmd).await,
         }
     });
     match result {

@@ -14,10 +14,15 @@ pub(crate) struct NodeArgs {
     /// How often to log the bus's counters (0 disables).
     #[arg(long, default_value = "60s", value_parser = crate::bench_cmd::parse_duration)]
     stats_every: Duration,
+    #[command(flatten)]
+    cluster: crate::cluster_node::ClusterArgs,
 }
 
 /// Address of the node's built-in echo service, handy for trying the bus.
 const NODE_ECHO: &str = "railyard.node.echo";
+/// Address of the node's built-in info service: replies with the node's name
+/// (a string), so a client can see which node answered.
+const NODE_INFO: &str = "railyard.node.info";
 
 pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let bus = EventBus::new();
@@ -29,7 +34,17 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         })
         .await
         .context("registering the node's echo service")?;
-    tracing::info!(node = %args.name, echo = NODE_ECHO, "node started; press Ctrl-C to stop");
+    let name = args.name.clone();
+    let _info = bus
+        .consumer(NODE_INFO)
+        .handler(move |mut m| {
+            let _ = m.reply(name.clone());
+            std::future::ready(())
+        })
+        .await
+        .context("registering the node's info service")?;
+    let cluster = crate::cluster_node::join(&bus, &args.cluster, &args.name).await?;
+    tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), "node started; press Ctrl-C to stop");
 
     let mut ticker = (!args.stats_every.is_zero()).then(|| tokio::time::interval(args.stats_every));
     let shutdown = shutdown_signal();
@@ -48,6 +63,11 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         }
     }
     tracing::info!(node = %args.name, "node stopping");
+    if let Some(c) = cluster {
+        if let Err(e) = c.leave().await {
+            tracing::warn!(error = %e, "could not deregister from the cluster; the lease will expire");
+        }
+    }
     Ok(())
 }
 
