@@ -14,8 +14,10 @@ use crate::consumer::ConsumerBuilder;
 use crate::interceptor::{InterceptorId, MessageKind, Outbound, Verdict};
 use crate::metrics::{shard_count, thread_shard, BusCounters, ConsumerStats};
 use crate::queue::{ConsumerQueue, Envelope, Refused};
-use crate::remote::{ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, Undelivered};
-use crate::reply::PendingReply;
+use crate::remote::{
+    ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, ReplySink, Undelivered,
+};
+use crate::reply::{PendingReply, ReplySender};
 use crate::timeouts::Timeouts;
 use crate::{
     Body, BusError, CodecError, CodecRegistry, DeliveryOptions, Headers, Interceptor, Message,
@@ -355,7 +357,7 @@ impl EventBus {
         let mut env = Envelope {
             headers: options.headers.clone(),
             body,
-            reply: Some(tx),
+            reply: Some(ReplySender::Local(tx)),
             send: true,
         };
         if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
@@ -828,6 +830,100 @@ impl EventBus {
             );
         }
         self.inner.table.store(Arc::new(table));
+    }
+
+    /// Delivers a request that came from another node: `sink.reply(id, ..)`
+    /// is called once with the answer (or `NoReply` if the consumer drops
+    /// it). Only local consumers are considered. Does not wait: when every
+    /// buffer is full the body comes back with [`BusError::Full`]; use
+    /// [`request_remote_wait`](Self::request_remote_wait) then.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send); `sink` is not called on error.
+    pub fn request_remote(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+        sink: Arc<dyn ReplySink>,
+        id: u64,
+    ) -> Result<(), SendError> {
+        match self.route_remote_request(address, body, options, sink, id) {
+            Ok(()) => Ok(()),
+            Err((e, env, _)) => Err(SendError::new(e, Self::disarm(env))),
+        }
+    }
+
+    /// [`request_remote`](Self::request_remote), waiting for room when every
+    /// buffer is full.
+    ///
+    /// # Errors
+    /// As [`request_remote`](Self::request_remote), except `Full`.
+    pub async fn request_remote_wait(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+        sink: Arc<dyn ReplySink>,
+        id: u64,
+    ) -> Result<(), SendError> {
+        let mut env = match self.route_remote_request(address, body, options, sink, id) {
+            Ok(()) => return Ok(()),
+            Err((BusError::Full { .. }, env, Some(Room::Local(q)))) => {
+                let mut slot = Some(env);
+                match std::future::poll_fn(|cx| q.poll_push(&mut slot, cx)).await {
+                    Ok(()) => return Ok(()),
+                    Err(_) => slot.take().expect("a refused push leaves the envelope"),
+                }
+            }
+            Err((e, env, _)) => return Err(SendError::new(e, Self::disarm(env))),
+        };
+        loop {
+            match self.route(address, env, options) {
+                Ok(()) => return Ok(()),
+                Err((BusError::Full { .. }, back, Some(Room::Local(q)))) => {
+                    let mut slot = Some(back);
+                    match std::future::poll_fn(|cx| q.poll_push(&mut slot, cx)).await {
+                        Ok(()) => return Ok(()),
+                        Err(_) => env = slot.take().expect("a refused push leaves the envelope"),
+                    }
+                }
+                Err((e, back, _)) => return Err(SendError::new(e, Self::disarm(back))),
+            }
+        }
+    }
+
+    fn route_remote_request(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+        sink: Arc<dyn ReplySink>,
+        id: u64,
+    ) -> Result<(), (BusError, Envelope, Option<Room>)> {
+        let mut env = Envelope {
+            headers: options.headers.clone(),
+            body,
+            reply: Some(ReplySender::remote(sink, id)),
+            send: true,
+        };
+        if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
+            return Err((e, env, None));
+        }
+        let local = DeliveryOptions {
+            local_only: true,
+            ..options.clone()
+        };
+        self.route(address, env, &local)
+    }
+
+    /// Takes the body back from a refused envelope, without answering its
+    /// requester (the caller reports the refusal itself).
+    fn disarm(mut env: Envelope) -> Body {
+        if let Some(ReplySender::Remote(mut r)) = env.reply.take() {
+            r.disarm();
+        }
+        env.body
     }
 
     /// Addresses that currently list at least one remote node.

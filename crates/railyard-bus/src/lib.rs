@@ -89,5 +89,7 @@ pub use interceptor::{Interceptor, InterceptorId, MessageKind, Outbound, Verdict
 pub use message::Message;
 pub use metrics::{ConsumerStats, MetricsSnapshot};
 pub use options::{DeliveryOptions, DEFAULT_CAPACITY, DEFAULT_TIMEOUT};
-pub use remote::{ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, Undelivered};
+pub use remote::{
+    ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, ReplySink, Undelivered,
+};
 pub use reply::PendingReply;

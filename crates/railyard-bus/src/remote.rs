@@ -87,6 +87,16 @@ pub struct Undelivered {
     pub message: RemoteMessage,
 }
 
+/// Carries answers back to requesters on other nodes: a transport gives the
+/// bus a sink and a request id with each request it delivers
+/// ([`EventBus::request_remote`](crate::EventBus::request_remote)), and the
+/// consumer's `reply` / `fail` (or dropping the request: `NoReply`) calls
+/// `reply` once, on the consumer's thread. No task waits per request.
+pub trait ReplySink: Send + Sync + 'static {
+    /// The answer to request `id`.
+    fn reply(&self, id: u64, result: Result<Message, BusError>);
+}
+
 /// Told about registrations that other nodes must learn of.
 pub trait ClusterHook: Send + Sync + 'static {
     /// `address` got its first non-local consumer on this node. The returned

@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,12 +17,82 @@ use tokio::time::Instant;
 use crate::bus::Room;
 use crate::bus::Shared;
 use crate::queue::{Envelope, Refused};
+use crate::remote::ReplySink;
 use crate::timeouts::TimerKey;
 use crate::{BusError, EventBus, Message};
 
 pub(crate) type ReplyResult = Result<Message, BusError>;
-pub(crate) type ReplySender = oneshot::Sender<ReplyResult>;
 pub(crate) type ReplyReceiver = oneshot::Receiver<ReplyResult>;
+
+/// Where an answer goes: a requester's one-shot slot on this node, or a
+/// transport that carries it back to a requester on another node.
+pub(crate) enum ReplySender {
+    Local(oneshot::Sender<ReplyResult>),
+    Remote(RemoteReply),
+}
+
+/// An answer owed to a requester on another node. Dropped unanswered, it
+/// answers `NoReply`, as a dropped local request does.
+pub(crate) struct RemoteReply {
+    sink: Arc<dyn ReplySink>,
+    id: u64,
+    done: bool,
+}
+
+impl Drop for RemoteReply {
+    fn drop(&mut self) {
+        if !self.done {
+            self.sink.reply(self.id, Err(BusError::NoReply));
+        }
+    }
+}
+
+impl RemoteReply {
+    /// Forgets the request without answering it (its refusal is reported
+    /// another way).
+    pub(crate) fn disarm(&mut self) {
+        self.done = true;
+    }
+}
+
+impl ReplySender {
+    pub(crate) fn remote(sink: Arc<dyn ReplySink>, id: u64) -> Self {
+        ReplySender::Remote(RemoteReply {
+            sink,
+            id,
+            done: false,
+        })
+    }
+
+    /// Delivers the answer; `Err` gives it back if the requester is gone.
+    pub(crate) fn send(self, result: ReplyResult) -> Result<(), ReplyResult> {
+        match self {
+            ReplySender::Local(tx) => tx.send(result),
+            ReplySender::Remote(mut r) => {
+                r.done = true;
+                r.sink.reply(r.id, result);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether nobody waits for the answer any more.
+    pub(crate) fn is_closed(&self) -> bool {
+        match self {
+            ReplySender::Local(tx) => tx.is_closed(),
+            ReplySender::Remote(_) => false,
+        }
+    }
+}
+
+impl std::fmt::Debug for ReplySender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplySender::Local(_) => f.write_str("ReplySender::Local"),
+            ReplySender::Remote(r) => write!(f, "ReplySender::Remote({})", r.id),
+        }
+    }
+}
 
 /// A request waiting for room. Boxed: rare, and it would otherwise make
 /// every `PendingReply` several times larger.

@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -28,7 +28,7 @@ use bytes::BytesMut;
 use parking_lot::Mutex;
 use railyard_bus::{
     Body, BusError, DeliveryOptions, EventBus, Headers, RemoteKind, RemoteMessage, RemoteNode,
-    ReplyHandle, Undelivered,
+    ReplyHandle, ReplySink, Undelivered,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -77,8 +77,15 @@ pub(crate) struct Link {
     /// Dial target; updated if the peer re-joins elsewhere.
     addr: Mutex<SocketAddr>,
     tx: mpsc::Sender<Out>,
+    /// Answers to the peer's requests, and pongs. Unbounded on purpose, but
+    /// bounded in practice: it never holds more than the peer's requests this
+    /// node accepted and has not answered yet, and the reader stops accepting
+    /// (see `MAX_WAITING`) when local consumers fall behind.
+    replies: mpsc::UnboundedSender<Out>,
+    /// Inbound messages waiting for room in a full local consumer buffer.
+    waiting: AtomicUsize,
     /// Requests sent on this link, waiting for REPLY or FAIL.
-    pending: Mutex<HashMap<u64, ReplyHandle>>,
+    pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
     next_id: AtomicU64,
     closed: AtomicBool,
     close_signal: Notify,
@@ -185,13 +192,16 @@ impl Link {
             Side::Accept
         };
         let (tx, rx) = mpsc::channel(cfg.queue.max(1));
+        let (replies, replies_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = mpsc::channel(4);
         let link = Arc::new(Link {
             peer,
             side,
             addr: Mutex::new(addr),
             tx,
-            pending: Mutex::new(HashMap::new()),
+            replies,
+            waiting: AtomicUsize::new(0),
+            pending: Mutex::new(HashMap::default()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             close_signal: Notify::new(),
@@ -199,7 +209,7 @@ impl Link {
             room_waiters: Mutex::new(Vec::new()),
             counters,
         });
-        tokio::spawn(run(link.clone(), cfg, bus, rx, acc_rx));
+        tokio::spawn(run(link.clone(), cfg, bus, rx, replies_rx, acc_rx));
         link
     }
 
@@ -273,6 +283,7 @@ async fn run(
     cfg: Arc<LinkConfig>,
     bus: EventBus,
     mut rx: mpsc::Receiver<Out>,
+    mut replies: mpsc::UnboundedReceiver<Out>,
     mut accepted: mpsc::Receiver<TcpStream>,
 ) {
     let mut backoff = Duration::from_millis(20);
@@ -313,7 +324,7 @@ async fn run(
         };
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
         link.counters.connects.add(1);
-        let why = serve(&link, &cfg, &bus, &mut rx, stream).await;
+        let why = serve(&link, &cfg, &bus, &mut rx, &mut replies, stream).await;
         link.fail_pending("was disconnected");
         if link.closed.load(Ordering::Acquire) {
             break;
@@ -360,12 +371,14 @@ async fn serve(
     cfg: &LinkConfig,
     bus: &EventBus,
     rx: &mut mpsc::Receiver<Out>,
+    replies: &mut mpsc::UnboundedReceiver<Out>,
     stream: TcpStream,
 ) -> String {
     let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
     let mut batch = Vec::with_capacity(BATCH);
+    let mut reply_batch = Vec::with_capacity(BATCH);
     let mut ping = tokio::time::interval(cfg.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_heard = Instant::now();
@@ -380,6 +393,30 @@ async fn serve(
                     encode_out(link, bus, out, &mut outbuf);
                 }
                 link.wake_room_waiters();
+                // Answers that are ready go in the same write.
+                while let Ok(out) = replies.try_recv() {
+                    encode_out(link, bus, out, &mut outbuf);
+                }
+                if let Err(e) = wr.write_all(&outbuf).await {
+                    outbuf.clear();
+                    return format!("write failed: {e}");
+                }
+                link.counters.bytes_out.add(outbuf.len() as u64);
+                outbuf.clear();
+            }
+            n = replies.recv_many(&mut reply_batch, BATCH) => {
+                if n == 0 {
+                    return "link closed".into();
+                }
+                for out in reply_batch.drain(..) {
+                    encode_out(link, bus, out, &mut outbuf);
+                }
+                while let Ok(out) = replies.try_recv() {
+                    if outbuf.len() > 256 * 1024 {
+                        break;
+                    }
+                    encode_out(link, bus, out, &mut outbuf);
+                }
                 if let Err(e) = wr.write_all(&outbuf).await {
                     outbuf.clear();
                     return format!("write failed: {e}");
@@ -398,7 +435,7 @@ async fn serve(
                 }
                 loop {
                     match Frame::decode(&mut inbuf, cfg.max_frame) {
-                        Ok(Some(f)) => handle(link, bus, f),
+                        Ok(Some(f)) => handle(link, bus, f).await,
                         Ok(None) => break,
                         Err(e) => {
                             link.counters.malformed.add(1);
@@ -525,8 +562,39 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut) {
     }
 }
 
+/// Most inbound messages per link that may wait, each in its own task, for
+/// room in a full local buffer. Beyond it the reader itself waits, which
+/// stops reading from the socket: TCP then slows the peer down.
+const MAX_WAITING: usize = 1024;
+
+impl ReplySink for Link {
+    fn reply(&self, id: u64, result: Result<railyard_bus::Message, BusError>) {
+        // Fails only once the link task is gone, and then so is the peer's
+        // pending request (it was failed when the link closed).
+        let _ = self.replies.send(Out::Reply { id, result });
+    }
+}
+
+/// Delivers an inbound message whose every local buffer was full: in a task
+/// while few are waiting, inline (pausing the reader) beyond that.
+async fn wait_for_room<F>(link: &Arc<Link>, deliver: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    if link.waiting.load(Ordering::Relaxed) >= MAX_WAITING {
+        deliver.await;
+        return;
+    }
+    link.waiting.fetch_add(1, Ordering::Relaxed);
+    let l = link.clone();
+    tokio::spawn(async move {
+        deliver.await;
+        l.waiting.fetch_sub(1, Ordering::Relaxed);
+    });
+}
+
 /// Acts on one frame from the peer.
-fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
+async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
     link.counters.frames_in.add(1);
     match frame {
         Frame::Msg {
@@ -549,7 +617,7 @@ fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
                                 reason: format!("cannot decode the body: {e}"),
                             },
                         );
-                        let _ = link.tx.try_send(Out::Frame(f));
+                        let _ = link.replies.send(Out::Frame(f));
                     }
                     return;
                 }
@@ -557,26 +625,48 @@ fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
             let mut opts = DeliveryOptions::new().local_only(true);
             opts.headers = headers_from(headers);
             match mode {
-                Mode::Send => {
-                    if let Err(e) = bus.send_body(&address, body, &opts) {
+                Mode::Send => match bus.send_body(&address, body, &opts) {
+                    Ok(()) => {}
+                    Err(e) if matches!(e.error, BusError::Full { .. }) => {
+                        let (l, bus) = (link.clone(), bus.clone());
+                        let body = e.into_body();
+                        wait_for_room(link, async move {
+                            if bus.send_wait(&address, body, &opts).await.is_err() {
+                                l.counters.inbound_undelivered.add(1);
+                            }
+                        })
+                        .await;
+                    }
+                    Err(e) => {
                         link.counters.inbound_undelivered.add(1);
                         tracing::debug!(%address, error = %e, "a message from another node found no consumer");
                     }
-                }
+                },
                 Mode::Publish => {
                     let _ = bus.publish_body(&address, body, &opts);
                 }
                 Mode::Request => {
                     opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
-                    let (link, bus) = (link.clone(), bus.clone());
-                    tokio::spawn(async move {
-                        let result = bus.request_body(&address, body, &opts).await;
-                        // Bounded queue: if it is full the requester's own
-                        // timeout answers for us.
-                        if link.tx.try_send(Out::Reply { id, result }).is_err() {
-                            link.counters.link_full.add(1);
+                    let sink: Arc<dyn ReplySink> = link.clone();
+                    match bus.request_remote(&address, body, &opts, sink.clone(), id) {
+                        Ok(()) => {}
+                        Err(e) if matches!(e.error, BusError::Full { .. }) => {
+                            let (l, bus) = (link.clone(), bus.clone());
+                            let body = e.into_body();
+                            wait_for_room(link, async move {
+                                if let Err(e) = bus
+                                    .request_remote_wait(&address, body, &opts, sink, id)
+                                    .await
+                                {
+                                    let _ = l.replies.send(Out::Frame(fail_frame(id, &e.error)));
+                                }
+                            })
+                            .await;
                         }
-                    });
+                        Err(e) => {
+                            let _ = link.replies.send(Out::Frame(fail_frame(id, &e.error)));
+                        }
+                    }
                 }
             }
         }
@@ -611,7 +701,7 @@ fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
             link.complete(id, Err(e));
         }
         Frame::Ping(n) => {
-            let _ = link.tx.try_send(Out::Frame(Frame::Pong(n)));
+            let _ = link.replies.send(Out::Frame(Frame::Pong(n)));
         }
         Frame::Pong(_) => {}
         Frame::Hello { .. } => {
