@@ -589,6 +589,9 @@ impl EventBus {
     /// to a remote node's link.
     ///
     /// On `Full`, returns a local queue a waiting sender may wait on.
+    // The refusal hands the envelope back by value: boxing it would allocate
+    // on every full buffer, the path back-pressure exercises most.
+    #[allow(clippy::result_large_err)]
     #[inline]
     pub(crate) fn route(
         &self,
@@ -893,6 +896,7 @@ impl EventBus {
         }
     }
 
+    #[allow(clippy::result_large_err)] // as `route`
     fn route_remote_request(
         &self,
         address: &str,
