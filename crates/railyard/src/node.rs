@@ -59,6 +59,18 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
                     pending = m.pending(), pending_replies = m.pending_replies,
                     consumers = m.registered_consumers, "bus counters"
                 );
+                if let Some(c) = &cluster {
+                    let k = c.counters();
+                    let view = c.view();
+                    tracing::info!(
+                        members = view.members.len(), store_connected = view.connected,
+                        frames_out = k.frames_out.get(), frames_in = k.frames_in.get(),
+                        connects = k.connects.get(), disconnects = k.disconnects.get(),
+                        failed_on_loss = k.failed_on_loss.get(), malformed = k.malformed.get(),
+                        link_full = k.link_full.get(), store_outages = k.store_outages.get(),
+                        "cluster counters"
+                    );
+                }
             }
         }
     }
