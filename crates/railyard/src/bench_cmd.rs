@@ -104,8 +104,36 @@ impl RuntimeArg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Peer {
-    /// Vert.x 4.5 (peers/vertx-eventbus).
+    /// Vert.x 4.5 without a cluster (peers/vertx-eventbus).
     Vertx,
+    /// Vert.x 4.5 clustered on Hazelcast (needs --cluster etcd on our side).
+    VertxHazelcast,
+    /// Vert.x 4.5 clustered on Infinispan (needs --cluster etcd on our side).
+    VertxInfinispan,
+    /// Vert.x 4.5 clustered on Zookeeper (needs --cluster etcd on our side).
+    VertxZookeeper,
+}
+
+impl Peer {
+    /// The peer's `--cluster` value.
+    fn cluster(self) -> &'static str {
+        match self {
+            Peer::Vertx => "none",
+            Peer::VertxHazelcast => "hazelcast",
+            Peer::VertxInfinispan => "infinispan",
+            Peer::VertxZookeeper => "zookeeper",
+        }
+    }
+
+    /// Its name in tables and JSON rows.
+    fn label(self) -> &'static str {
+        match self {
+            Peer::Vertx => "vertx",
+            Peer::VertxHazelcast => "vertx-hazelcast",
+            Peer::VertxInfinispan => "vertx-infinispan",
+            Peer::VertxZookeeper => "vertx-zookeeper",
+        }
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -230,10 +258,17 @@ fn check_common(c: &CommonArgs) -> anyhow::Result<()> {
     if c.nodes == 2 && c.cluster == ClusterArg::None {
         bail!("--nodes 2 needs a cluster: add --cluster etcd");
     }
-    if c.cluster != ClusterArg::None && c.vs.is_some() {
-        bail!(
-            "--vs vertx runs Vert.x without a cluster; drop --vs, or compare with --cluster none"
-        );
+    match c.vs {
+        Some(Peer::Vertx) if c.nodes == 2 => {
+            bail!("--vs vertx has no cluster, so no second node: use --vs vertx-hazelcast (or -infinispan, -zookeeper)")
+        }
+        Some(p) if p != Peer::Vertx && c.cluster == ClusterArg::None => {
+            bail!(
+                "--vs {} compares clustered runs: add --cluster etcd",
+                p.label()
+            )
+        }
+        _ => {}
     }
     if c.runs == 0 {
         bail!("--runs must be at least 1");
@@ -300,16 +335,26 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
         eprintln!("== pingpong run {run}/{}: railyard ==", a.common.runs);
         ours.push(pingpong::run(&cfg).await?);
         if let Some(p) = &peer {
-            eprintln!("== pingpong run {run}/{}: vertx ==", a.common.runs);
+            eprintln!(
+                "== pingpong run {run}/{}: {} ==",
+                a.common.runs,
+                a.common.vs.map_or("vertx", Peer::label)
+            );
+            let vs = a.common.vs.expect("a peer is set");
             let args = vec![
                 "pingpong".to_owned(),
                 "--messages".to_owned(),
                 a.messages.to_string(),
                 "--cluster".to_owned(),
-                "none".to_owned(),
+                vs.cluster().to_owned(),
+                "--nodes".to_owned(),
+                a.common.nodes.to_string(),
             ];
             let v = p.run(&args, !a.quiet).await?;
-            theirs.push(serde_json::from_value(v).context("reading the peer's pingpong result")?);
+            let mut r: PingpongResult =
+                serde_json::from_value(v).context("reading the peer's pingpong result")?;
+            r.system = vs.label().to_owned();
+            theirs.push(r);
         }
     }
     let med = |rs: &[PingpongResult], f: fn(&PingpongResult) -> f64| {
@@ -327,15 +372,16 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     if !theirs.is_empty() {
         let their_all = med(&theirs, |r| r.all_replies_ms).unwrap_or(0.0);
         rows.push(vec![
-            "vertx".to_owned(),
+            a.common.vs.map_or("vertx", Peer::label).to_owned(),
             thousands(a.messages),
             format!("{:.1}", med(&theirs, |r| r.first_reply_ms).unwrap_or(0.0)),
             format!("{their_all:.1}"),
             format!("{:.2}x", their_all / our_all),
         ]);
         println!(
-            "\nrailyard is {:.1}x faster than vertx (median all_replies_ms)",
-            their_all / our_all
+            "\nrailyard is {:.1}x faster than {} (median all_replies_ms)",
+            their_all / our_all,
+            a.common.vs.map_or("vertx", Peer::label)
         );
     }
     println!(
@@ -397,7 +443,8 @@ fn echo_configs(a: &EchoArgs, cluster: Option<ClusterTarget>) -> Vec<EchoConfig>
     out
 }
 
-fn peer_echo_args(c: &EchoConfig) -> Vec<String> {
+fn peer_echo_args(c: &EchoConfig, peer: Peer, nodes: u8) -> Vec<String> {
+    let nodes = nodes.to_string();
     [
         "echo",
         "--duration",
@@ -415,7 +462,9 @@ fn peer_echo_args(c: &EchoConfig) -> Vec<String> {
         "--method",
         c.method.as_str(),
         "--cluster",
-        "none",
+        peer.cluster(),
+        "--nodes",
+        &nodes,
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -472,13 +521,18 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
             ours.push(r);
             if let Some(p) = &peer {
                 let pb = ProgressBar::new_spinner();
-                pb.set_message(format!("vertx {label} #{run}"));
+                let name = a.common.vs.map_or("vertx", Peer::label);
+                pb.set_message(format!("{name} {label} #{run}"));
                 pb.enable_steady_tick(Duration::from_millis(200));
-                let v = p.run(&peer_echo_args(cfg), false).await?;
-                let r: EchoResult =
+                let vs = a.common.vs.expect("a peer is set");
+                let v = p
+                    .run(&peer_echo_args(cfg, vs, a.common.nodes), false)
+                    .await?;
+                let mut r: EchoResult =
                     serde_json::from_value(v).context("reading the peer's echo result")?;
+                r.system = name.to_owned();
                 pb.finish_with_message(format!(
-                    "vertx {label} #{run}: {} round trips/s",
+                    "{name} {label} #{run}: {} round trips/s",
                     thousands(r.round_trips_per_s as u64)
                 ));
                 theirs.push(r);
@@ -521,6 +575,11 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         all.extend(ours);
         all.extend(theirs);
     }
+    let name = a.common.vs.map_or("vertx", Peer::label);
+    let peer_cols = [
+        format!("{name} round trips/s"),
+        format!("railyard / {name}"),
+    ];
     let mut header = vec![
         "ClusterManager",
         "useLocalConsumer?",
@@ -530,7 +589,7 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         "railyard round trips/s",
     ];
     if peer.is_some() {
-        header.extend(["vertx round trips/s", "railyard / vertx"]);
+        header.extend(peer_cols.iter().map(String::as_str));
     }
     println!(
         "\necho: {} instances, {} in flight, {:?} window after {:?} warm-up, median of {} run(s)\n{}",

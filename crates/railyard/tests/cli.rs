@@ -88,6 +88,21 @@ fn unknown_cluster_manager_is_a_clear_error() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--nodes 2 needs a cluster"), "{err}");
+
+    let out = railyard()
+        .args([
+            "bench",
+            "echo",
+            "--vs",
+            "vertx-hazelcast",
+            "--duration",
+            "1s",
+        ])
+        .output()
+        .expect("run railyard");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("add --cluster etcd"), "{err}");
 }
 
 /// Runs `railyard bench <args> --json <file>`; returns its stdout and the JSON rows.
