@@ -141,25 +141,27 @@ public final class Node implements AutoCloseable {
     });
   }
 
-  /** Closes Vert.x (leaving the cluster), then the server JVM, then the private ZooKeeper. */
+  /** Stops the server JVM, then closes Vert.x (leaving the cluster), then the private ZooKeeper. */
   @Override
   public void close() throws Exception {
     closeQuietly(vertx, server, zookeeper);
   }
 
   private static void closeQuietly(Vertx vertx, ServerProcess server, ZookeeperServer zk) {
-    if (vertx != null) {
-      try {
-        vertx.close().toCompletionStage().toCompletableFuture().get(60, TimeUnit.SECONDS);
-      } catch (Exception e) {
-        System.err.println("warning: closing Vert.x failed: " + e);
-      }
-    }
+    // The server JVM leaves first, while this node is still a member to take over its share of the
+    // cluster state, so neither side waits for a dead peer.
     if (server != null) {
       try {
         server.close();
       } catch (Exception e) {
         System.err.println("warning: stopping the server JVM failed: " + e);
+      }
+    }
+    if (vertx != null) {
+      try {
+        vertx.close().toCompletionStage().toCompletableFuture().get(60, TimeUnit.SECONDS);
+      } catch (Exception e) {
+        System.err.println("warning: closing Vert.x failed: " + e);
       }
     }
     if (zk != null) {

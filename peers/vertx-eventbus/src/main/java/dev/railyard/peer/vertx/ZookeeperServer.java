@@ -8,10 +8,8 @@ import java.net.Socket;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Path;
-import java.util.Comparator;
 import java.util.List;
 import java.util.concurrent.TimeUnit;
-import java.util.stream.Stream;
 
 /**
  * A private, standalone ZooKeeper server for one run: Debian's {@code zookeeper} package
@@ -59,22 +57,25 @@ public final class ZookeeperServer implements AutoCloseable {
       ""));
     String java = ProcessHandle.current().info().command().orElse(
       Path.of(System.getProperty("java.home"), "bin", "java").toString());
-    ProcessBuilder pb = new ProcessBuilder(java, "-Xms256m", "-Xmx512m", "-Dzookeeper.admin.enableServer=false",
-      "-cp", classpath, "org.apache.zookeeper.server.ZooKeeperServerMain", cfg.toString())
+    // A shell keeps the server tied to this JVM: it runs ZooKeeper in the background and waits
+    // for end-of-file on its stdin (this JVM closing it, or dying), then stops ZooKeeper and
+    // deletes the data directory. So no ZooKeeper outlives its run, even after a SIGKILL.
+    String script = "exec 3<&0; \"$0\" -Xms256m -Xmx512m -Dzookeeper.admin.enableServer=false -cp \"$1\""
+      + " org.apache.zookeeper.server.ZooKeeperServerMain \"$2/zoo.cfg\" </dev/null >\"$2/zookeeper.log\" 2>&1 &"
+      + " z=$!; cat <&3 >/dev/null; kill $z; wait $z; rm -rf \"$2\"";
+    ProcessBuilder pb = new ProcessBuilder("sh", "-c", script, java, classpath, dir.toString())
       .redirectErrorStream(true)
-      .redirectOutput(dir.resolve("zookeeper.log").toFile());
+      .redirectOutput(ProcessBuilder.Redirect.DISCARD);
     Process process = pb.start();
     ZookeeperServer server = new ZookeeperServer(process, dir, port);
     long deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(60);
     while (!server.ruok()) {
-      if (!process.isAlive()) {
-        String log = Files.readString(dir.resolve("zookeeper.log"));
+      if (!process.isAlive() || (System.nanoTime() > deadline)) {
+        Path logFile = dir.resolve("zookeeper.log");
+        String log = Files.exists(logFile) ? Files.readString(logFile) : "(no log)";
         server.close();
-        throw new IllegalStateException("ZooKeeper exited with " + process.exitValue() + ":\n" + log);
-      }
-      if (System.nanoTime() > deadline) {
-        server.close();
-        throw new IllegalStateException("ZooKeeper did not answer on " + server.connectString() + " within 60 s");
+        throw new IllegalStateException("ZooKeeper did not answer on " + server.connectString()
+          + " within 60 s; its log:\n" + log);
       }
       Thread.sleep(100);
     }
@@ -98,14 +99,17 @@ public final class ZookeeperServer implements AutoCloseable {
     }
   }
 
+  /** Closes the shell's stdin: it stops ZooKeeper and deletes the data directory. */
   @Override
   public void close() throws Exception {
-    process.destroy();
-    if (!process.waitFor(10, TimeUnit.SECONDS)) {
-      process.destroyForcibly().waitFor(10, TimeUnit.SECONDS);
+    try {
+      process.getOutputStream().close();
+    } catch (IOException e) {
+      // Already gone.
     }
-    try (Stream<Path> walk = Files.walk(dir)) {
-      walk.sorted(Comparator.reverseOrder()).forEach(p -> p.toFile().delete());
+    if (!process.waitFor(30, TimeUnit.SECONDS)) {
+      System.err.println("warning: ZooKeeper did not stop within 30 s");
+      process.destroyForcibly().waitFor(10, TimeUnit.SECONDS);
     }
   }
 }
