@@ -15,10 +15,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crossbeam_utils::CachePadded;
 use railyard_bus::{DeliveryOptions, EventBus};
+use railyard_cluster::ClusterNode;
 use serde::{Deserialize, Serialize};
 
+use crate::cluster::{self, ClusterBenchError, ClusterTarget, ServeConfig, ServerProcess};
 use crate::loops::{EventLoops, RuntimeKind};
+
+/// The seed's message body.
+const BODY: &str = ":)";
 
 /// Which registration the echoer (and send-send reply consumers) use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,6 +107,9 @@ pub struct EchoConfig {
     pub loops: usize,
     /// How tasks are scheduled on those threads.
     pub runtime: RuntimeKind,
+    /// `None`: a plain bus. `Some`: a bus joined to etcd, and with two nodes
+    /// the echoers in a second process.
+    pub cluster: Option<ClusterTarget>,
 }
 
 /// One echo run.
@@ -131,6 +140,9 @@ pub struct EchoResult {
     pub round_trips: u64,
     /// `round_trips / duration_s`.
     pub round_trips_per_s: f64,
+    /// Processes (nodes) the run used: 1, or 2 with the echoers in the second.
+    #[serde(default = "one")]
+    pub nodes: usize,
     /// Railyard only: `loops` or `multi`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<String>,
@@ -139,33 +151,88 @@ pub struct EchoResult {
     pub threads: Option<usize>,
 }
 
-const ECHO: &str = "echo";
-const REPLY_TO: &str = "replyTo";
+fn one() -> usize {
+    1
+}
 
+const ECHO: &str = "echo";
+/// The header that carries a send-send chain's reply address.
+pub(crate) const REPLY_TO: &str = "replyTo";
+
+/// One tester instance's counters: one per chain.
 struct Instance {
-    round_trips: AtomicU64,
+    chains: Box<[CachePadded<AtomicU64>]>,
+}
+
+impl Instance {
+    fn new(chains: usize) -> Self {
+        Self {
+            chains: (0..chains)
+                .map(|_| CachePadded::new(AtomicU64::new(0)))
+                .collect(),
+        }
+    }
+
+    /// Counts one round trip of chain `c`. A chain is sequential (one task,
+    /// or one consumer whose handler runs one message at a time), so only one
+    /// thread at a time writes its counter: a relaxed load + store is exact
+    /// and, unlike `fetch_add`, costs no locked instruction.
+    #[inline]
+    fn count(&self, c: usize) {
+        let n = &self.chains[c];
+        n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+
+    fn total(&self) -> u64 {
+        self.chains.iter().map(|n| n.load(Ordering::Relaxed)).sum()
+    }
 }
 
 /// Runs echo on Railyard's bus; `progress` is called about every 100 ms with
 /// the elapsed time and the round trips so far.
 ///
+/// # Errors
+/// [`ClusterBenchError`] when a clustered run cannot be set up.
+///
 /// # Panics
 /// If a bench task panics or registration fails.
-pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> EchoResult {
+pub async fn run(
+    cfg: &EchoConfig,
+    mut progress: impl FnMut(Duration, u64),
+) -> Result<EchoResult, ClusterBenchError> {
     let loops = EventLoops::new(cfg.loops, cfg.runtime);
-    let bus = EventBus::new();
+    let (bus, node) = match &cfg.cluster {
+        None => (EventBus::new(), None),
+        Some(t) => {
+            let (bus, node) = cluster::join(&t.etcd, "bench").await?;
+            (bus, Some(node))
+        }
+    };
+    let two_nodes = cfg.cluster.as_ref().is_some_and(|t| t.nodes >= 2);
+    let server = match &cfg.cluster {
+        Some(t) if two_nodes => {
+            let serve = ServeConfig {
+                address: ECHO.into(),
+                instances: cfg.instances.max(1),
+                consumer: cfg.consumer,
+                method: cfg.method,
+                loops: cfg.loops,
+            };
+            let server = ServerProcess::start(t, &serve).await?;
+            cluster::wait_routed(&bus, &[ECHO.to_owned()]).await?;
+            Some(server)
+        }
+        _ => None,
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let opts = Arc::new(DeliveryOptions::new().local_only(cfg.delivery == Delivery::LocalOnly));
-    let instances: Vec<Arc<Instance>> = (0..cfg.instances.max(1))
-        .map(|_| {
-            Arc::new(Instance {
-                round_trips: AtomicU64::new(0),
-            })
-        })
-        .collect();
+    let n = cfg.instances.max(1);
+    let share = |i: usize| cfg.in_flight / n + usize::from(i < cfg.in_flight % n);
+    let instances: Vec<Arc<Instance>> = (0..n).map(|i| Arc::new(Instance::new(share(i)))).collect();
 
     // Register every echoer first, so no chain starts against a partial set.
-    for (i, _) in instances.iter().enumerate() {
+    // With two nodes the echoers live in the other process.
+    for (i, _) in instances.iter().enumerate().filter(|_| !two_nodes) {
         let bus = bus.clone();
         let opts = opts.clone();
         let kind = cfg.consumer;
@@ -201,33 +268,46 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
             .await;
     }
 
-    let n = instances.len();
     for (i, inst) in instances.iter().enumerate() {
-        let share = cfg.in_flight / n + usize::from(i < cfg.in_flight % n);
+        let share = share(i);
         let (bus, opts, stop, inst) = (bus.clone(), opts.clone(), stop.clone(), inst.clone());
         match cfg.method {
             Method::SendReply => {
                 for c in 0..share {
                     let (bus, opts, stop, inst) =
                         (bus.clone(), opts.clone(), stop.clone(), inst.clone());
-                    loops.spawn_on(i, send_reply_chain(bus, opts, stop, inst, c as u64));
+                    loops.spawn_on(i, send_reply_chain(bus, opts, stop, inst, c));
                 }
             }
             Method::SendSend => {
                 let kind = cfg.consumer;
+                let kicks = loops
+                    .run_on(
+                        i,
+                        send_send_chains(bus.clone(), opts, stop, inst, share, i, kind),
+                    )
+                    .await;
+                if two_nodes {
+                    // The echoers must route to every reply address before a
+                    // chain starts, or its first echo would find no handler.
+                    let addresses: Vec<String> = kicks.iter().map(|(a, _)| a.clone()).collect();
+                    if let Some(n) = &node {
+                        wait_subscribed(n, &addresses).await?;
+                    }
+                }
+                let b = bus.clone();
                 loops
-                    .run_on(i, send_send_chains(bus, opts, stop, inst, share, i, kind))
+                    .run_on(i, async move {
+                        for (_, opts) in kicks {
+                            let _ = b.send_with(ECHO, String::from(BODY), &opts);
+                        }
+                    })
                     .await;
             }
         }
     }
 
-    let total = || {
-        instances
-            .iter()
-            .map(|i| i.round_trips.load(Ordering::Relaxed))
-            .sum::<u64>()
-    };
+    let total = || instances.iter().map(|i| i.total()).sum::<u64>();
     let start = Instant::now();
     let end_warmup = start + cfg.warmup;
     let end = end_warmup + cfg.duration;
@@ -254,11 +334,17 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
     let measured = t0.elapsed();
     stop.store(true, Ordering::Relaxed);
     drop(loops);
+    if let Some(n) = node {
+        let _ = n.leave().await;
+    }
+    if let Some(s) = server {
+        s.stop().await;
+    }
     let round_trips = c1 - c0;
-    EchoResult {
+    Ok(EchoResult {
         scenario: "echo".into(),
         system: "railyard".into(),
-        cluster: "none".into(),
+        cluster: cfg.cluster.as_ref().map_or("none", |t| t.name()).into(),
         consumer: cfg.consumer.as_str().into(),
         delivery: cfg.delivery.as_str().into(),
         method: cfg.method.as_str().into(),
@@ -268,9 +354,30 @@ pub async fn run(cfg: &EchoConfig, mut progress: impl FnMut(Duration, u64)) -> E
         warmup_s: cfg.warmup.as_secs_f64(),
         round_trips,
         round_trips_per_s: round_trips as f64 / measured.as_secs_f64(),
+        nodes: if two_nodes { 2 } else { 1 },
         runtime: Some(cfg.runtime.as_str().into()),
         threads: Some(cfg.loops),
+    })
+}
+
+/// Waits (at most 20 s) until the cluster store lists a subscription for
+/// each address, so other nodes are about to route to them; then lets their
+/// watches catch up briefly.
+async fn wait_subscribed(
+    node: &ClusterNode,
+    addresses: &[String],
+) -> Result<(), ClusterBenchError> {
+    for _ in 0..2000 {
+        let view = node.view();
+        if addresses.iter().all(|a| view.subscriptions.contains_key(a)) {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    Err(ClusterBenchError::Server(
+        "reply addresses never appeared in the cluster store".into(),
+    ))
 }
 
 /// One send-reply chain: a task that requests, counts the echo and requests again.
@@ -279,18 +386,21 @@ async fn send_reply_chain(
     opts: Arc<DeliveryOptions>,
     stop: Arc<AtomicBool>,
     inst: Arc<Instance>,
-    seed: u64,
+    chain: usize,
 ) {
-    let mut body = railyard_bus::Body::new(seed);
+    let mut body = railyard_bus::Body::new(String::from(BODY));
     while !stop.load(Ordering::Relaxed) {
         match bus.request_with(ECHO, body, &opts).await {
-            Ok(mut m) => body = m.take_body(),
+            Ok(mut m) => {
+                body = m.take_body();
+                inst.count(chain);
+            }
             Err(e) => {
+                // Not a round trip: only echoes that came back count.
                 tracing::warn!(error = %e, "echo request failed");
-                body = railyard_bus::Body::new(seed);
+                body = railyard_bus::Body::new(String::from(BODY));
             }
         }
-        inst.round_trips.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -302,28 +412,29 @@ async fn send_send_chains(
     chains: usize,
     instance: usize,
     kind: ConsumerKind,
-) {
+) -> Vec<(String, Arc<DeliveryOptions>)> {
+    let mut kicks = Vec::with_capacity(chains);
     for c in 0..chains {
         let address = format!("echo.reply.{instance}.{c}");
         let send_opts = Arc::new(DeliveryOptions::clone(&opts).header(REPLY_TO, address.clone()));
         let b = match kind {
-            ConsumerKind::Consumer => bus.consumer(address),
-            ConsumerKind::Local => bus.local_consumer(address),
+            ConsumerKind::Consumer => bus.consumer(address.clone()),
+            ConsumerKind::Local => bus.local_consumer(address.clone()),
         };
         let (hb, ho, hs, hi) = (bus.clone(), send_opts.clone(), stop.clone(), inst.clone());
+        // A synchronous handler (a ready future), like the peer's: nothing is
+        // cloned per message.
         b.handler(move |mut m| {
-            let (bus, opts, stop, inst) = (hb.clone(), ho.clone(), hs.clone(), hi.clone());
-            async move {
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                inst.round_trips.fetch_add(1, Ordering::Relaxed);
-                let _ = bus.send_with(ECHO, m.take_body(), &opts);
+            if !hs.load(Ordering::Relaxed) {
+                hi.count(c);
+                let _ = hb.send_with(ECHO, m.take_body(), &ho);
             }
+            std::future::ready(())
         })
         .await
         .expect("register a reply consumer");
         // The reply address is registered: the chain may start.
-        let _ = bus.send_with(ECHO, c as u64, &send_opts);
+        kicks.push((address, send_opts));
     }
+    kicks
 }

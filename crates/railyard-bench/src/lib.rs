@@ -6,6 +6,7 @@
 //! - [`echo`]: seed 001, echo round trips in a window, and its matrix.
 //! - [`bridge`]: request/reply round trips through a TCP event-bus bridge
 //!   server (a `railyard node` or the Vert.x peer) run as its own process.
+//! - [`cluster`]: clustered runs: a bus joined to etcd, the second node process.
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
@@ -14,6 +15,7 @@
 //! `system` and its full configuration, so rows from different runs join.
 
 pub mod bridge;
+pub mod cluster;
 pub mod echo;
 pub mod loops;
 pub mod peer;

@@ -10,6 +10,8 @@ use railyard_bus::EventBus;
 use serde::Serialize;
 use std::collections::VecDeque;
 
+use crate::cluster::{self, ClusterBenchError, ClusterTarget, ServeConfig, ServerProcess};
+use crate::echo::{ConsumerKind, Method};
 use crate::loops::{EventLoops, RuntimeKind};
 
 /// Pingpong settings.
@@ -21,6 +23,9 @@ pub struct PingpongConfig {
     pub verbose: bool,
     /// How the consumer and producer tasks are scheduled (two threads).
     pub runtime: RuntimeKind,
+    /// `None`: a plain bus. `Some`: joined to etcd; with two nodes the
+    /// consumer runs in a second process.
+    pub cluster: Option<ClusterTarget>,
 }
 
 /// One pingpong run.
@@ -41,6 +46,9 @@ pub struct PingpongResult {
     /// Requests that failed.
     #[serde(default)]
     pub failures: u64,
+    /// Processes (nodes) the run used.
+    #[serde(default = "one")]
+    pub nodes: usize,
     /// Railyard only: `loops` or `multi`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<String>,
@@ -48,27 +56,61 @@ pub struct PingpongResult {
 
 const ADDRESS: &str = "ping-address";
 
+fn one() -> usize {
+    1
+}
+
 /// Runs pingpong on Railyard's bus.
+///
+/// # Errors
+/// [`ClusterBenchError`] when a clustered run cannot be set up.
 ///
 /// # Panics
 /// If a bench task panics.
-pub async fn run(cfg: &PingpongConfig) -> PingpongResult {
+pub async fn run(cfg: &PingpongConfig) -> Result<PingpongResult, ClusterBenchError> {
     let loops = EventLoops::new(2, cfg.runtime);
-    let bus = EventBus::new();
+    let (bus, node) = match &cfg.cluster {
+        None => (EventBus::new(), None),
+        Some(t) => {
+            let (bus, node) = cluster::join(&t.etcd, "bench").await?;
+            (bus, Some(node))
+        }
+    };
+    let two_nodes = cfg.cluster.as_ref().is_some_and(|t| t.nodes >= 2);
     let started = Instant::now();
+    let server = match &cfg.cluster {
+        Some(t) if two_nodes => {
+            let serve = ServeConfig {
+                address: ADDRESS.into(),
+                instances: 1,
+                consumer: ConsumerKind::Consumer,
+                method: Method::SendReply,
+                loops: 1,
+            };
+            let server = ServerProcess::start(t, &serve).await?;
+            cluster::wait_routed(&bus, &[ADDRESS.to_owned()]).await?;
+            Some(server)
+        }
+        _ => None,
+    };
     let consumer_bus = bus.clone();
     loops
         .run_on(0, async move {
-            consumer_bus
-                .consumer(ADDRESS)
-                .handler(|mut m| async move {
-                    let v = m.body::<u64>().copied().unwrap_or_default();
-                    // Only requests arrive here; an error would mean the
-                    // producer gave up, which the producer reports.
-                    let _ = m.reply(v);
-                })
-                .await
-                .expect("register the ping consumer")
+            if two_nodes {
+                return None;
+            }
+            Some(
+                consumer_bus
+                    .consumer(ADDRESS)
+                    .handler(|mut m| async move {
+                        let v = m.body::<u64>().copied().unwrap_or_default();
+                        // Only requests arrive here; an error would mean the
+                        // producer gave up, which the producer reports.
+                        let _ = m.reply(v);
+                    })
+                    .await
+                    .expect("register the ping consumer"),
+            )
         })
         .await;
     if cfg.verbose {
@@ -128,14 +170,22 @@ pub async fn run(cfg: &PingpongConfig) -> PingpongResult {
             (first.unwrap_or(all), all, failures)
         })
         .await;
-    PingpongResult {
+    drop(loops);
+    if let Some(n) = node {
+        let _ = n.leave().await;
+    }
+    if let Some(s) = server {
+        s.stop().await;
+    }
+    Ok(PingpongResult {
         scenario: "pingpong".into(),
         system: "railyard".into(),
-        cluster: "none".into(),
+        cluster: cfg.cluster.as_ref().map_or("none", |t| t.name()).into(),
         messages,
         first_reply_ms: first.as_secs_f64() * 1e3,
         all_replies_ms: all.as_secs_f64() * 1e3,
         failures,
+        nodes: if two_nodes { 2 } else { 1 },
         runtime: Some(cfg.runtime.as_str().into()),
-    }
+    })
 }

@@ -14,45 +14,53 @@ use crate::consumer::ConsumerBuilder;
 use crate::interceptor::{InterceptorId, MessageKind, Outbound, Verdict};
 use crate::metrics::{shard_count, thread_shard, BusCounters, ConsumerStats};
 use crate::queue::{ConsumerQueue, Envelope, Refused};
-use crate::reply::PendingReply;
+use crate::remote::{
+    ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, ReplySink, Undelivered,
+};
+use crate::reply::{PendingReply, ReplySender};
 use crate::timeouts::Timeouts;
 use crate::{
     Body, BusError, CodecError, CodecRegistry, DeliveryOptions, Headers, Interceptor, Message,
     MessageCodec, MetricsSnapshot, SendError,
 };
 
+type Locals = Box<[Arc<ConsumerQueue>]>;
+type Remotes = Box<[Arc<dyn RemoteNode>]>;
 type Table = HashMap<Arc<str>, Arc<AddressEntry>, foldhash::fast::RandomState>;
 
 /// The consumers at one address. Immutable once published in the table:
 /// a registration change builds a new entry.
 struct AddressEntry {
     consumers: Box<[Arc<ConsumerQueue>]>,
+    /// Other nodes with consumers here (clustered only). Chosen round-robin
+    /// together with the local consumers.
+    remotes: Box<[Arc<dyn RemoteNode>]>,
     /// Round-robin cursors, one cache line per thread shard, so two threads
     /// sending to one address do not bounce a shared counter between cores.
     cursors: Box<[CachePadded<AtomicUsize>]>,
 }
 
 impl AddressEntry {
-    fn new(consumers: Box<[Arc<ConsumerQueue>]>) -> Self {
+    fn new(consumers: Box<[Arc<ConsumerQueue>]>, remotes: Box<[Arc<dyn RemoteNode>]>) -> Self {
         // The same per-thread shards as the counters (a power of two).
-        let shards = if consumers.len() > 1 {
+        let shards = if consumers.len() + remotes.len() > 1 {
             shard_count()
         } else {
             0
         };
         Self {
             consumers,
+            remotes,
             cursors: (0..shards)
                 .map(|_| CachePadded::new(AtomicUsize::new(0)))
                 .collect(),
         }
     }
 
-    /// Index of the next consumer for this thread.
+    /// Index of the next of `n` targets for this thread.
     #[inline]
-    fn next_start(&self) -> usize {
-        let n = self.consumers.len();
-        if n <= 1 {
+    fn next_start(&self, n: usize) -> usize {
+        if n <= 1 || self.cursors.is_empty() {
             return 0;
         }
         let shard = thread_shard() & (self.cursors.len() - 1);
@@ -74,6 +82,8 @@ pub(crate) struct Inner {
     write: Mutex<()>,
     /// Totals of consumers that were unregistered, so bus metrics never go down.
     retired: Mutex<ConsumerStats>,
+    /// Told of registrations other nodes must learn of; `None` unless clustered.
+    hook: RwLock<Option<Arc<dyn ClusterHook>>>,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -197,6 +207,7 @@ impl EventBus {
                 table: ArcSwap::from_pointee(Table::default()),
                 write: Mutex::new(()),
                 retired: Mutex::new(ConsumerStats::default()),
+                hook: RwLock::new(None),
                 shared: Arc::new(Shared {
                     counters: BusCounters::new(),
                     has_interceptors: AtomicBool::new(false),
@@ -238,15 +249,30 @@ impl EventBus {
     ///
     /// # Errors
     /// As [`send`](Self::send).
+    #[inline]
     pub fn send_with<T: Any + Send + Sync>(
         &self,
         address: &str,
         body: T,
         options: &DeliveryOptions,
     ) -> Result<(), SendError> {
+        self.send_body(address, Body::new(body), options)
+    }
+
+    /// [`send_with`](Self::send_with) for a body that is already a [`Body`]
+    /// (a transport delivering what came off the wire).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn send_body(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+    ) -> Result<(), SendError> {
         let mut env = Envelope {
             headers: options.headers.clone(),
-            body: Body::new(body),
+            body,
             reply: None,
             send: true,
         };
@@ -254,7 +280,7 @@ impl EventBus {
             return Err(SendError::new(e, env.body));
         }
         self.inner.shared.counters.sent.add(1);
-        self.route(address, env, options.local_only)
+        self.route(address, env, options)
             .map_err(|(e, env, _)| SendError::new(e, env.body))
     }
 
@@ -282,15 +308,19 @@ impl EventBus {
         }
         self.inner.shared.counters.sent.add(1);
         loop {
-            match self.route(address, env, options.local_only) {
+            match self.route(address, env, options) {
                 Ok(()) => return Ok(()),
-                Err((BusError::Full { .. }, back, Some(queue))) => {
+                Err((BusError::Full { .. }, back, Some(Room::Local(queue)))) => {
                     let mut slot = Some(back);
                     match std::future::poll_fn(|cx| queue.poll_push(&mut slot, cx)).await {
                         Ok(()) => return Ok(()),
                         // Closed meanwhile: route again.
                         Err(_) => env = slot.take().expect("a refused push leaves the envelope"),
                     }
+                }
+                Err((BusError::Full { .. }, back, Some(Room::Remote(node)))) => {
+                    std::future::poll_fn(|cx| node.poll_room(cx)).await;
+                    env = back;
                 }
                 Err((e, back, _)) => return Err(SendError::new(e, back.body)),
             }
@@ -304,10 +334,21 @@ impl EventBus {
     }
 
     /// [`request`](Self::request) with delivery options (timeout, headers...).
+    #[inline]
     pub fn request_with<T: Any + Send + Sync>(
         &self,
         address: &str,
         body: T,
+        options: &DeliveryOptions,
+    ) -> PendingReply<'_> {
+        self.request_body(address, Body::new(body), options)
+    }
+
+    /// [`request_with`](Self::request_with) for a body that is already a [`Body`].
+    pub fn request_body(
+        &self,
+        address: &str,
+        body: Body,
         options: &DeliveryOptions,
     ) -> PendingReply<'_> {
         let start = tokio::time::Instant::now();
@@ -315,20 +356,20 @@ impl EventBus {
         let (tx, rx) = oneshot::channel();
         let mut env = Envelope {
             headers: options.headers.clone(),
-            body: Body::new(body),
-            reply: Some(tx),
+            body,
+            reply: Some(ReplySender::Local(tx)),
             send: true,
         };
         if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
             return PendingReply::failed(self, e);
         }
         self.inner.shared.counters.sent.add(1);
-        match self.route(address, env, options.local_only) {
+        match self.route(address, env, options) {
             Ok(()) => {
                 PendingReply::waiting(&self.inner.shared, Some(self), rx, options.timeout, start)
             }
-            Err((BusError::Full { .. }, env, Some(queue))) => {
-                PendingReply::blocked(self, queue, env, address, rx, options.timeout, start)
+            Err((BusError::Full { .. }, env, Some(room))) => {
+                PendingReply::blocked(self, room, env, address, rx, options.timeout, start)
             }
             Err((e, _, _)) => PendingReply::failed(self, e),
         }
@@ -351,15 +392,29 @@ impl EventBus {
     ///
     /// # Errors
     /// As [`publish`](Self::publish).
+    #[inline]
     pub fn publish_with<T: Any + Send + Sync>(
         &self,
         address: &str,
         body: T,
         options: &DeliveryOptions,
     ) -> Result<PublishReport, SendError> {
+        self.publish_body(address, Body::new(body), options)
+    }
+
+    /// [`publish_with`](Self::publish_with) for a body that is already a [`Body`].
+    ///
+    /// # Errors
+    /// As [`publish`](Self::publish).
+    pub fn publish_body(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+    ) -> Result<PublishReport, SendError> {
         let mut env = Envelope {
             headers: options.headers.clone(),
-            body: Body::new(body),
+            body,
             reply: None,
             send: false,
         };
@@ -381,6 +436,26 @@ impl EventBus {
                     Ok(()) => report.delivered += 1,
                     Err((Refused::Full, _)) => report.skipped_full += 1,
                     Err((Refused::Closed, _)) => {}
+                }
+            }
+            if !options.local_only {
+                let address: Arc<str> = address.into();
+                for node in entry.remotes.iter() {
+                    let msg = RemoteMessage {
+                        address: address.clone(),
+                        kind: RemoteKind::Publish,
+                        headers: env.headers.clone(),
+                        body: env.body.clone(),
+                        codec: options.codec.clone(),
+                        reply: None,
+                    };
+                    match node.deliver(msg) {
+                        Ok(()) => report.delivered += 1,
+                        Err(u) if matches!(u.error, BusError::Full { .. }) => {
+                            report.skipped_full += 1;
+                        }
+                        Err(_) => {}
+                    }
                 }
             }
         }
@@ -510,19 +585,32 @@ impl EventBus {
         e
     }
 
-    /// Puts a point-to-point envelope into one consumer's buffer.
+    /// Puts a point-to-point envelope into one consumer's buffer, or hands it
+    /// to a remote node's link.
     ///
-    /// On `Full`, returns the queue a waiting sender should wait on.
-    /// `_local_only` is unused until a cluster exists: today every consumer is local.
+    /// On `Full`, returns a local queue a waiting sender may wait on.
+    // The refusal hands the envelope back by value: boxing it would allocate
+    // on every full buffer, the path back-pressure exercises most.
+    #[allow(clippy::result_large_err)]
     #[inline]
     pub(crate) fn route(
         &self,
         address: &str,
         mut env: Envelope,
-        _local_only: bool,
-    ) -> Result<(), (BusError, Envelope, Option<Arc<ConsumerQueue>>)> {
+        options: &DeliveryOptions,
+    ) -> Result<(), (BusError, Envelope, Option<Room>)> {
         let table = self.inner.table.load();
-        let Some(entry) = table.get(address) else {
+        let entry = table.get(address);
+        let (locals, remotes) = entry.map_or((0, 0), |e| {
+            let remotes = if options.local_only {
+                0
+            } else {
+                e.remotes.len()
+            };
+            (e.consumers.len(), remotes)
+        });
+        let n = locals + remotes;
+        let Some(entry) = entry.filter(|_| n > 0) else {
             self.inner.shared.counters.undeliverable.add(1);
             return Err((
                 BusError::NoHandlers {
@@ -532,32 +620,47 @@ impl EventBus {
                 None,
             ));
         };
-        let consumers = &entry.consumers;
-        let n = consumers.len();
-        let start = entry.next_start();
-        let mut any_open = false;
+        let start = entry.next_start(n);
+        let mut full: Option<Room> = None;
         for k in 0..n {
             let idx = if start + k >= n {
                 start + k - n
             } else {
                 start + k
             };
-            match consumers[idx].try_push(env) {
-                Ok(()) => return Ok(()),
-                Err((refused, back)) => {
-                    any_open |= refused == Refused::Full;
-                    env = back;
+            if idx < locals {
+                match entry.consumers[idx].try_push(env) {
+                    Ok(()) => return Ok(()),
+                    Err((refused, back)) => {
+                        if refused == Refused::Full && !matches!(full, Some(Room::Local(_))) {
+                            full = Some(Room::Local(entry.consumers[idx].clone()));
+                        }
+                        env = back;
+                    }
+                }
+            } else {
+                let node = &entry.remotes[idx - locals];
+                match self.route_remote(node, address, env, options) {
+                    Ok(()) => return Ok(()),
+                    Err((e, back)) => {
+                        if matches!(e, BusError::Full { .. }) && full.is_none() {
+                            full = Some(Room::Remote(node.clone()));
+                        }
+                        env = back;
+                    }
                 }
             }
         }
         self.inner.shared.counters.undeliverable.add(1);
-        if any_open {
+        if full.is_some() {
+            // A waiting sender waits on a full local buffer if there is one
+            // (it drains fastest), else on a full link.
             Err((
                 BusError::Full {
                     address: address.to_owned(),
                 },
                 env,
-                Some(consumers[start].clone()),
+                full,
             ))
         } else {
             Err((
@@ -570,29 +673,82 @@ impl EventBus {
         }
     }
 
+    /// Hands a point-to-point envelope to another node's link.
+    #[cold]
+    fn route_remote(
+        &self,
+        node: &Arc<dyn RemoteNode>,
+        address: &str,
+        env: Envelope,
+        options: &DeliveryOptions,
+    ) -> Result<(), (BusError, Envelope)> {
+        let kind = if env.reply.is_some() {
+            RemoteKind::Request {
+                timeout: options.timeout,
+            }
+        } else {
+            RemoteKind::Send
+        };
+        let msg = RemoteMessage {
+            address: address.into(),
+            kind,
+            headers: env.headers,
+            body: env.body,
+            codec: options.codec.clone(),
+            reply: env.reply.map(|tx| ReplyHandle { tx }),
+        };
+        node.deliver(msg).map_err(|u| {
+            let Undelivered { error, message: m } = *u;
+            (
+                error,
+                Envelope {
+                    headers: m.headers,
+                    body: m.body,
+                    reply: m.reply.map(|h| h.tx),
+                    send: true,
+                },
+            )
+        })
+    }
+
     pub(crate) fn next_id(&self) -> u64 {
         self.inner.shared.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Adds a consumer queue to the registry.
-    pub(crate) fn register(&self, queue: Arc<ConsumerQueue>) {
-        let _w = self.inner.write.lock();
-        let current = self.inner.table.load_full();
-        let mut table = Table::clone(&current);
-        let consumers: Box<[Arc<ConsumerQueue>]> = match table.get(&*queue.address) {
-            Some(e) => e.consumers.iter().cloned().chain([queue.clone()]).collect(),
-            None => Box::new([queue.clone()]),
+    /// Adds a consumer queue to the registry. When clustered and this is the
+    /// address's first non-local consumer here, returns the advertisement to
+    /// await before the registration counts as done.
+    pub(crate) fn register(&self, queue: Arc<ConsumerQueue>) -> Option<Advertisement> {
+        let first_public = {
+            let _w = self.inner.write.lock();
+            let current = self.inner.table.load_full();
+            let mut table = Table::clone(&current);
+            let (consumers, remotes): (Locals, Remotes) = match table.get(&*queue.address) {
+                Some(e) => (
+                    e.consumers.iter().cloned().chain([queue.clone()]).collect(),
+                    e.remotes.clone(),
+                ),
+                None => (Box::new([queue.clone()]), Box::new([])),
+            };
+            let first_public = !queue.local && consumers.iter().filter(|q| !q.local).count() == 1;
+            table.insert(
+                queue.address.clone(),
+                Arc::new(AddressEntry::new(consumers, remotes)),
+            );
+            self.inner.table.store(Arc::new(table));
+            first_public
         };
-        table.insert(
-            queue.address.clone(),
-            Arc::new(AddressEntry::new(consumers)),
-        );
-        self.inner.table.store(Arc::new(table));
+        if !first_public {
+            return None;
+        }
+        let hook = self.inner.hook.read().clone()?;
+        Some(hook.advertise(&queue.address))
     }
 
     /// Removes a consumer queue from the registry, closes it and fails what
     /// it still buffered. Idempotent.
     pub(crate) fn unregister(&self, queue: &ConsumerQueue) {
+        let mut last_public = false;
         {
             let _w = self.inner.write.lock();
             let current = self.inner.table.load_full();
@@ -605,13 +761,22 @@ impl EventBus {
                         .filter(|q| q.id != queue.id)
                         .cloned()
                         .collect();
-                    if rest.is_empty() {
+                    last_public = !queue.local && !rest.iter().any(|q| !q.local);
+                    if rest.is_empty() && e.remotes.is_empty() {
                         table.remove(&*queue.address);
                     } else {
-                        table.insert(queue.address.clone(), Arc::new(AddressEntry::new(rest)));
+                        table.insert(
+                            queue.address.clone(),
+                            Arc::new(AddressEntry::new(rest, e.remotes.clone())),
+                        );
                     }
                     self.inner.table.store(Arc::new(table));
                 }
+            }
+        }
+        if last_public {
+            if let Some(hook) = self.inner.hook.read().clone() {
+                hook.withdraw(&queue.address);
             }
         }
         let Some(left) = queue.close() else {
@@ -622,7 +787,197 @@ impl EventBus {
         }
         self.inner.retired.lock().merge(&queue.stats());
     }
+
+    // ---- the cluster's side door (see `remote`) --------------------------
+
+    /// Installs (or with `None`, removes) the hook told about registrations
+    /// other nodes must learn of. Returns the addresses that already have
+    /// non-local consumers here, which the caller should advertise now.
+    pub fn set_cluster_hook(&self, hook: Option<Arc<dyn ClusterHook>>) -> Vec<String> {
+        let _w = self.inner.write.lock();
+        *self.inner.hook.write() = hook;
+        let table = self.inner.table.load();
+        table
+            .iter()
+            .filter(|(_, e)| e.consumers.iter().any(|q| !q.local))
+            .map(|(a, _)| a.to_string())
+            .collect()
+    }
+
+    /// Replaces the remote nodes that have consumers at `address`. The send
+    /// path sees the change at once; it never calls back into the cluster.
+    pub fn set_remote_nodes(&self, address: &str, nodes: Vec<Arc<dyn RemoteNode>>) {
+        let _w = self.inner.write.lock();
+        let current = self.inner.table.load_full();
+        let consumers = current
+            .get(address)
+            .map(|e| e.consumers.clone())
+            .unwrap_or_default();
+        let unchanged = match current.get(address) {
+            Some(e) => {
+                e.remotes.len() == nodes.len()
+                    && e.remotes.iter().zip(&nodes).all(|(a, b)| Arc::ptr_eq(a, b))
+            }
+            None => nodes.is_empty(),
+        };
+        if unchanged {
+            return;
+        }
+        let mut table = Table::clone(&current);
+        if consumers.is_empty() && nodes.is_empty() {
+            table.remove(address);
+        } else {
+            table.insert(
+                address.into(),
+                Arc::new(AddressEntry::new(consumers, nodes.into_boxed_slice())),
+            );
+        }
+        self.inner.table.store(Arc::new(table));
+    }
+
+    /// Delivers a request that came from another node: `sink.reply(id, ..)`
+    /// is called once with the answer (or `NoReply` if the consumer drops
+    /// it). Only local consumers are considered. Does not wait: when every
+    /// buffer is full the body comes back with [`BusError::Full`]; use
+    /// [`request_remote_wait`](Self::request_remote_wait) then.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send); `sink` is not called on error.
+    pub fn request_remote(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+        sink: Arc<dyn ReplySink>,
+        id: u64,
+    ) -> Result<(), SendError> {
+        match self.route_remote_request(address, body, options, sink, id) {
+            Ok(()) => Ok(()),
+            Err((e, env, _)) => Err(SendError::new(e, Self::disarm(env))),
+        }
+    }
+
+    /// [`request_remote`](Self::request_remote), waiting for room when every
+    /// buffer is full.
+    ///
+    /// # Errors
+    /// As [`request_remote`](Self::request_remote), except `Full`.
+    pub async fn request_remote_wait(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+        sink: Arc<dyn ReplySink>,
+        id: u64,
+    ) -> Result<(), SendError> {
+        let mut env = match self.route_remote_request(address, body, options, sink, id) {
+            Ok(()) => return Ok(()),
+            Err((BusError::Full { .. }, env, Some(Room::Local(q)))) => {
+                let mut slot = Some(env);
+                match std::future::poll_fn(|cx| q.poll_push(&mut slot, cx)).await {
+                    Ok(()) => return Ok(()),
+                    Err(_) => slot.take().expect("a refused push leaves the envelope"),
+                }
+            }
+            Err((e, env, _)) => return Err(SendError::new(e, Self::disarm(env))),
+        };
+        loop {
+            match self.route(address, env, options) {
+                Ok(()) => return Ok(()),
+                Err((BusError::Full { .. }, back, Some(Room::Local(q)))) => {
+                    let mut slot = Some(back);
+                    match std::future::poll_fn(|cx| q.poll_push(&mut slot, cx)).await {
+                        Ok(()) => return Ok(()),
+                        Err(_) => env = slot.take().expect("a refused push leaves the envelope"),
+                    }
+                }
+                Err((e, back, _)) => return Err(SendError::new(e, Self::disarm(back))),
+            }
+        }
+    }
+
+    #[allow(clippy::result_large_err)] // as `route`
+    fn route_remote_request(
+        &self,
+        address: &str,
+        body: Body,
+        options: &DeliveryOptions,
+        sink: Arc<dyn ReplySink>,
+        id: u64,
+    ) -> Result<(), (BusError, Envelope, Option<Room>)> {
+        let mut env = Envelope {
+            headers: options.headers.clone(),
+            body,
+            reply: Some(ReplySender::remote(sink, id)),
+            send: true,
+        };
+        if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
+            return Err((e, env, None));
+        }
+        let local = DeliveryOptions {
+            local_only: true,
+            ..options.clone()
+        };
+        self.route(address, env, &local)
+    }
+
+    /// Takes the body back from a refused envelope, without answering its
+    /// requester (the caller reports the refusal itself).
+    fn disarm(mut env: Envelope) -> Body {
+        if let Some(ReplySender::Remote(mut r)) = env.reply.take() {
+            r.disarm();
+        }
+        env.body
+    }
+
+    /// Addresses that currently list at least one remote node.
+    pub fn remote_addresses(&self) -> Vec<String> {
+        self.inner
+            .table
+            .load()
+            .iter()
+            .filter(|(_, e)| !e.remotes.is_empty())
+            .map(|(a, _)| a.to_string())
+            .collect()
+    }
+
+    /// Encodes a body for the wire with the named codec, or the default codec
+    /// for its type; an empty body encodes as codec `""` and no bytes.
+    ///
+    /// # Errors
+    /// [`CodecError`] when no codec fits.
+    pub fn encode_body(
+        &self,
+        body: &Body,
+        codec: Option<&str>,
+    ) -> Result<(Arc<str>, bytes::Bytes), CodecError> {
+        if body.is_empty() && codec.is_none() {
+            return Ok((Arc::from(""), bytes::Bytes::new()));
+        }
+        self.inner.shared.codecs.read().encode(body, codec)
+    }
+
+    /// Decodes bytes that came off the wire; codec `""` is the empty body.
+    ///
+    /// # Errors
+    /// [`CodecError`] for an unknown codec or malformed bytes.
+    pub fn decode_body(&self, codec: &str, bytes: bytes::Bytes) -> Result<Body, CodecError> {
+        if codec.is_empty() {
+            return Ok(Body::default());
+        }
+        self.inner.shared.codecs.read().decode(codec, bytes)
+    }
 }
+
+/// Where a sender that found every target full waits for room.
+pub(crate) enum Room {
+    Local(Arc<ConsumerQueue>),
+    Remote(Arc<dyn RemoteNode>),
+}
+
+/// A pending cluster advertisement of a new subscription.
+pub(crate) type Advertisement =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BusError>> + Send>>;
 
 impl std::fmt::Debug for EventBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

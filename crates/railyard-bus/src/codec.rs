@@ -88,6 +88,49 @@ impl MessageCodec for StringCodec {
     }
 }
 
+/// Integers as 8 big-endian bytes: `u64` under the name `u64`, `i64` under
+/// `i64`. Registered and made the default for those types.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IntCodec {
+    signed: bool,
+}
+
+impl MessageCodec for IntCodec {
+    fn name(&self) -> &str {
+        if self.signed {
+            "i64"
+        } else {
+            "u64"
+        }
+    }
+
+    fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
+        let bits = if self.signed {
+            body.downcast_ref::<i64>().map(|v| *v as u64)
+        } else {
+            body.downcast_ref::<u64>().copied()
+        };
+        bits.map(|b| Bytes::copy_from_slice(&b.to_be_bytes()))
+            .ok_or_else(|| wrong_type(self.name(), body))
+    }
+
+    fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
+        let arr: [u8; 8] = bytes
+            .as_ref()
+            .try_into()
+            .map_err(|_| CodecError::Malformed {
+                codec: self.name().to_owned(),
+                reason: format!("expected 8 bytes, got {}", bytes.len()),
+            })?;
+        let bits = u64::from_be_bytes(arr);
+        Ok(if self.signed {
+            Body::new(bits as i64)
+        } else {
+            Body::new(bits)
+        })
+    }
+}
+
 /// A JSON codec for one serde type `T` (the built-in `json` codec is
 /// `JsonCodec<serde_json::Value>`).
 pub struct JsonCodec<T> {
@@ -153,12 +196,16 @@ impl Default for CodecRegistry {
         let _ = r.register(Arc::new(BytesCodec));
         let _ = r.register(Arc::new(StringCodec));
         let _ = r.register(Arc::new(JsonCodec::<serde_json::Value>::new("json")));
+        let _ = r.register(Arc::new(IntCodec { signed: false }));
+        let _ = r.register(Arc::new(IntCodec { signed: true }));
         for (t, name) in [
             (TypeId::of::<Bytes>(), "bytes"),
             (TypeId::of::<Vec<u8>>(), "bytes"),
             (TypeId::of::<String>(), "string"),
             (TypeId::of::<&'static str>(), "string"),
             (TypeId::of::<serde_json::Value>(), "json"),
+            (TypeId::of::<u64>(), "u64"),
+            (TypeId::of::<i64>(), "i64"),
         ] {
             r.defaults.insert(t, name.into());
         }

@@ -67,6 +67,18 @@ impl<'a> ConsumerBuilder<'a> {
         )))
     }
 
+    /// Adds the queue to the registry and, when clustered, waits until the
+    /// cluster knows of it; on failure the registration is undone.
+    async fn advertise(&self, queue: &Arc<ConsumerQueue>) -> Result<(), BusError> {
+        if let Some(advertisement) = self.bus.register(queue.clone()) {
+            if let Err(e) = advertisement.await {
+                self.bus.unregister(queue);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// Registers `handler`, run on a task of the current tokio runtime, one
     /// message at a time, in arrival order. Resolves once the registration is
     /// visible to senders.
@@ -85,7 +97,7 @@ impl<'a> ConsumerBuilder<'a> {
         Fut: Future<Output = ()> + Send + 'static,
     {
         let queue = self.queue()?;
-        self.bus.register(queue.clone());
+        self.advertise(&queue).await?;
         let task = tokio::spawn(run_handler(queue.clone(), handler));
         Ok(Consumer {
             queue,
@@ -101,7 +113,7 @@ impl<'a> ConsumerBuilder<'a> {
     /// [`BusError::InvalidAddress`] for an empty address.
     pub async fn stream(self) -> Result<MessageStream, BusError> {
         let queue = self.queue()?;
-        self.bus.register(queue.clone());
+        self.advertise(&queue).await?;
         Ok(MessageStream {
             queue,
             bus: self.bus.clone(),

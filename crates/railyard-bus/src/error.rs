@@ -101,6 +101,13 @@ pub enum BusError {
         /// The rejected address.
         address: String,
     },
+    /// The cluster could not carry out the operation (advertising a
+    /// registration, or reaching a node that was lost).
+    #[error("cluster: {reason}")]
+    Cluster {
+        /// What went wrong and what to check.
+        reason: String,
+    },
     /// The message was a reply to something that expected none, or was answered twice.
     #[error("this message does not expect a reply (it was sent, published, or already answered)")]
     NotReplyable,

@@ -43,6 +43,8 @@
 //!   `reply_and_request`.
 //! - [`PendingReply`] (`reply`): a request's future; the reply travels
 //!   through a one-shot slot, not a registered reply address.
+//! - [`RemoteNode`], [`ClusterHook`] (`remote`): the interface a cluster
+//!   transport implements to add other nodes' consumers to the registry.
 //! - `timeouts`: request deadlines, swept by one task per bus instead of a
 //!   timer per request.
 //! - [`Interceptor`], [`Headers`], [`DeliveryOptions`], [`Body`],
@@ -73,12 +75,13 @@ mod message;
 mod metrics;
 mod options;
 mod queue;
+mod remote;
 mod reply;
 mod timeouts;
 
 pub use body::Body;
 pub use bus::{EventBus, PublishReport};
-pub use codec::{BytesCodec, CodecRegistry, JsonCodec, MessageCodec, StringCodec};
+pub use codec::{BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec, StringCodec};
 pub use consumer::{Consumer, ConsumerBuilder, MessageStream};
 pub use error::{BusError, CodecError, FailureKind, SendError};
 pub use headers::Headers;
@@ -86,4 +89,7 @@ pub use interceptor::{Interceptor, InterceptorId, MessageKind, Outbound, Verdict
 pub use message::Message;
 pub use metrics::{ConsumerStats, MetricsSnapshot};
 pub use options::{DeliveryOptions, DEFAULT_CAPACITY, DEFAULT_TIMEOUT};
+pub use remote::{
+    ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, ReplySink, Undelivered,
+};
 pub use reply::PendingReply;

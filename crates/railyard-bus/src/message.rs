@@ -46,6 +46,17 @@ impl Message {
         }
     }
 
+    /// A reply that came from another node.
+    pub(crate) fn remote_reply(headers: Headers, body: Body) -> Self {
+        Self {
+            origin: Origin::Reply(None),
+            headers,
+            body,
+            reply: None,
+            send: true,
+        }
+    }
+
     fn shared(&self) -> Option<&Arc<Shared>> {
         match &self.origin {
             Origin::Delivered(q) => Some(&q.shared),
@@ -128,7 +139,11 @@ impl Message {
     ) -> Result<PendingReply<'_>, BusError> {
         let start = tokio::time::Instant::now();
         let (tx, rx) = oneshot::channel();
-        self.answer(options.headers.clone(), Body::new(body), Some(tx))?;
+        self.answer(
+            options.headers.clone(),
+            Body::new(body),
+            Some(ReplySender::Local(tx)),
+        )?;
         // `answer` succeeded, so this was a request, and requests know their bus.
         let shared = self.shared().ok_or(BusError::NotReplyable)?;
         shared.counters.requests.add(1);

@@ -161,7 +161,14 @@ impl ConsumerQueue {
                 return Poll::Ready(Err(Refused::Closed));
             }
             if s.items.len() >= self.capacity {
-                if !s.room_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                // Only the last waiter is checked for a repeat poll: a full
+                // scan would make many blocked senders quadratic. A duplicate
+                // costs one spurious wake-up.
+                if !s
+                    .room_waiters
+                    .last()
+                    .is_some_and(|w| w.will_wake(cx.waker()))
+                {
                     s.room_waiters.push(cx.waker().clone());
                 }
                 return Poll::Pending;

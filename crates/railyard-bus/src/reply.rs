@@ -14,19 +14,90 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::bus::Room;
 use crate::bus::Shared;
-use crate::queue::{ConsumerQueue, Envelope, Refused};
+use crate::queue::{Envelope, Refused};
+use crate::remote::ReplySink;
 use crate::timeouts::TimerKey;
 use crate::{BusError, EventBus, Message};
 
 pub(crate) type ReplyResult = Result<Message, BusError>;
-pub(crate) type ReplySender = oneshot::Sender<ReplyResult>;
 pub(crate) type ReplyReceiver = oneshot::Receiver<ReplyResult>;
+
+/// Where an answer goes: a requester's one-shot slot on this node, or a
+/// transport that carries it back to a requester on another node.
+pub(crate) enum ReplySender {
+    Local(oneshot::Sender<ReplyResult>),
+    Remote(RemoteReply),
+}
+
+/// An answer owed to a requester on another node. Dropped unanswered, it
+/// answers `NoReply`, as a dropped local request does.
+pub(crate) struct RemoteReply {
+    sink: Arc<dyn ReplySink>,
+    id: u64,
+    done: bool,
+}
+
+impl Drop for RemoteReply {
+    fn drop(&mut self) {
+        if !self.done {
+            self.sink.reply(self.id, Err(BusError::NoReply));
+        }
+    }
+}
+
+impl RemoteReply {
+    /// Forgets the request without answering it (its refusal is reported
+    /// another way).
+    pub(crate) fn disarm(&mut self) {
+        self.done = true;
+    }
+}
+
+impl ReplySender {
+    pub(crate) fn remote(sink: Arc<dyn ReplySink>, id: u64) -> Self {
+        ReplySender::Remote(RemoteReply {
+            sink,
+            id,
+            done: false,
+        })
+    }
+
+    /// Delivers the answer; `Err` gives it back if the requester is gone.
+    pub(crate) fn send(self, result: ReplyResult) -> Result<(), ReplyResult> {
+        match self {
+            ReplySender::Local(tx) => tx.send(result),
+            ReplySender::Remote(mut r) => {
+                r.done = true;
+                r.sink.reply(r.id, result);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether nobody waits for the answer any more.
+    pub(crate) fn is_closed(&self) -> bool {
+        match self {
+            ReplySender::Local(tx) => tx.is_closed(),
+            ReplySender::Remote(_) => false,
+        }
+    }
+}
+
+impl std::fmt::Debug for ReplySender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplySender::Local(_) => f.write_str("ReplySender::Local"),
+            ReplySender::Remote(r) => write!(f, "ReplySender::Remote({})", r.id),
+        }
+    }
+}
 
 /// A request waiting for room. Boxed: rare, and it would otherwise make
 /// every `PendingReply` several times larger.
 struct Blocked {
-    queue: Arc<ConsumerQueue>,
+    room: Room,
     envelope: Option<Envelope>,
     address: String,
     rx: ReplyReceiver,
@@ -79,7 +150,7 @@ impl<'a> PendingReply<'a> {
 
     pub(crate) fn blocked(
         bus: &'a EventBus,
-        queue: Arc<ConsumerQueue>,
+        room: Room,
         envelope: Envelope,
         address: &str,
         rx: ReplyReceiver,
@@ -87,7 +158,7 @@ impl<'a> PendingReply<'a> {
         start: Instant,
     ) -> Self {
         let state = State::Blocked(Box::new(Blocked {
-            queue,
+            room,
             envelope: Some(envelope),
             address: address.to_owned(),
             rx,
@@ -154,39 +225,44 @@ impl<'a> PendingReply<'a> {
         let State::Blocked(b) = &mut self.state else {
             return Poll::Ready(());
         };
-        match b.queue.poll_push(&mut b.envelope, cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Ok(())) => {
+        let retry = match &b.room {
+            Room::Local(q) => match q.poll_push(&mut b.envelope, cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) => {
+                    self.unblock();
+                    return Poll::Ready(());
+                }
+                // The consumer went away or filled again: route again.
+                Poll::Ready(Err(Refused::Closed | Refused::Full)) => true,
+            },
+            Room::Remote(node) => node.poll_room(cx).is_ready(),
+        };
+        if !retry {
+            return Poll::Pending;
+        }
+        let env = b
+            .envelope
+            .take()
+            .expect("envelope is present while blocked");
+        let Some(router) = self.router else {
+            let address = std::mem::take(&mut b.address);
+            self.finish_failed(BusError::NoHandlers { address });
+            return Poll::Ready(());
+        };
+        match router.route(&b.address, env, &crate::DeliveryOptions::DEFAULT) {
+            Ok(()) => {
                 self.unblock();
                 Poll::Ready(())
             }
-            Poll::Ready(Err(Refused::Closed | Refused::Full)) => {
-                // The consumer went away: route again, maybe to another one.
-                let env = b
-                    .envelope
-                    .take()
-                    .expect("envelope is present while blocked");
-                let Some(router) = self.router else {
-                    let address = std::mem::take(&mut b.address);
-                    self.finish_failed(BusError::NoHandlers { address });
-                    return Poll::Ready(());
-                };
-                match router.route(&b.address, env, false) {
-                    Ok(()) => {
-                        self.unblock();
-                        Poll::Ready(())
-                    }
-                    Err((BusError::Full { .. }, env, Some(q))) => {
-                        b.queue = q;
-                        b.envelope = Some(env);
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
-                    }
-                    Err((e, _, _)) => {
-                        self.finish_failed(e);
-                        Poll::Ready(())
-                    }
-                }
+            Err((BusError::Full { .. }, env, Some(room))) => {
+                b.room = room;
+                b.envelope = Some(env);
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Err((e, _, _)) => {
+                self.finish_failed(e);
+                Poll::Ready(())
             }
         }
     }

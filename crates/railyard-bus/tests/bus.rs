@@ -682,9 +682,24 @@ fn codecs_round_trip_builtin_and_user_types() {
     );
 
     assert!(matches!(
-        codecs.encode(&Body::new(1u64), None),
+        codecs.encode(&Body::new(1u32), None),
         Err(CodecError::NoDefault(_))
     ));
+    for (v, name) in [(Body::new(7u64), "u64"), (Body::new(-7i64), "i64")] {
+        let (codec, bytes) = codecs.encode(&v, None).unwrap();
+        assert_eq!(&*codec, name);
+        let back = codecs.decode(name, bytes).unwrap();
+        assert_eq!(back.type_name(), v.type_name());
+    }
+    assert_eq!(
+        *codecs
+            .decode("i64", Bytes::from_static(&[0xff; 8]))
+            .unwrap()
+            .downcast_ref::<i64>()
+            .unwrap(),
+        -1
+    );
+    assert!(codecs.decode("u64", Bytes::from_static(b"short")).is_err());
     assert!(matches!(
         codecs.encode(&Body::new(1u64), Some("string")),
         Err(CodecError::WrongType { .. })
@@ -753,4 +768,139 @@ async fn request_blocked_on_a_full_buffer_times_out() {
     );
     assert_eq!(bus.metrics().reply_failures(FailureKind::Timeout), 1);
     assert_eq!(bus.metrics().pending_replies, 0);
+}
+
+// ---- the cluster's side door -------------------------------------------------
+
+mod remote {
+    use std::sync::{Arc, Mutex};
+
+    use railyard_bus::{
+        BusError, ClusterHook, DeliveryOptions, EventBus, RemoteKind, RemoteMessage, RemoteNode,
+        Undelivered,
+    };
+
+    /// A node link that records what it was given and answers requests.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        got: Mutex<Vec<(String, RemoteKind)>>,
+        refuse: bool,
+    }
+
+    impl RemoteNode for Recorder {
+        fn id(&self) -> &str {
+            "recorder"
+        }
+        fn deliver(&self, mut msg: RemoteMessage) -> Result<(), Box<Undelivered>> {
+            if self.refuse {
+                return Err(Box::new(Undelivered {
+                    error: BusError::Full {
+                        address: msg.address.to_string(),
+                    },
+                    message: msg,
+                }));
+            }
+            self.got
+                .lock()
+                .unwrap()
+                .push((msg.address.to_string(), msg.kind));
+            if let Some(reply) = msg.reply.take() {
+                reply.reply(msg.headers.clone(), msg.body);
+            }
+            Ok(())
+        }
+    }
+
+    #[derive(Default)]
+    struct Hook {
+        events: Mutex<Vec<String>>,
+    }
+
+    impl ClusterHook for Hook {
+        fn advertise(
+            &self,
+            address: &str,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BusError>> + Send>>
+        {
+            self.events.lock().unwrap().push(format!("+{address}"));
+            Box::pin(async { Ok(()) })
+        }
+        fn withdraw(&self, address: &str) {
+            self.events.lock().unwrap().push(format!("-{address}"));
+        }
+    }
+
+    #[tokio::test]
+    async fn sends_alternate_between_local_and_remote_and_local_only_stays_home() {
+        let bus = EventBus::new();
+        let mut local = bus.consumer("a").stream().await.unwrap();
+        let node = Arc::new(Recorder::default());
+        bus.set_remote_nodes("a", vec![node.clone() as Arc<dyn RemoteNode>]);
+        for i in 0..10u32 {
+            bus.send("a", i).unwrap();
+        }
+        assert_eq!(
+            node.got.lock().unwrap().len(),
+            5,
+            "round-robin over 2 targets"
+        );
+        assert_eq!(local.stats().received, 5);
+        let only_here = DeliveryOptions::new().local_only(true);
+        for i in 0..4u32 {
+            bus.send_with("a", i, &only_here).unwrap();
+        }
+        assert_eq!(node.got.lock().unwrap().len(), 5, "local_only never leaves");
+        assert_eq!(local.stats().received, 9);
+        let report = bus.publish("a", 1u32).unwrap();
+        assert_eq!(report.delivered, 2);
+        assert_eq!(
+            node.got.lock().unwrap().last().unwrap().1,
+            RemoteKind::Publish
+        );
+        // A remote-only address answers requests through the link.
+        bus.set_remote_nodes("b", vec![node.clone() as Arc<dyn RemoteNode>]);
+        let reply = bus.request("b", String::from("hi")).await.unwrap();
+        assert_eq!(reply.body::<String>().unwrap(), "hi");
+        use futures::StreamExt;
+        drop(local.next().await);
+        // Removing the remote leaves the local consumer only; then nothing at b.
+        bus.set_remote_nodes("b", Vec::new());
+        assert_eq!(
+            bus.request("b", 1u8).await.unwrap_err().kind().as_str(),
+            "NO_HANDLERS"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_full_remote_link_is_skipped_like_a_full_buffer() {
+        let bus = EventBus::new();
+        let full = Arc::new(Recorder {
+            refuse: true,
+            ..Recorder::default()
+        });
+        bus.set_remote_nodes("c", vec![full as Arc<dyn RemoteNode>]);
+        let err = bus.send("c", 1u8).unwrap_err();
+        assert!(matches!(err.error, BusError::Full { .. }));
+        assert!(err.into_body().is::<u8>(), "the body comes back");
+    }
+
+    #[tokio::test]
+    async fn the_hook_hears_of_first_and_last_public_consumers_only() {
+        let bus = EventBus::new();
+        let hook = Arc::new(Hook::default());
+        let _early = bus.consumer("early").stream().await.unwrap();
+        let existing = bus.set_cluster_hook(Some(hook.clone()));
+        assert_eq!(existing, vec!["early".to_string()]);
+        let a1 = bus.consumer("x").stream().await.unwrap();
+        let a2 = bus.consumer("x").stream().await.unwrap();
+        let l = bus.local_consumer("y").stream().await.unwrap();
+        drop(a1);
+        drop(l);
+        assert_eq!(*hook.events.lock().unwrap(), vec!["+x".to_string()]);
+        drop(a2);
+        assert_eq!(
+            *hook.events.lock().unwrap(),
+            vec!["+x".to_string(), "-x".to_string()]
+        );
+    }
 }

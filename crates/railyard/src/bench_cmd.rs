@@ -5,11 +5,13 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
+use railyard_bench::cluster::{self, ClusterTarget, ServeConfig};
 use railyard_bench::echo::{self, ConsumerKind, Delivery, EchoConfig, EchoResult, Method};
 use railyard_bench::loops::RuntimeKind;
 use railyard_bench::peer::{default_peers_dir, JavaPeer};
 use railyard_bench::pingpong::{self, PingpongConfig, PingpongResult};
 use railyard_bench::report::{median, table, thousands, write_json};
+use railyard_cluster::EtcdServer;
 
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum BenchCommand {
@@ -19,6 +21,32 @@ pub(crate) enum BenchCommand {
     Echo(EchoArgs),
     /// Request/reply round trips through the TCP event-bus bridge (node vs Vert.x's bridge).
     Bridge(crate::bench_bridge::BridgeArgs),
+    /// The second node of a `--nodes 2` run (started by the bench itself).
+    #[command(hide = true)]
+    Serve(ServeArgs),
+}
+
+/// Options of the hidden `bench serve` (the second node).
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// etcd endpoint.
+    #[arg(long)]
+    etcd: String,
+    /// Consumer address.
+    #[arg(long)]
+    address: String,
+    /// Consumers, one per event loop.
+    #[arg(long, default_value_t = 1)]
+    instances: usize,
+    /// Consumer kind.
+    #[arg(long, value_enum, default_value_t = ConsumerArg::Consumer)]
+    consumer: ConsumerArg,
+    /// Reply, or send to the `replyTo` header.
+    #[arg(long, value_enum, default_value_t = MethodArg::SendReply)]
+    method: MethodArg,
+    /// Event loops.
+    #[arg(long, default_value_t = 1)]
+    loops: usize,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -26,9 +54,17 @@ pub(crate) struct CommonArgs {
     /// Also run the original system from peers/ in the same run.
     #[arg(long, value_enum)]
     vs: Option<Peer>,
-    /// Cluster manager; only `none` exists so far.
-    #[arg(long, default_value = "none")]
-    cluster: String,
+    /// Cluster manager: `none` (a plain bus) or `etcd` (the bus joined to an
+    /// etcd cluster; the bench starts its own etcd unless --etcd is given).
+    #[arg(long, value_enum, default_value_t = ClusterArg::None)]
+    cluster: ClusterArg,
+    /// etcd endpoint to use instead of starting one (with --cluster etcd).
+    #[arg(long, value_name = "URL")]
+    etcd: Option<String>,
+    /// Processes: 1, or 2 to run the consumers in a second `railyard`
+    /// process so messages cross a real socket (needs --cluster etcd).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    nodes: u8,
     /// Runs per system; tables show the median.
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -43,6 +79,14 @@ pub(crate) struct CommonArgs {
     /// runtime; pingpong's default, where it measured faster).
     #[arg(long, value_enum)]
     runtime: Option<RuntimeArg>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ClusterArg {
+    /// No cluster.
+    None,
+    /// etcd.
+    Etcd,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -62,8 +106,36 @@ impl RuntimeArg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Peer {
-    /// Vert.x 4.5 (peers/vertx-eventbus).
+    /// Vert.x 4.5 without a cluster (peers/vertx-eventbus).
     Vertx,
+    /// Vert.x 4.5 clustered on Hazelcast (needs --cluster etcd on our side).
+    VertxHazelcast,
+    /// Vert.x 4.5 clustered on Infinispan (needs --cluster etcd on our side).
+    VertxInfinispan,
+    /// Vert.x 4.5 clustered on Zookeeper (needs --cluster etcd on our side).
+    VertxZookeeper,
+}
+
+impl Peer {
+    /// The peer's `--cluster` value.
+    fn cluster(self) -> &'static str {
+        match self {
+            Peer::Vertx => "none",
+            Peer::VertxHazelcast => "hazelcast",
+            Peer::VertxInfinispan => "infinispan",
+            Peer::VertxZookeeper => "zookeeper",
+        }
+    }
+
+    /// Its name in tables and JSON rows.
+    fn label(self) -> &'static str {
+        match self {
+            Peer::Vertx => "vertx",
+            Peer::VertxHazelcast => "vertx-hazelcast",
+            Peer::VertxInfinispan => "vertx-infinispan",
+            Peer::VertxZookeeper => "vertx-zookeeper",
+        }
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -155,20 +227,83 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Pingpong(a) => run_pingpong(a).await,
         BenchCommand::Echo(a) => run_echo(a).await,
         BenchCommand::Bridge(a) => crate::bench_bridge::run(a).await,
+        BenchCommand::Serve(a) => run_serve(a).await,
+    }
+}
+
+async fn run_serve(a: ServeArgs) -> anyhow::Result<()> {
+    let cfg = ServeConfig {
+        address: a.address,
+        instances: a.instances,
+        consumer: consumer_kind(a.consumer),
+        method: method(a.method),
+        loops: a.loops,
+    };
+    cluster::serve(&a.etcd, &cfg).await?;
+    Ok(())
+}
+
+fn consumer_kind(c: ConsumerArg) -> ConsumerKind {
+    match c {
+        ConsumerArg::Consumer => ConsumerKind::Consumer,
+        ConsumerArg::Local => ConsumerKind::Local,
+    }
+}
+
+fn method(m: MethodArg) -> Method {
+    match m {
+        MethodArg::SendReply => Method::SendReply,
+        MethodArg::SendSend => Method::SendSend,
     }
 }
 
 fn check_common(c: &CommonArgs) -> anyhow::Result<()> {
-    if c.cluster != "none" {
-        bail!(
-            "--cluster {}: only `none` is available in this version (the clustered bus is not built yet)",
-            c.cluster
-        );
+    if c.nodes == 2 && c.cluster == ClusterArg::None {
+        bail!("--nodes 2 needs a cluster: add --cluster etcd");
+    }
+    match c.vs {
+        Some(Peer::Vertx) if c.nodes == 2 => {
+            bail!("--vs vertx has no cluster, so no second node: use --vs vertx-hazelcast (or -infinispan, -zookeeper)")
+        }
+        Some(p) if p != Peer::Vertx && c.cluster == ClusterArg::None => {
+            bail!(
+                "--vs {} compares clustered runs: add --cluster etcd",
+                p.label()
+            )
+        }
+        _ => {}
     }
     if c.runs == 0 {
         bail!("--runs must be at least 1");
     }
     Ok(())
+}
+
+/// The cluster a scenario runs in, and the etcd the bench started for it
+/// (kept alive for the whole bench, stopped when dropped).
+async fn cluster_target(
+    c: &CommonArgs,
+) -> anyhow::Result<(Option<ClusterTarget>, Option<EtcdServer>)> {
+    if c.cluster == ClusterArg::None {
+        return Ok((None, None));
+    }
+    let (etcd, server) = match &c.etcd {
+        Some(url) => (url.clone(), None),
+        None => {
+            eprintln!("starting a private etcd on loopback");
+            let s = tokio::task::spawn_blocking(EtcdServer::start).await??;
+            (s.endpoint(), Some(s))
+        }
+    };
+    let exe = std::env::current_exe().context("locating the railyard executable")?;
+    Ok((
+        Some(ClusterTarget {
+            etcd,
+            nodes: usize::from(c.nodes),
+            exe,
+        }),
+        server,
+    ))
 }
 
 fn vertx_peer(c: &CommonArgs) -> JavaPeer {
@@ -186,10 +321,12 @@ fn finish(rows: &[serde_json::Value], c: &CommonArgs) -> anyhow::Result<()> {
 
 async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     check_common(&a.common)?;
+    let (cluster, _etcd) = cluster_target(&a.common).await?;
     let cfg = PingpongConfig {
         messages: a.messages,
         verbose: !a.quiet,
         runtime: a.common.runtime.unwrap_or(RuntimeArg::Multi).kind(),
+        cluster,
     };
     let peer = a.common.vs.map(|_| vertx_peer(&a.common));
     if let Some(p) = &peer {
@@ -199,18 +336,28 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     let mut theirs: Vec<PingpongResult> = Vec::new();
     for run in 1..=a.common.runs {
         eprintln!("== pingpong run {run}/{}: railyard ==", a.common.runs);
-        ours.push(pingpong::run(&cfg).await);
+        ours.push(pingpong::run(&cfg).await?);
         if let Some(p) = &peer {
-            eprintln!("== pingpong run {run}/{}: vertx ==", a.common.runs);
+            eprintln!(
+                "== pingpong run {run}/{}: {} ==",
+                a.common.runs,
+                a.common.vs.map_or("vertx", Peer::label)
+            );
+            let vs = a.common.vs.expect("a peer is set");
             let args = vec![
                 "pingpong".to_owned(),
                 "--messages".to_owned(),
                 a.messages.to_string(),
                 "--cluster".to_owned(),
-                "none".to_owned(),
+                vs.cluster().to_owned(),
+                "--nodes".to_owned(),
+                a.common.nodes.to_string(),
             ];
             let v = p.run(&args, !a.quiet).await?;
-            theirs.push(serde_json::from_value(v).context("reading the peer's pingpong result")?);
+            let mut r: PingpongResult =
+                serde_json::from_value(v).context("reading the peer's pingpong result")?;
+            r.system = vs.label().to_owned();
+            theirs.push(r);
         }
     }
     let med = |rs: &[PingpongResult], f: fn(&PingpongResult) -> f64| {
@@ -228,15 +375,16 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     if !theirs.is_empty() {
         let their_all = med(&theirs, |r| r.all_replies_ms).unwrap_or(0.0);
         rows.push(vec![
-            "vertx".to_owned(),
+            a.common.vs.map_or("vertx", Peer::label).to_owned(),
             thousands(a.messages),
             format!("{:.1}", med(&theirs, |r| r.first_reply_ms).unwrap_or(0.0)),
             format!("{their_all:.1}"),
             format!("{:.2}x", their_all / our_all),
         ]);
         println!(
-            "\nrailyard is {:.1}x faster than vertx (median all_replies_ms)",
-            their_all / our_all
+            "\nrailyard is {:.1}x faster than {} (median all_replies_ms)",
+            their_all / our_all,
+            a.common.vs.map_or("vertx", Peer::label)
         );
     }
     println!(
@@ -261,28 +409,23 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     finish(&json, &a.common)
 }
 
-fn echo_configs(a: &EchoArgs) -> Vec<EchoConfig> {
+fn echo_configs(a: &EchoArgs, cluster: Option<ClusterTarget>) -> Vec<EchoConfig> {
     let base = EchoConfig {
         duration: a.duration,
         warmup: a.warmup,
         instances: a.instances,
         in_flight: a.in_flight,
-        consumer: match a.consumer {
-            ConsumerArg::Consumer => ConsumerKind::Consumer,
-            ConsumerArg::Local => ConsumerKind::Local,
-        },
+        consumer: consumer_kind(a.consumer),
         delivery: match a.delivery {
             DeliveryArg::Default => Delivery::Default,
             DeliveryArg::LocalOnly => Delivery::LocalOnly,
         },
-        method: match a.method {
-            MethodArg::SendReply => Method::SendReply,
-            MethodArg::SendSend => Method::SendSend,
-        },
+        method: method(a.method),
         loops: a
             .loops
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
         runtime: a.common.runtime.unwrap_or(RuntimeArg::Loops).kind(),
+        cluster,
     };
     if !a.matrix {
         return vec![base];
@@ -303,7 +446,8 @@ fn echo_configs(a: &EchoArgs) -> Vec<EchoConfig> {
     out
 }
 
-fn peer_echo_args(c: &EchoConfig) -> Vec<String> {
+fn peer_echo_args(c: &EchoConfig, peer: Peer, nodes: u8) -> Vec<String> {
+    let nodes = nodes.to_string();
     [
         "echo",
         "--duration",
@@ -321,7 +465,9 @@ fn peer_echo_args(c: &EchoConfig) -> Vec<String> {
         "--method",
         c.method.as_str(),
         "--cluster",
-        "none",
+        peer.cluster(),
+        "--nodes",
+        &nodes,
     ]
     .iter()
     .map(|s| (*s).to_owned())
@@ -348,7 +494,8 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
     if let Some(p) = &peer {
         p.ensure_built().await?;
     }
-    let configs = echo_configs(&a);
+    let (cluster, _etcd) = cluster_target(&a.common).await?;
+    let configs = echo_configs(&a, cluster);
     let mut all: Vec<EchoResult> = vec![];
     let mut rows = vec![];
     for cfg in &configs {
@@ -369,7 +516,7 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
                 pb.set_position(t.as_millis() as u64);
                 pb.set_message(format!("{} round trips", thousands(n)));
             })
-            .await;
+            .await?;
             pb.finish_with_message(format!(
                 "{} round trips/s",
                 thousands(r.round_trips_per_s as u64)
@@ -377,13 +524,18 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
             ours.push(r);
             if let Some(p) = &peer {
                 let pb = ProgressBar::new_spinner();
-                pb.set_message(format!("vertx {label} #{run}"));
+                let name = a.common.vs.map_or("vertx", Peer::label);
+                pb.set_message(format!("{name} {label} #{run}"));
                 pb.enable_steady_tick(Duration::from_millis(200));
-                let v = p.run(&peer_echo_args(cfg), false).await?;
-                let r: EchoResult =
+                let vs = a.common.vs.expect("a peer is set");
+                let v = p
+                    .run(&peer_echo_args(cfg, vs, a.common.nodes), false)
+                    .await?;
+                let mut r: EchoResult =
                     serde_json::from_value(v).context("reading the peer's echo result")?;
+                r.system = name.to_owned();
                 pb.finish_with_message(format!(
-                    "vertx {label} #{run}: {} round trips/s",
+                    "{name} {label} #{run}: {} round trips/s",
                     thousands(r.round_trips_per_s as u64)
                 ));
                 theirs.push(r);
@@ -396,7 +548,11 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         };
         let our_rate = rate(&ours).unwrap_or(0.0);
         let mut row = vec![
-            "No cluster".to_owned(),
+            match &cfg.cluster {
+                None => "No cluster".to_owned(),
+                Some(t) if t.nodes >= 2 => format!("{}, 2 nodes", t.name()),
+                Some(t) => t.name().to_owned(),
+            },
             if cfg.consumer == ConsumerKind::Local {
                 "localConsumer"
             } else {
@@ -422,6 +578,11 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         all.extend(ours);
         all.extend(theirs);
     }
+    let name = a.common.vs.map_or("vertx", Peer::label);
+    let peer_cols = [
+        format!("{name} round trips/s"),
+        format!("railyard / {name}"),
+    ];
     let mut header = vec![
         "ClusterManager",
         "useLocalConsumer?",
@@ -431,7 +592,7 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         "railyard round trips/s",
     ];
     if peer.is_some() {
-        header.extend(["vertx round trips/s", "railyard / vertx"]);
+        header.extend(peer_cols.iter().map(String::as_str));
     }
     println!(
         "\necho: {} instances, {} in flight, {:?} window after {:?} warm-up, median of {} run(s)\n{}",

@@ -12,6 +12,8 @@ use mimalloc::MiMalloc;
 mod bench_bridge;
 mod bench_cmd;
 mod bridge_node;
+mod cluster_node;
+mod dev;
 mod node;
 mod node_config;
 
@@ -41,11 +43,14 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a node on embedded defaults (the event bus and its TCP bridge), until SIGINT or SIGTERM.
+    /// Run a node on embedded defaults (the event bus, optionally clustered on etcd, and its TCP bridge), until SIGINT or SIGTERM.
     Node(node::NodeArgs),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
+    /// Developer helpers (a local etcd, ...).
+    #[command(subcommand)]
+    Dev(dev::DevCommand),
 }
 
 fn init_logging(format: LogFormat) {
@@ -78,6 +83,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Node(args) => node::run(args).await,
             Command::Bench(cmd) => bench_cmd::run(cmd).await,
+            Command::Dev(cmd) => dev::run(cmd).await,
         }
     });
     match result {

@@ -15,6 +15,8 @@ pub(crate) struct NodeArgs {
     #[arg(long, default_value = "60s", value_parser = crate::bench_cmd::parse_duration)]
     stats_every: Duration,
     #[command(flatten)]
+    cluster: crate::cluster_node::ClusterArgs,
+    #[command(flatten)]
     config: crate::node_config::ConfigArgs,
     #[command(flatten)]
     bridge: crate::bridge_node::BridgeArgs,
@@ -22,6 +24,9 @@ pub(crate) struct NodeArgs {
 
 /// Address of the node's built-in echo service, handy for trying the bus.
 const NODE_ECHO: &str = "railyard.node.echo";
+/// Address of the node's built-in info service: replies with the node's name
+/// (a string), so a client can see which node answered.
+const NODE_INFO: &str = "railyard.node.info";
 
 pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let file = args.config.load().await?;
@@ -34,9 +39,19 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         })
         .await
         .context("registering the node's echo service")?;
+    let name = args.name.clone();
+    let _info = bus
+        .consumer(NODE_INFO)
+        .handler(move |mut m| {
+            let _ = m.reply(name.clone());
+            std::future::ready(())
+        })
+        .await
+        .context("registering the node's info service")?;
+    let cluster = crate::cluster_node::join(&bus, &args.cluster, &args.name).await?;
     let bridge = crate::bridge_node::start(&bus, &args.bridge, file.bridge).await?;
     let shutdown = shutdown_signal();
-    tracing::info!(node = %args.name, echo = NODE_ECHO, "node started; press Ctrl-C to stop");
+    tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), "node started; press Ctrl-C to stop");
 
     let mut ticker = (!args.stats_every.is_zero()).then(|| tokio::time::interval(args.stats_every));
     tokio::pin!(shutdown);
@@ -51,12 +66,29 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
                     consumers = m.registered_consumers, "bus counters"
                 );
                 crate::bridge_node::log_stats(bridge.as_ref());
+                if let Some(c) = &cluster {
+                    let k = c.counters();
+                    let view = c.view();
+                    tracing::info!(
+                        members = view.members.len(), store_connected = view.connected,
+                        frames_out = k.frames_out.get(), frames_in = k.frames_in.get(),
+                        connects = k.connects.get(), disconnects = k.disconnects.get(),
+                        failed_on_loss = k.failed_on_loss.get(), malformed = k.malformed.get(),
+                        link_full = k.link_full.get(), store_outages = k.store_outages.get(),
+                        "cluster counters"
+                    );
+                }
             }
         }
     }
     tracing::info!(node = %args.name, "node stopping");
     if let Some(b) = bridge {
         b.shutdown().await;
+    }
+    if let Some(c) = cluster {
+        if let Err(e) = c.leave().await {
+            tracing::warn!(error = %e, "could not deregister from the cluster; the lease will expire");
+        }
     }
     Ok(())
 }

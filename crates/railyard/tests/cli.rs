@@ -88,7 +88,31 @@ fn unknown_cluster_manager_is_a_clear_error() {
         .expect("run railyard");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("only `none` is available"), "{err}");
+    assert!(err.contains("invalid value 'zookeeper'"), "{err}");
+    assert!(err.contains("etcd"), "the error lists what exists: {err}");
+
+    let out = railyard()
+        .args(["bench", "echo", "--nodes", "2", "--duration", "1s"])
+        .output()
+        .expect("run railyard");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--nodes 2 needs a cluster"), "{err}");
+
+    let out = railyard()
+        .args([
+            "bench",
+            "echo",
+            "--vs",
+            "vertx-hazelcast",
+            "--duration",
+            "1s",
+        ])
+        .output()
+        .expect("run railyard");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("add --cluster etcd"), "{err}");
 }
 
 /// Runs `railyard bench <args> --json <file>`; returns its stdout and the JSON rows.
@@ -150,4 +174,150 @@ fn short_bench_runs_write_json_rows() {
         rows[0]["all_replies_ms"].as_f64().unwrap() >= rows[0]["first_reply_ms"].as_f64().unwrap()
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn clustered_bench_runs_cross_two_processes() {
+    let dir = std::env::temp_dir().join(format!("railyard-cli-cluster-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for method in ["send-reply", "send-send"] {
+        let (_, rows) = bench_json(
+            &[
+                "echo",
+                "--cluster",
+                "etcd",
+                "--nodes",
+                "2",
+                "--duration",
+                "300ms",
+                "--warmup",
+                "200ms",
+                "--method",
+                method,
+            ],
+            &dir.join(format!("echo-{method}.json")),
+        );
+        let r = &rows[0];
+        assert_eq!(r["cluster"], "etcd");
+        assert_eq!(r["nodes"], 2);
+        assert_eq!(r["method"], method);
+        assert!(r["round_trips"].as_u64().unwrap() > 0, "{r}");
+    }
+    let (_, rows) = bench_json(
+        &[
+            "pingpong",
+            "--cluster",
+            "etcd",
+            "--nodes",
+            "2",
+            "--messages",
+            "20000",
+            "--quiet",
+        ],
+        &dir.join("pingpong.json"),
+    );
+    assert_eq!(rows[0]["nodes"], 2);
+    assert_eq!(rows[0]["messages"], 20000);
+    assert_eq!(rows[0]["failures"], 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `railyard node` child, killed (SIGKILL) on drop.
+struct Node(std::process::Child);
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
+    let etcd = railyard_cluster::EtcdServer::start().expect("etcd (apt-get install etcd-server)");
+    let start = |name: &str| {
+        Node(
+            railyard()
+                .args([
+                    "node",
+                    "--name",
+                    name,
+                    "--stats-every",
+                    "0",
+                    "--cluster",
+                    "etcd",
+                    "--no-bridge",
+                ])
+                .args(["--etcd", &etcd.endpoint(), "--lease-ttl", "2s"])
+                .args(["--cluster-bind", "127.0.0.1"])
+                .args(["--cluster-port", &free_port().to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start railyard node"),
+        )
+    };
+    let n1 = start("alpha");
+    let _n2 = start("beta");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // This test joins as a third node and asks who answers.
+        let bus = railyard_bus::EventBus::new();
+        let manager =
+            railyard_cluster::EtcdManager::connect(railyard_cluster::EtcdConfig::new(vec![
+                etcd.endpoint()
+            ]))
+            .await
+            .unwrap();
+        let cfg = railyard_cluster::ClusterConfig::new("probe", "127.0.0.1:0".parse().unwrap());
+        let _probe =
+            railyard_cluster::ClusterNode::start(bus.clone(), std::sync::Arc::new(manager), cfg)
+                .await
+                .unwrap();
+        let names = |bus: railyard_bus::EventBus| async move {
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..20 {
+                if let Ok(m) = bus.request("railyard.node.info", ()).await {
+                    seen.insert(m.body::<String>().cloned().unwrap_or_default());
+                }
+            }
+            seen
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen = Default::default();
+        while Instant::now() < deadline {
+            seen = names(bus.clone()).await;
+            if seen.len() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            seen,
+            ["alpha".to_string(), "beta".to_string()]
+                .into_iter()
+                .collect(),
+            "round-robin reaches both nodes"
+        );
+        // SIGKILL alpha: after its lease expires only beta answers, and
+        // requests never hang on the dead node.
+        drop(n1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            seen = names(bus.clone()).await;
+            if seen.len() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(seen, ["beta".to_string()].into_iter().collect());
+    });
 }

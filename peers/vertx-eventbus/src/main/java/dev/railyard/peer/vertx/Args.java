@@ -1,6 +1,8 @@
 package dev.railyard.peer.vertx;
 
+import java.util.ArrayList;
 import java.util.LinkedHashMap;
+import java.util.List;
 import java.util.Map;
 import java.util.Set;
 
@@ -47,6 +49,18 @@ public final class Args {
         throw new UsageException("unknown option --" + name);
       }
     }
+  }
+
+  /** The options as {@code --name value} pairs, in the given order, minus {@code excluded}. */
+  public List<String> toArgv(Set<String> excluded) {
+    List<String> argv = new ArrayList<>();
+    for (Map.Entry<String, String> e : values.entrySet()) {
+      if (!excluded.contains(e.getKey())) {
+        argv.add("--" + e.getKey());
+        argv.add(e.getValue());
+      }
+    }
+    return argv;
   }
 
   public String string(String name, String def) {

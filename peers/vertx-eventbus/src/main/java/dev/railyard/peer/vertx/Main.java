@@ -9,22 +9,27 @@ import java.util.Arrays;
  * Entry point of the Railyard Vert.x event-bus peer.
  *
  * <pre>
- * pingpong --messages 500000 [--cluster none]
+ * pingpong --messages 500000 [NODE OPTIONS]
  * echo --duration 10 --warmup 2 --instances 2 --in-flight 64 --consumer consumer|local
- *      --delivery default|local-only --method send-reply|send-send [--cluster none]
+ *      --delivery default|local-only --method send-reply|send-send [NODE OPTIONS]
+ * NODE OPTIONS: --cluster none|hazelcast|infinispan|zookeeper  --nodes 1|2  --zk-hosts HOST:PORT
  * </pre>
  *
  * The last stdout line of a successful run is {@code RESULT {json}}; the process then exits 0.
- * Usage errors (including an unsupported {@code --cluster}) exit 2.
+ * Usage errors exit 2. See {@link NodeOptions} for the options of the second JVM.
  */
 public final class Main {
 
   static final String USAGE = String.join("\n",
     "usage:",
-    "  pingpong --messages N [--cluster none]",
+    "  pingpong --messages N [NODE OPTIONS]",
     "  echo --duration SECS --warmup SECS --instances N --in-flight M",
     "       --consumer consumer|local --delivery default|local-only --method send-reply|send-send",
-    "       [--cluster none]",
+    "       [NODE OPTIONS]",
+    "NODE OPTIONS:",
+    "  --cluster none|hazelcast|infinispan|zookeeper   Vert.x cluster manager (default none)",
+    "  --nodes 1|2        2: the consumers run in a second JVM that this one starts and stops",
+    "  --zk-hosts H:P     zookeeper: use this server instead of starting a private one",
     "durations are in seconds and may be fractional");
 
   private Main() {

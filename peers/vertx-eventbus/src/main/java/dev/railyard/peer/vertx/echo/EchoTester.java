@@ -73,11 +73,13 @@ final class EchoTester extends AbstractVerticle {
     } else {
       echo = msg -> msg.reply(msg.body(), options);
     }
-    registrations.add(completion(register(ECHO_ADDRESS, echo)));
+    if (run.part != EchoBench.Part.CHAINS) {
+      registrations.add(completion(register(ECHO_ADDRESS, echo)));
+    }
 
-    for (int c = 0; c < chains; c++) {
+    for (int c = 0; run.part != EchoBench.Part.ECHO && c < chains; c++) {
       if (cfg.sendSend) {
-        SendSendChain chain = new SendSendChain("echo.reply." + index + "." + c);
+        SendSendChain chain = new SendSendChain(replyAddress(index, c));
         registrations.add(completion(register(chain.replyAddress, chain)));
         starters.add(chain::send);
       } else {
@@ -86,6 +88,11 @@ final class EchoTester extends AbstractVerticle {
       }
     }
     Future.all(registrations).<Void>mapEmpty().onComplete(startPromise);
+  }
+
+  /** The send-send reply address of chain {@code c} of instance {@code i}. */
+  static String replyAddress(int i, int c) {
+    return "echo.reply." + i + "." + c;
   }
 
   private MessageConsumer<Object> register(String address, Handler<Message<Object>> handler) {

@@ -1,0 +1,485 @@
+//! The node-to-node wire format: length-prefixed binary frames.
+//!
+//! ```text
+//! frame   = len:u32be kind:u8 payload          (len counts kind + payload)
+//! str     = len:u16be utf8
+//! blob    = len:u32be bytes
+//! headers = count:u16be (name:str value:str)*
+//!
+//! HELLO  1  version:u16 node:str cluster:str
+//! MSG    2  mode:u8 (0 send, 1 publish, 2 request) id:u64 timeout_ms:u32
+//!           address:str headers codec:str body:blob
+//! REPLY  3  id:u64 headers codec:str body:blob
+//! FAIL   4  id:u64 kind:u8 (0 TIMEOUT, 1 NO_HANDLERS, 2 RECIPIENT_FAILURE, 3 ERROR)
+//!           code:i32 message:str
+//! PING   5  nonce:u64
+//! PONG   6  nonce:u64
+//! ```
+//!
+//! Anything else (an unknown kind, a field running past the frame, invalid
+//! UTF-8, a frame over the size limit, bytes left over) is a [`FrameError`],
+//! and the connection that sent it is closed. Nothing else is affected.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+/// Protocol version sent in HELLO.
+pub const VERSION: u16 = 1;
+
+/// Largest frame accepted by default (16 MiB).
+pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+
+const HELLO: u8 = 1;
+const MSG: u8 = 2;
+const REPLY: u8 = 3;
+const FAIL: u8 = 4;
+const PING: u8 = 5;
+const PONG: u8 = 6;
+
+/// How a message is delivered on the receiving node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// One consumer.
+    Send,
+    /// Every consumer.
+    Publish,
+    /// One consumer, answer expected under `id`.
+    Request,
+}
+
+/// Failure classes carried by FAIL, as in the bus's `FailureKind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    /// TIMEOUT
+    Timeout,
+    /// NO_HANDLERS
+    NoHandlers,
+    /// RECIPIENT_FAILURE
+    RecipientFailure,
+    /// ERROR
+    Error,
+}
+
+/// One frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// First frame on a connection, from the dialing node.
+    Hello {
+        /// Protocol version.
+        version: u16,
+        /// The sender's node id.
+        node: String,
+        /// Cluster name; nodes of different clusters refuse each other.
+        cluster: String,
+    },
+    /// A message for consumers on the receiving node.
+    Msg {
+        /// Send, publish or request.
+        mode: Mode,
+        /// Request id (0 unless a request).
+        id: u64,
+        /// The requester's timeout in milliseconds (0 unless a request).
+        timeout_ms: u32,
+        /// Destination address.
+        address: String,
+        /// Message headers.
+        headers: Vec<(String, String)>,
+        /// Codec name (`""` for an empty body).
+        codec: String,
+        /// Encoded body.
+        body: Bytes,
+    },
+    /// The answer to request `id`.
+    Reply {
+        /// Request id.
+        id: u64,
+        /// Reply headers.
+        headers: Vec<(String, String)>,
+        /// Codec name.
+        codec: String,
+        /// Encoded body.
+        body: Bytes,
+    },
+    /// Request `id` failed.
+    Fail {
+        /// Request id.
+        id: u64,
+        /// Failure class.
+        kind: FailKind,
+        /// The recipient's code (RECIPIENT_FAILURE), else 0.
+        code: i32,
+        /// Human-readable reason.
+        message: String,
+    },
+    /// Liveness probe.
+    Ping(u64),
+    /// Answer to a probe.
+    Pong(u64),
+}
+
+/// Why bytes could not be read as a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The length prefix exceeds the limit.
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge {
+        /// Announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A zero-length frame (no kind byte).
+    #[error("empty frame")]
+    Empty,
+    /// Unknown kind byte.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// A field runs past the end of the frame.
+    #[error("truncated {0} frame")]
+    Truncated(&'static str),
+    /// Bytes left after the last field.
+    #[error("{0} trailing bytes after a frame")]
+    Trailing(usize),
+    /// A string field is not UTF-8.
+    #[error("a string field is not valid UTF-8")]
+    Utf8,
+    /// An out-of-range enum value.
+    #[error("invalid {0}")]
+    Invalid(&'static str),
+}
+
+impl Frame {
+    /// Appends this frame, length prefix included, to `out`.
+    pub fn encode(&self, out: &mut BytesMut) {
+        let start = out.len();
+        out.put_u32(0); // patched below
+        match self {
+            Frame::Hello {
+                version,
+                node,
+                cluster,
+            } => {
+                out.put_u8(HELLO);
+                out.put_u16(*version);
+                put_str(out, node);
+                put_str(out, cluster);
+            }
+            Frame::Msg {
+                mode,
+                id,
+                timeout_ms,
+                address,
+                headers,
+                codec,
+                body,
+            } => {
+                out.put_u8(MSG);
+                out.put_u8(match mode {
+                    Mode::Send => 0,
+                    Mode::Publish => 1,
+                    Mode::Request => 2,
+                });
+                out.put_u64(*id);
+                out.put_u32(*timeout_ms);
+                put_str(out, address);
+                put_headers(out, headers);
+                put_str(out, codec);
+                put_blob(out, body);
+            }
+            Frame::Reply {
+                id,
+                headers,
+                codec,
+                body,
+            } => {
+                out.put_u8(REPLY);
+                out.put_u64(*id);
+                put_headers(out, headers);
+                put_str(out, codec);
+                put_blob(out, body);
+            }
+            Frame::Fail {
+                id,
+                kind,
+                code,
+                message,
+            } => {
+                out.put_u8(FAIL);
+                out.put_u64(*id);
+                out.put_u8(match kind {
+                    FailKind::Timeout => 0,
+                    FailKind::NoHandlers => 1,
+                    FailKind::RecipientFailure => 2,
+                    FailKind::Error => 3,
+                });
+                out.put_i32(*code);
+                put_str(out, message);
+            }
+            Frame::Ping(n) => {
+                out.put_u8(PING);
+                out.put_u64(*n);
+            }
+            Frame::Pong(n) => {
+                out.put_u8(PONG);
+                out.put_u64(*n);
+            }
+        }
+        let len = (out.len() - start - 4) as u32;
+        out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+    }
+
+    /// Takes one frame off the front of `buf` if it is complete.
+    ///
+    /// # Errors
+    /// [`FrameError`] when the bytes are not a valid frame.
+    pub fn decode(buf: &mut BytesMut, max: usize) -> Result<Option<Frame>, FrameError> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+        if len > max {
+            return Err(FrameError::TooLarge { len, max });
+        }
+        if len == 0 {
+            return Err(FrameError::Empty);
+        }
+        if buf.len() < 4 + len {
+            buf.reserve(4 + len - buf.len());
+            return Ok(None);
+        }
+        buf.advance(4);
+        let mut b = buf.split_to(len).freeze();
+        let frame = Self::parse(&mut b)?;
+        if b.has_remaining() {
+            return Err(FrameError::Trailing(b.remaining()));
+        }
+        Ok(Some(frame))
+    }
+
+    fn parse(b: &mut Bytes) -> Result<Frame, FrameError> {
+        let kind = b.get_u8();
+        Ok(match kind {
+            HELLO => Frame::Hello {
+                version: get_u16(b, "HELLO")?,
+                node: get_str(b, "HELLO")?,
+                cluster: get_str(b, "HELLO")?,
+            },
+            MSG => {
+                let mode = match get_u8(b, "MSG")? {
+                    0 => Mode::Send,
+                    1 => Mode::Publish,
+                    2 => Mode::Request,
+                    _ => return Err(FrameError::Invalid("message mode")),
+                };
+                Frame::Msg {
+                    mode,
+                    id: get_u64(b, "MSG")?,
+                    timeout_ms: get_u32(b, "MSG")?,
+                    address: get_str(b, "MSG")?,
+                    headers: get_headers(b, "MSG")?,
+                    codec: get_str(b, "MSG")?,
+                    body: get_blob(b, "MSG")?,
+                }
+            }
+            REPLY => Frame::Reply {
+                id: get_u64(b, "REPLY")?,
+                headers: get_headers(b, "REPLY")?,
+                codec: get_str(b, "REPLY")?,
+                body: get_blob(b, "REPLY")?,
+            },
+            FAIL => {
+                let id = get_u64(b, "FAIL")?;
+                let kind = match get_u8(b, "FAIL")? {
+                    0 => FailKind::Timeout,
+                    1 => FailKind::NoHandlers,
+                    2 => FailKind::RecipientFailure,
+                    3 => FailKind::Error,
+                    _ => return Err(FrameError::Invalid("failure kind")),
+                };
+                Frame::Fail {
+                    id,
+                    kind,
+                    code: get_u32(b, "FAIL")? as i32,
+                    message: get_str(b, "FAIL")?,
+                }
+            }
+            PING => Frame::Ping(get_u64(b, "PING")?),
+            PONG => Frame::Pong(get_u64(b, "PONG")?),
+            other => return Err(FrameError::UnknownKind(other)),
+        })
+    }
+}
+
+fn put_str(out: &mut BytesMut, s: &str) {
+    // Strings are addresses, header names/values, codec names and reasons:
+    // longer than 64 KiB is a caller bug; cut rather than corrupt the frame.
+    let s = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    out.put_u16(s.len() as u16);
+    out.put_slice(s);
+}
+
+fn put_blob(out: &mut BytesMut, b: &[u8]) {
+    out.put_u32(b.len() as u32);
+    out.put_slice(b);
+}
+
+fn put_headers(out: &mut BytesMut, h: &[(String, String)]) {
+    let n = h.len().min(u16::MAX as usize);
+    out.put_u16(n as u16);
+    for (k, v) in &h[..n] {
+        put_str(out, k);
+        put_str(out, v);
+    }
+}
+
+fn need(b: &Bytes, n: usize, what: &'static str) -> Result<(), FrameError> {
+    if b.remaining() < n {
+        Err(FrameError::Truncated(what))
+    } else {
+        Ok(())
+    }
+}
+
+fn get_u8(b: &mut Bytes, what: &'static str) -> Result<u8, FrameError> {
+    need(b, 1, what)?;
+    Ok(b.get_u8())
+}
+
+fn get_u16(b: &mut Bytes, what: &'static str) -> Result<u16, FrameError> {
+    need(b, 2, what)?;
+    Ok(b.get_u16())
+}
+
+fn get_u32(b: &mut Bytes, what: &'static str) -> Result<u32, FrameError> {
+    need(b, 4, what)?;
+    Ok(b.get_u32())
+}
+
+fn get_u64(b: &mut Bytes, what: &'static str) -> Result<u64, FrameError> {
+    need(b, 8, what)?;
+    Ok(b.get_u64())
+}
+
+fn get_str(b: &mut Bytes, what: &'static str) -> Result<String, FrameError> {
+    let n = get_u16(b, what)? as usize;
+    need(b, n, what)?;
+    let s = b.split_to(n);
+    String::from_utf8(s.to_vec()).map_err(|_| FrameError::Utf8)
+}
+
+fn get_blob(b: &mut Bytes, what: &'static str) -> Result<Bytes, FrameError> {
+    let n = get_u32(b, what)? as usize;
+    need(b, n, what)?;
+    Ok(b.split_to(n))
+}
+
+fn get_headers(b: &mut Bytes, what: &'static str) -> Result<Vec<(String, String)>, FrameError> {
+    let n = get_u16(b, what)? as usize;
+    // Each header needs at least 4 bytes: refuse counts the frame cannot hold
+    // before allocating for them.
+    need(b, n * 4, what)?;
+    let mut h = Vec::with_capacity(n);
+    for _ in 0..n {
+        h.push((get_str(b, what)?, get_str(b, what)?));
+    }
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(f: Frame) {
+        let mut buf = BytesMut::new();
+        f.encode(&mut buf);
+        f.encode(&mut buf);
+        let a = Frame::decode(&mut buf, DEFAULT_MAX_FRAME).unwrap().unwrap();
+        let b = Frame::decode(&mut buf, DEFAULT_MAX_FRAME).unwrap().unwrap();
+        assert_eq!(a, f);
+        assert_eq!(b, f);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn every_frame_roundtrips() {
+        roundtrip(Frame::Hello {
+            version: VERSION,
+            node: "n1".into(),
+            cluster: "c".into(),
+        });
+        roundtrip(Frame::Msg {
+            mode: Mode::Request,
+            id: 7,
+            timeout_ms: 30_000,
+            address: "echo".into(),
+            headers: vec![("replyTo".into(), "x".into()), ("a".into(), "".into())],
+            codec: "string".into(),
+            body: Bytes::from_static(b":)"),
+        });
+        roundtrip(Frame::Reply {
+            id: u64::MAX,
+            headers: vec![],
+            codec: "".into(),
+            body: Bytes::new(),
+        });
+        roundtrip(Frame::Fail {
+            id: 1,
+            kind: FailKind::RecipientFailure,
+            code: -42,
+            message: "nope".into(),
+        });
+        roundtrip(Frame::Ping(3));
+        roundtrip(Frame::Pong(3));
+    }
+
+    #[test]
+    fn partial_frames_wait_for_more() {
+        let mut full = BytesMut::new();
+        Frame::Ping(9).encode(&mut full);
+        for cut in 0..full.len() {
+            let mut part = BytesMut::from(&full[..cut]);
+            assert_eq!(
+                Frame::decode(&mut part, 1024).unwrap(),
+                None,
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_frames_are_typed_errors() {
+        let mut big = BytesMut::from(&[0xff, 0xff, 0xff, 0xff][..]);
+        assert!(matches!(
+            Frame::decode(&mut big, 1024),
+            Err(FrameError::TooLarge { .. })
+        ));
+        let mut empty = BytesMut::from(&[0, 0, 0, 0][..]);
+        assert_eq!(Frame::decode(&mut empty, 1024), Err(FrameError::Empty));
+        let mut unknown = BytesMut::from(&[0, 0, 0, 1, 99][..]);
+        assert_eq!(
+            Frame::decode(&mut unknown, 1024),
+            Err(FrameError::UnknownKind(99))
+        );
+        let mut short = BytesMut::from(&[0, 0, 0, 3, PING, 0, 0][..]);
+        assert_eq!(
+            Frame::decode(&mut short, 1024),
+            Err(FrameError::Truncated("PING"))
+        );
+        let mut trailing = BytesMut::from(&[0, 0, 0, 10, PING, 0, 0, 0, 0, 0, 0, 0, 1, 5][..]);
+        assert_eq!(
+            Frame::decode(&mut trailing, 1024),
+            Err(FrameError::Trailing(1))
+        );
+        let mut bad_utf8 = BytesMut::from(&[0, 0, 0, 8, HELLO, 0, 1, 0, 2, 0xff, 0xfe, 0][..]);
+        assert!(Frame::decode(&mut bad_utf8, 1024).is_err());
+        let mut huge_count = BytesMut::new();
+        huge_count.put_u32(13);
+        huge_count.put_u8(REPLY);
+        huge_count.put_u64(1);
+        huge_count.put_u16(u16::MAX);
+        huge_count.put_u16(0);
+        assert_eq!(
+            Frame::decode(&mut huge_count, 1024),
+            Err(FrameError::Truncated("REPLY"))
+        );
+    }
+}

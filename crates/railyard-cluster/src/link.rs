@@ -1,0 +1,712 @@
+//! One long-lived connection per peer pair, owned by one task.
+//!
+//! A [`Link`] is the bus's [`RemoteNode`] for one peer. Senders never touch
+//! the socket: `deliver` puts the message on the link's bounded queue and
+//! returns. The link's task owns the connection: it dials (or waits for the
+//! peer to dial, see [`Side`]), then writes queued messages in batches (one
+//! `write_all` per batch, each body encoded with its codec on the way) and
+//! reads the peer's frames: messages for local consumers, replies to our
+//! requests, pings.
+//!
+//! Failure rules:
+//! - a malformed frame or a missed ping deadline closes this connection
+//!   (the peer reconnects); every request waiting on it fails at once with
+//!   `ERROR` instead of waiting for its timeout;
+//! - the dialing side reconnects with exponential backoff while the peer is
+//!   a member; messages queued meanwhile wait in the bounded queue;
+//! - when the peer leaves the membership the link closes for good: queued
+//!   and pending requests fail.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use parking_lot::Mutex;
+use railyard_bus::{
+    Body, BusError, DeliveryOptions, EventBus, Headers, RemoteKind, RemoteMessage, RemoteNode,
+    ReplyHandle, ReplySink, Undelivered,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+
+use crate::frame::{FailKind, Frame, Mode, VERSION};
+use crate::metrics::ClusterCounters;
+
+/// Settings shared by every link of a node.
+#[derive(Debug, Clone)]
+pub(crate) struct LinkConfig {
+    pub(crate) node_id: String,
+    pub(crate) cluster: String,
+    pub(crate) queue: usize,
+    pub(crate) max_frame: usize,
+    pub(crate) ping_interval: Duration,
+    pub(crate) ping_timeout: Duration,
+    pub(crate) backoff_max: Duration,
+}
+
+/// Who opens the connection of a pair: the node with the smaller id dials,
+/// so a pair has exactly one connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Dial,
+    Accept,
+}
+
+/// What the link's task writes.
+enum Out {
+    Msg {
+        id: u64,
+        msg: RemoteMessage,
+    },
+    Reply {
+        id: u64,
+        result: Result<railyard_bus::Message, BusError>,
+    },
+    Frame(Frame),
+}
+
+pub(crate) struct Link {
+    peer: String,
+    side: Side,
+    /// Dial target; updated if the peer re-joins elsewhere.
+    addr: Mutex<SocketAddr>,
+    tx: mpsc::Sender<Out>,
+    /// Answers to the peer's requests, and pongs. Unbounded on purpose, but
+    /// bounded in practice: it never holds more than the peer's requests this
+    /// node accepted and has not answered yet, and the reader stops accepting
+    /// (see `MAX_WAITING`) when local consumers fall behind.
+    replies: mpsc::UnboundedSender<Out>,
+    /// Inbound messages waiting for room in a full local consumer buffer.
+    waiting: AtomicUsize,
+    /// Requests sent on this link, waiting for REPLY or FAIL.
+    pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    close_signal: Notify,
+    /// Senders waiting for room in a full queue (woken after each batch).
+    room_waiters: Mutex<Vec<Waker>>,
+    /// For `Side::Accept`: connections the acceptor hands over.
+    accepted: Mutex<Option<mpsc::Sender<TcpStream>>>,
+    counters: Arc<ClusterCounters>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("peer", &self.peer)
+            .field("side", &self.side)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteNode for Link {
+    fn id(&self) -> &str {
+        &self.peer
+    }
+
+    fn deliver(&self, mut msg: RemoteMessage) -> Result<(), Box<Undelivered>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Box::new(Undelivered {
+                error: self.gone(),
+                message: msg,
+            }));
+        }
+        let id = match msg.reply.take() {
+            Some(handle) => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                self.pending.lock().insert(id, handle);
+                id
+            }
+            None => 0,
+        };
+        match self.tx.try_send(Out::Msg { id, msg }) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let full = matches!(e, mpsc::error::TrySendError::Full(_));
+                let Out::Msg { mut msg, .. } = e.into_inner() else {
+                    unreachable!("we sent a Msg")
+                };
+                if id != 0 {
+                    msg.reply = self.pending.lock().remove(&id);
+                }
+                let error = if full {
+                    self.counters.link_full.add(1);
+                    BusError::Full {
+                        address: msg.address.to_string(),
+                    }
+                } else {
+                    self.gone()
+                };
+                Err(Box::new(Undelivered {
+                    error,
+                    message: msg,
+                }))
+            }
+        }
+    }
+
+    fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.closed.load(Ordering::Acquire) || self.tx.capacity() > 0 {
+            return Poll::Ready(());
+        }
+        {
+            let mut w = self.room_waiters.lock();
+            if !w.iter().any(|x| x.will_wake(cx.waker())) {
+                w.push(cx.waker().clone());
+            }
+        }
+        // The task may have drained between the check and the registration.
+        if self.tx.capacity() > 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl Link {
+    fn wake_room_waiters(&self) {
+        let waiters = std::mem::take(&mut *self.room_waiters.lock());
+        for w in waiters {
+            w.wake();
+        }
+    }
+
+    /// Creates the link and starts its task.
+    pub(crate) fn start(
+        peer: String,
+        addr: SocketAddr,
+        cfg: Arc<LinkConfig>,
+        bus: EventBus,
+        counters: Arc<ClusterCounters>,
+    ) -> Arc<Link> {
+        let side = if cfg.node_id < peer {
+            Side::Dial
+        } else {
+            Side::Accept
+        };
+        let (tx, rx) = mpsc::channel(cfg.queue.max(1));
+        let (replies, replies_rx) = mpsc::unbounded_channel();
+        let (acc_tx, acc_rx) = mpsc::channel(4);
+        let link = Arc::new(Link {
+            peer,
+            side,
+            addr: Mutex::new(addr),
+            tx,
+            replies,
+            waiting: AtomicUsize::new(0),
+            pending: Mutex::new(HashMap::default()),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            close_signal: Notify::new(),
+            accepted: Mutex::new(Some(acc_tx)),
+            room_waiters: Mutex::new(Vec::new()),
+            counters,
+        });
+        tokio::spawn(run(link.clone(), cfg, bus, rx, replies_rx, acc_rx));
+        link
+    }
+
+    pub(crate) fn side(&self) -> Side {
+        self.side
+    }
+
+    pub(crate) fn set_addr(&self, addr: SocketAddr) {
+        *self.addr.lock() = addr;
+    }
+
+    /// Hands an accepted connection (after its HELLO) to this link.
+    pub(crate) fn hand_over(&self, stream: TcpStream) {
+        let tx = self.accepted.lock().clone();
+        if let Some(tx) = tx {
+            if tx.try_send(stream).is_err() {
+                tracing::warn!(peer = %self.peer, "dropping a surplus connection from a peer");
+            }
+        }
+    }
+
+    /// Closes for good: the peer left. Pending requests fail now; queued
+    /// messages are failed by the task as it drains.
+    pub(crate) fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            self.accepted.lock().take();
+            self.close_signal.notify_one();
+            self.fail_pending("left the cluster");
+            self.wake_room_waiters();
+        }
+    }
+
+    fn gone(&self) -> BusError {
+        BusError::Cluster {
+            reason: format!("node {} is not reachable", self.peer),
+        }
+    }
+
+    fn fail_pending(&self, why: &str) {
+        let drained: Vec<ReplyHandle> = self.pending.lock().drain().map(|(_, h)| h).collect();
+        if drained.is_empty() {
+            return;
+        }
+        self.counters.failed_on_loss.add(drained.len() as u64);
+        for h in drained {
+            h.fail(BusError::Cluster {
+                reason: format!("node {} {why} before answering", self.peer),
+            });
+        }
+    }
+
+    fn forget_abandoned(&self) {
+        self.pending.lock().retain(|_, h| !h.is_abandoned());
+    }
+
+    fn complete(&self, id: u64, result: Result<(Headers, Body), BusError>) {
+        let Some(h) = self.pending.lock().remove(&id) else {
+            return; // timed out and forgotten, or a duplicate
+        };
+        match result {
+            Ok((headers, body)) => h.reply(headers, body),
+            Err(e) => h.fail(e),
+        }
+    }
+}
+
+/// The link's task: obtain a connection, serve it until it fails, repeat
+/// until closed.
+async fn run(
+    link: Arc<Link>,
+    cfg: Arc<LinkConfig>,
+    bus: EventBus,
+    mut rx: mpsc::Receiver<Out>,
+    mut replies: mpsc::UnboundedReceiver<Out>,
+    mut accepted: mpsc::Receiver<TcpStream>,
+) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        if link.closed.load(Ordering::Acquire) {
+            break;
+        }
+        let stream = match link.side {
+            Side::Dial => {
+                let addr = *link.addr.lock();
+                let attempt = tokio::select! {
+                    r = dial(addr, &cfg) => r,
+                    () = link.close_signal.notified() => break,
+                };
+                match attempt {
+                    Ok(s) => {
+                        backoff = Duration::from_millis(20);
+                        s
+                    }
+                    Err(e) => {
+                        tracing::debug!(peer = %link.peer, %addr, error = %e, "dial failed; retrying");
+                        tokio::select! {
+                            () = tokio::time::sleep(backoff) => {}
+                            () = link.close_signal.notified() => break,
+                        }
+                        backoff = (backoff * 2).min(cfg.backoff_max);
+                        continue;
+                    }
+                }
+            }
+            Side::Accept => tokio::select! {
+                s = accepted.recv() => match s {
+                    Some(s) => s,
+                    None => break,
+                },
+                () = link.close_signal.notified() => break,
+            },
+        };
+        tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
+        link.counters.connects.add(1);
+        let why = serve(&link, &cfg, &bus, &mut rx, &mut replies, stream).await;
+        link.fail_pending("was disconnected");
+        if link.closed.load(Ordering::Acquire) {
+            break;
+        }
+        link.counters.disconnects.add(1);
+        tracing::warn!(peer = %link.peer, reason = %why, "cluster link down; requests waiting on it failed");
+    }
+    // Closed: fail what is still queued so nobody waits for a timeout.
+    rx.close();
+    while let Ok(out) = rx.try_recv() {
+        if let Out::Msg {
+            msg: RemoteMessage { reply: Some(h), .. },
+            ..
+        } = out
+        {
+            h.fail(link.gone());
+        }
+    }
+    link.fail_pending("left the cluster");
+}
+
+async fn dial(addr: SocketAddr, cfg: &LinkConfig) -> std::io::Result<TcpStream> {
+    let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+    s.set_nodelay(true)?;
+    let mut buf = BytesMut::new();
+    Frame::Hello {
+        version: VERSION,
+        node: cfg.node_id.clone(),
+        cluster: cfg.cluster.clone(),
+    }
+    .encode(&mut buf);
+    s.write_all(&buf).await?;
+    Ok(s)
+}
+
+/// Most queued items written per batch.
+const BATCH: usize = 256;
+
+/// Serves one connection; returns why it ended.
+async fn serve(
+    link: &Arc<Link>,
+    cfg: &LinkConfig,
+    bus: &EventBus,
+    rx: &mut mpsc::Receiver<Out>,
+    replies: &mut mpsc::UnboundedReceiver<Out>,
+    stream: TcpStream,
+) -> String {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut inbuf = BytesMut::with_capacity(64 * 1024);
+    let mut outbuf = BytesMut::with_capacity(64 * 1024);
+    let mut batch = Vec::with_capacity(BATCH);
+    let mut reply_batch = Vec::with_capacity(BATCH);
+    let mut ping = tokio::time::interval(cfg.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_heard = Instant::now();
+    let mut nonce = 0u64;
+    loop {
+        tokio::select! {
+            n = rx.recv_many(&mut batch, BATCH) => {
+                if n == 0 {
+                    return "link queue closed".into();
+                }
+                for out in batch.drain(..) {
+                    encode_out(link, bus, out, &mut outbuf);
+                }
+                link.wake_room_waiters();
+                // Answers that are ready go in the same write.
+                while let Ok(out) = replies.try_recv() {
+                    encode_out(link, bus, out, &mut outbuf);
+                }
+                if let Err(e) = wr.write_all(&outbuf).await {
+                    outbuf.clear();
+                    return format!("write failed: {e}");
+                }
+                link.counters.bytes_out.add(outbuf.len() as u64);
+                outbuf.clear();
+            }
+            n = replies.recv_many(&mut reply_batch, BATCH) => {
+                if n == 0 {
+                    return "link closed".into();
+                }
+                for out in reply_batch.drain(..) {
+                    encode_out(link, bus, out, &mut outbuf);
+                }
+                while let Ok(out) = replies.try_recv() {
+                    if outbuf.len() > 256 * 1024 {
+                        break;
+                    }
+                    encode_out(link, bus, out, &mut outbuf);
+                }
+                if let Err(e) = wr.write_all(&outbuf).await {
+                    outbuf.clear();
+                    return format!("write failed: {e}");
+                }
+                link.counters.bytes_out.add(outbuf.len() as u64);
+                outbuf.clear();
+            }
+            r = rd.read_buf(&mut inbuf) => {
+                match r {
+                    Ok(0) => return "peer closed the connection".into(),
+                    Ok(n) => {
+                        link.counters.bytes_in.add(n as u64);
+                        last_heard = Instant::now();
+                    }
+                    Err(e) => return format!("read failed: {e}"),
+                }
+                loop {
+                    match Frame::decode(&mut inbuf, cfg.max_frame) {
+                        Ok(Some(f)) => handle(link, bus, f).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            link.counters.malformed.add(1);
+                            return format!("malformed frame from the peer: {e}");
+                        }
+                    }
+                }
+            }
+            () = link.close_signal.notified() => return "closed".into(),
+            _ = ping.tick() => {
+                if last_heard.elapsed() > cfg.ping_timeout {
+                    return format!("no frame from the peer for {:?}", cfg.ping_timeout);
+                }
+                link.forget_abandoned();
+                nonce += 1;
+                // Through the queue, so a ping never overtakes a batch.
+                let _ = link.tx.try_send(Out::Frame(Frame::Ping(nonce)));
+            }
+        }
+    }
+}
+
+fn headers_vec(h: &Headers) -> Vec<(String, String)> {
+    h.iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+fn headers_from(v: Vec<(String, String)>) -> Headers {
+    let mut h = Headers::new();
+    for (k, val) in v {
+        h.add(k, val);
+    }
+    h
+}
+
+fn fail_frame(id: u64, e: &BusError) -> Frame {
+    // TIMEOUT carries the timeout in ms as its code; NO_HANDLERS the address
+    // as its message, so the requester's error reads as a local one.
+    let (kind, code, message) = match e {
+        BusError::Timeout { after } => (
+            FailKind::Timeout,
+            i32::try_from(after.as_millis()).unwrap_or(i32::MAX),
+            String::new(),
+        ),
+        BusError::NoHandlers { address } => (FailKind::NoHandlers, 0, address.clone()),
+        BusError::RecipientFailure { code, message } => {
+            (FailKind::RecipientFailure, *code, message.clone())
+        }
+        other => (FailKind::Error, 0, other.to_string()),
+    };
+    Frame::Fail {
+        id,
+        kind,
+        code,
+        message,
+    }
+}
+
+/// Encodes one queued item into the batch buffer. A body no codec can encode
+/// fails its request (or is dropped and counted, for a send).
+fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut) {
+    match out {
+        Out::Frame(f) => f.encode(buf),
+        Out::Msg { id, mut msg } => match bus.encode_body(&msg.body, msg.codec.as_deref()) {
+            Ok((codec, body)) => {
+                let (mode, timeout_ms) = match msg.kind {
+                    RemoteKind::Send => (Mode::Send, 0),
+                    RemoteKind::Publish => (Mode::Publish, 0),
+                    RemoteKind::Request { timeout } => (
+                        Mode::Request,
+                        u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+                    ),
+                };
+                Frame::Msg {
+                    mode,
+                    id,
+                    timeout_ms,
+                    address: msg.address.to_string(),
+                    headers: headers_vec(&msg.headers),
+                    codec: codec.to_string(),
+                    body,
+                }
+                .encode(buf);
+                link.counters.frames_out.add(1);
+            }
+            Err(e) => {
+                link.counters.encode_failures.add(1);
+                tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
+                if id != 0 {
+                    link.complete(
+                        id,
+                        Err(BusError::Cluster {
+                            reason: format!("body cannot cross nodes: {e}"),
+                        }),
+                    );
+                }
+                msg.reply = None;
+            }
+        },
+        Out::Reply { id, result } => {
+            let frame = match result {
+                Ok(mut m) => {
+                    let body = m.take_body();
+                    match bus.encode_body(&body, None) {
+                        Ok((codec, bytes)) => Frame::Reply {
+                            id,
+                            headers: headers_vec(m.headers()),
+                            codec: codec.to_string(),
+                            body: bytes,
+                        },
+                        Err(e) => fail_frame(
+                            id,
+                            &BusError::Cluster {
+                                reason: format!("reply body cannot cross nodes: {e}"),
+                            },
+                        ),
+                    }
+                }
+                Err(e) => fail_frame(id, &e),
+            };
+            frame.encode(buf);
+        }
+    }
+}
+
+/// Most inbound messages per link that may wait, each in its own task, for
+/// room in a full local buffer. Beyond it the reader itself waits, which
+/// stops reading from the socket: TCP then slows the peer down.
+const MAX_WAITING: usize = 1024;
+
+impl ReplySink for Link {
+    fn reply(&self, id: u64, result: Result<railyard_bus::Message, BusError>) {
+        // Fails only once the link task is gone, and then so is the peer's
+        // pending request (it was failed when the link closed).
+        let _ = self.replies.send(Out::Reply { id, result });
+    }
+}
+
+/// Delivers an inbound message whose every local buffer was full: in a task
+/// while few are waiting, inline (pausing the reader) beyond that.
+async fn wait_for_room<F>(link: &Arc<Link>, deliver: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    if link.waiting.load(Ordering::Relaxed) >= MAX_WAITING {
+        deliver.await;
+        return;
+    }
+    link.waiting.fetch_add(1, Ordering::Relaxed);
+    let l = link.clone();
+    tokio::spawn(async move {
+        deliver.await;
+        l.waiting.fetch_sub(1, Ordering::Relaxed);
+    });
+}
+
+/// Acts on one frame from the peer.
+async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
+    link.counters.frames_in.add(1);
+    match frame {
+        Frame::Msg {
+            mode,
+            id,
+            timeout_ms,
+            address,
+            headers,
+            codec,
+            body,
+        } => {
+            let body = match bus.decode_body(&codec, body) {
+                Ok(b) => b,
+                Err(e) => {
+                    link.counters.decode_failures.add(1);
+                    if mode == Mode::Request {
+                        let f = fail_frame(
+                            id,
+                            &BusError::Cluster {
+                                reason: format!("cannot decode the body: {e}"),
+                            },
+                        );
+                        let _ = link.replies.send(Out::Frame(f));
+                    }
+                    return;
+                }
+            };
+            let mut opts = DeliveryOptions::new().local_only(true);
+            opts.headers = headers_from(headers);
+            match mode {
+                Mode::Send => match bus.send_body(&address, body, &opts) {
+                    Ok(()) => {}
+                    Err(e) if matches!(e.error, BusError::Full { .. }) => {
+                        let (l, bus) = (link.clone(), bus.clone());
+                        let body = e.into_body();
+                        wait_for_room(link, async move {
+                            if bus.send_wait(&address, body, &opts).await.is_err() {
+                                l.counters.inbound_undelivered.add(1);
+                            }
+                        })
+                        .await;
+                    }
+                    Err(e) => {
+                        link.counters.inbound_undelivered.add(1);
+                        tracing::debug!(%address, error = %e, "a message from another node found no consumer");
+                    }
+                },
+                Mode::Publish => {
+                    let _ = bus.publish_body(&address, body, &opts);
+                }
+                Mode::Request => {
+                    opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
+                    let sink: Arc<dyn ReplySink> = link.clone();
+                    match bus.request_remote(&address, body, &opts, sink.clone(), id) {
+                        Ok(()) => {}
+                        Err(e) if matches!(e.error, BusError::Full { .. }) => {
+                            let (l, bus) = (link.clone(), bus.clone());
+                            let body = e.into_body();
+                            wait_for_room(link, async move {
+                                if let Err(e) = bus
+                                    .request_remote_wait(&address, body, &opts, sink, id)
+                                    .await
+                                {
+                                    let _ = l.replies.send(Out::Frame(fail_frame(id, &e.error)));
+                                }
+                            })
+                            .await;
+                        }
+                        Err(e) => {
+                            let _ = link.replies.send(Out::Frame(fail_frame(id, &e.error)));
+                        }
+                    }
+                }
+            }
+        }
+        Frame::Reply {
+            id,
+            headers,
+            codec,
+            body,
+        } => {
+            let result = bus
+                .decode_body(&codec, body)
+                .map(|b| (headers_from(headers), b))
+                .map_err(|e| BusError::Cluster {
+                    reason: format!("cannot decode the reply body: {e}"),
+                });
+            link.complete(id, result);
+        }
+        Frame::Fail {
+            id,
+            kind,
+            code,
+            message,
+        } => {
+            let e = match kind {
+                FailKind::Timeout => BusError::Timeout {
+                    after: Duration::from_millis(u64::try_from(code).unwrap_or(0)),
+                },
+                FailKind::NoHandlers => BusError::NoHandlers { address: message },
+                FailKind::RecipientFailure => BusError::RecipientFailure { code, message },
+                FailKind::Error => BusError::Cluster { reason: message },
+            };
+            link.complete(id, Err(e));
+        }
+        Frame::Ping(n) => {
+            let _ = link.replies.send(Out::Frame(Frame::Pong(n)));
+        }
+        Frame::Pong(_) => {}
+        Frame::Hello { .. } => {
+            // Only valid as the first frame, which the acceptor consumed.
+            tracing::warn!(peer = %link.peer, "unexpected HELLO on an open link; ignored");
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Several nodes in one process, each with its own bus and a real TCP
+//! transport on loopback, sharing the in-process cluster manager.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use railyard_bus::{BusError, DeliveryOptions, EventBus};
+use railyard_cluster::{ClusterConfig, ClusterNode, InProcessRegistry};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn start(reg: &InProcessRegistry, id: &str) -> (EventBus, ClusterNode) {
+    let bus = EventBus::new();
+    let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+    cfg.ping_interval = Duration::from_millis(100);
+    cfg.ping_timeout = Duration::from_millis(1500);
+    let node = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
+        .await
+        .expect("node starts");
+    (bus, node)
+}
+
+/// Waits (bounded) until `bus` routes `address` to at least one other node.
+async fn routed(bus: &EventBus, address: &str) {
+    for _ in 0..500 {
+        if bus.remote_addresses().iter().any(|a| a == address) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{address} never became routable to another node");
+}
+
+async fn echo(bus: &EventBus, address: &str) -> railyard_bus::Consumer {
+    bus.consumer(address)
+        .handler(|mut m| async move {
+            let body = m.take_body();
+            let _ = m.reply(body);
+        })
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_reply_crosses_nodes_with_every_codec() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let _e = echo(&b, "echo").await;
+    routed(&a, "echo").await;
+
+    let r = a.request("echo", String::from("hello")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "hello");
+    let r = a
+        .request("echo", bytes::Bytes::from_static(b"\x00\x01"))
+        .await
+        .unwrap();
+    assert_eq!(r.body::<bytes::Bytes>().unwrap().as_ref(), b"\x00\x01");
+    let v = serde_json::json!({"k": [1, 2, 3]});
+    let r = a.request("echo", v.clone()).await.unwrap();
+    assert_eq!(r.body::<serde_json::Value>().unwrap(), &v);
+
+    // Headers travel both ways.
+    let opts = DeliveryOptions::new().header("x-trace", "42");
+    let _h = b
+        .consumer("headers")
+        .handler(|mut m| async move {
+            let seen = m.headers().get("x-trace").unwrap_or("none").to_owned();
+            let _ = m.reply(seen);
+        })
+        .await
+        .unwrap();
+    routed(&a, "headers").await;
+    let r = a.request_with("headers", (), &opts).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "42");
+
+    // A body no codec knows fails the request with a clear error.
+    #[derive(Debug)]
+    struct Opaque;
+    let err = a.request("echo", Opaque).await.unwrap_err();
+    assert!(matches!(err, BusError::Cluster { .. }), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_round_robin_over_nodes_and_publish_reaches_every_node() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let (c, _nc) = start(&reg, "c").await;
+    let mut sa = a.consumer("work").stream().await.unwrap();
+    let mut sb = b.consumer("work").stream().await.unwrap();
+    let mut sc = c.consumer("work").stream().await.unwrap();
+    routed(&a, "work").await;
+    for _ in 0..500 {
+        if a.remote_addresses().len() == 1 && a.consumer_count("work") == 1 {
+            let view = reg.snapshot();
+            if view.subscriptions.get("work").map_or(0, |s| s.len()) == 3 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Give a's follower a moment to apply the last view, bounded.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for i in 0..30u64 {
+        a.send("work", format!("m{i}")).unwrap();
+    }
+    use futures::StreamExt;
+    let mut got = [0usize; 3];
+    for _ in 0..30 {
+        tokio::select! {
+            Some(_) = sa.next() => got[0] += 1,
+            Some(_) = sb.next() => got[1] += 1,
+            Some(_) = sc.next() => got[2] += 1,
+        }
+    }
+    assert_eq!(
+        got,
+        [10, 10, 10],
+        "round-robin over one local and two remote consumers"
+    );
+
+    let report = b.publish("work", String::from("all")).unwrap();
+    assert_eq!(report.delivered, 3, "one local consumer and two nodes");
+    for s in [&mut sa, &mut sb, &mut sc] {
+        let m = tokio::time::timeout(Duration::from_secs(5), s.next())
+            .await
+            .expect("published message arrives")
+            .unwrap();
+        assert_eq!(m.body::<String>().unwrap(), "all");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_cross_nodes_with_their_kind() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let _f = b
+        .consumer("fails")
+        .handler(|mut m| async move {
+            let _ = m.fail(418, "teapot");
+        })
+        .await
+        .unwrap();
+    let _silent = b
+        .consumer("silent")
+        .handler(|m| async move {
+            // Holds the request past the requester's timeout.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            drop(m);
+        })
+        .await
+        .unwrap();
+    routed(&a, "fails").await;
+    routed(&a, "silent").await;
+
+    let err = a.request("fails", ()).await.unwrap_err();
+    assert_eq!(
+        err,
+        BusError::RecipientFailure {
+            code: 418,
+            message: "teapot".into()
+        }
+    );
+    let short = DeliveryOptions::new().timeout(Duration::from_millis(200));
+    let err = a.request_with("silent", (), &short).await.unwrap_err();
+    assert_eq!(err.kind().as_str(), "TIMEOUT");
+    let err = a.request("nowhere", ()).await.unwrap_err();
+    assert_eq!(err.kind().as_str(), "NO_HANDLERS");
+    // local_only never leaves the node.
+    let err = a
+        .request_with("fails", (), &DeliveryOptions::new().local_only(true))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind().as_str(), "NO_HANDLERS");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_fail_fast_when_their_node_is_lost() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, nb) = start(&reg, "b").await;
+    let _hold = b
+        .consumer("hold")
+        .capacity(64)
+        .handler(|m| async move {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            drop(m);
+        })
+        .await
+        .unwrap();
+    routed(&a, "hold").await;
+    let a2 = a.clone();
+    let waiting = tokio::spawn(async move { a2.request("hold", ()).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // b vanishes without leaving (as if killed); its registry entry expires.
+    drop(nb);
+    reg.expire("b");
+    let result = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the request must not wait for its 30 s timeout")
+        .unwrap();
+    let err = result.unwrap_err();
+    assert_eq!(err.kind().as_str(), "ERROR", "{err:?}");
+    // Its consumers are no longer chosen.
+    for _ in 0..500 {
+        if a.remote_addresses().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(a.remote_addresses().is_empty());
+    assert_eq!(
+        a.request("hold", ()).await.unwrap_err().kind().as_str(),
+        "NO_HANDLERS"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_frame_closes_only_that_connection() {
+    let reg = InProcessRegistry::new();
+    let (a, na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let _e = echo(&a, "echo").await;
+    routed(&b, "echo").await;
+
+    for garbage in [
+        &b"\xff\xff\xff\xff"[..],     // oversized length
+        &b"\x00\x00\x00\x01\x63"[..], // unknown kind
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+    ] {
+        let mut s = tokio::net::TcpStream::connect(na.addr()).await.unwrap();
+        s.write_all(garbage).await.unwrap();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("the node closes the connection")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "closed without a reply");
+    }
+    // The real link between the nodes still works.
+    let r = b.request("echo", String::from("still here")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "still here");
+    assert!(na.counters().malformed.get() >= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unregistering_withdraws_the_route_everywhere() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let c = echo(&b, "temp").await;
+    let _l = b.local_consumer("hidden").stream().await.unwrap();
+    routed(&a, "temp").await;
+    assert!(
+        !reg.snapshot().subscriptions.contains_key("hidden"),
+        "local consumers are never advertised"
+    );
+    c.unregister().await;
+    for _ in 0..500 {
+        if a.remote_addresses().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(a.remote_addresses().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_link_makes_requests_wait_not_fail() {
+    let reg = InProcessRegistry::new();
+    let bus_a = EventBus::new();
+    let mut cfg = ClusterConfig::new("a", "127.0.0.1:0".parse().unwrap());
+    cfg.link_queue = 4;
+    let _na = ClusterNode::start(bus_a.clone(), Arc::new(reg.manager()), cfg)
+        .await
+        .unwrap();
+    let (b, _nb) = start(&reg, "b").await;
+    let _e = echo(&b, "echo").await;
+    routed(&bus_a, "echo").await;
+    // Far more requests at once than the link queue holds.
+    let replies: Vec<_> = (0..2000u64).map(|i| bus_a.request("echo", i)).collect();
+    let mut n = 0;
+    for (i, r) in replies.into_iter().enumerate() {
+        let m = r.await.expect("waits for room instead of failing");
+        assert_eq!(*m.body::<u64>().unwrap(), i as u64);
+        n += 1;
+    }
+    assert_eq!(n, 2000);
+    // Plain sends see Full and get the body back; send_wait waits.
+    let mut full = 0;
+    for i in 0..2000u64 {
+        match bus_a.send("echo", i) {
+            Ok(()) => {}
+            Err(e) => {
+                assert!(matches!(e.error, BusError::Full { .. }), "{e:?}");
+                full += 1;
+            }
+        }
+    }
+    for i in 0..2000u64 {
+        bus_a
+            .send_wait("echo", i, &DeliveryOptions::new())
+            .await
+            .expect("waits for room");
+    }
+    assert!(
+        full > 0,
+        "a 4-message link queue must fill under 2000 sends"
+    );
+}

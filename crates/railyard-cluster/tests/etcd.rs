@@ -1,0 +1,133 @@
+//! The etcd manager against a real etcd (Debian's `etcd-server`) started on
+//! free loopback ports for each test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use railyard_bus::{DeliveryOptions, EventBus};
+use railyard_cluster::{
+    ClusterConfig, ClusterManager, ClusterNode, EtcdConfig, EtcdManager, EtcdServer,
+};
+
+async fn manager(etcd: &EtcdServer, ttl: Duration) -> Arc<EtcdManager> {
+    let mut cfg = EtcdConfig::new(vec![etcd.endpoint()]);
+    cfg.lease_ttl = ttl;
+    cfg.op_timeout = Duration::from_secs(2);
+    Arc::new(EtcdManager::connect(cfg).await.expect("etcd reachable"))
+}
+
+async fn start(
+    etcd: &EtcdServer,
+    id: &str,
+    ttl: Duration,
+) -> (EventBus, ClusterNode, Arc<EtcdManager>) {
+    let bus = EventBus::new();
+    let m = manager(etcd, ttl).await;
+    let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+    cfg.ping_interval = Duration::from_millis(200);
+    cfg.ping_timeout = Duration::from_secs(2);
+    let node = ClusterNode::start(bus.clone(), m.clone(), cfg)
+        .await
+        .expect("node joins");
+    (bus, node, m)
+}
+
+/// Polls `cond` every 20 ms for at most `secs`.
+async fn eventually(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+    for _ in 0..secs * 50 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+async fn echo(bus: &EventBus, address: &str) -> railyard_bus::Consumer {
+    bus.consumer(address)
+        .handler(|mut m| async move {
+            let b = m.take_body();
+            let _ = m.reply(b);
+        })
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_propagate_and_requests_cross_nodes() {
+    let etcd = EtcdServer::start().expect("etcd starts");
+    let (a, na, _ma) = start(&etcd, "node-a", Duration::from_secs(5)).await;
+    let (b, _nb, mb) = start(&etcd, "node-b", Duration::from_secs(5)).await;
+    // Once b's registration resolved, etcd holds it.
+    let _e = echo(&b, "echo").await;
+    let view = mb.view();
+    eventually(10, "b sees its own subscription", || {
+        view.borrow().subscriptions.contains_key("echo")
+    })
+    .await;
+    eventually(10, "a routes echo to b", || {
+        a.remote_addresses().iter().any(|x| x == "echo")
+    })
+    .await;
+    let r = a.request("echo", String::from("over etcd")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "over etcd");
+    assert!(na.view().members.contains_key("node-b"));
+    // A local consumer of the same name on a joins the round-robin.
+    let mut local = a.consumer("echo").stream().await.unwrap();
+    for _ in 0..10 {
+        a.send("echo", String::from("x")).unwrap();
+    }
+    use futures::StreamExt;
+    for _ in 0..5 {
+        tokio::time::timeout(Duration::from_secs(5), local.next())
+            .await
+            .expect("half the sends stay local")
+            .unwrap();
+    }
+    assert_eq!(local.stats().received, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_node_disappears_when_its_lease_expires() {
+    let etcd = EtcdServer::start().expect("etcd starts");
+    let (a, _na, _ma) = start(&etcd, "node-a", Duration::from_secs(2)).await;
+    let (b, nb, mb) = start(&etcd, "node-b", Duration::from_secs(2)).await;
+    let _e = echo(&b, "svc").await;
+    eventually(10, "a routes svc to b", || !a.remote_addresses().is_empty()).await;
+    // b dies without deregistering: its tasks stop, its keys wait for the lease.
+    drop(nb);
+    drop(mb);
+    eventually(15, "the lease expires and a forgets b", || {
+        a.remote_addresses().is_empty()
+    })
+    .await;
+    let err = a.request("svc", ()).await.unwrap_err();
+    assert_eq!(err.kind().as_str(), "NO_HANDLERS");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_keep_working_while_etcd_is_down() {
+    let mut etcd = EtcdServer::start().expect("etcd starts");
+    let (a, _na, ma) = start(&etcd, "node-a", Duration::from_secs(10)).await;
+    let (b, _nb, _mb) = start(&etcd, "node-b", Duration::from_secs(10)).await;
+    let _e = echo(&b, "svc").await;
+    eventually(10, "a routes svc to b", || !a.remote_addresses().is_empty()).await;
+
+    etcd.stop();
+    let view = ma.view();
+    eventually(15, "a notices etcd is gone", || !view.borrow().connected).await;
+    let quick = DeliveryOptions::new().timeout(Duration::from_secs(5));
+    for i in 0..20u64 {
+        let r = a.request_with("svc", format!("{i}"), &quick).await.unwrap();
+        assert_eq!(r.body::<String>().unwrap(), &format!("{i}"));
+    }
+
+    etcd.restart().expect("etcd restarts");
+    eventually(20, "a reconnects to etcd", || view.borrow().connected).await;
+    eventually(10, "the subscription survived", || {
+        view.borrow().subscriptions.contains_key("svc")
+    })
+    .await;
+    let r = a.request("svc", String::from("after")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "after");
+}
