@@ -88,6 +88,33 @@ pub async fn wait_routed(bus: &EventBus, addresses: &[String]) -> Result<(), Clu
     )))
 }
 
+/// The second node's service that says whether it routes given addresses.
+pub const ROUTES_PROBE: &str = "railyard.bench.routes";
+
+/// Waits (at most 20 s) until the second node routes every one of
+/// `addresses` back to this node.
+///
+/// # Errors
+/// [`ClusterBenchError::Server`] if it never does.
+pub async fn wait_visible_remotely(
+    bus: &EventBus,
+    addresses: &[String],
+) -> Result<(), ClusterBenchError> {
+    wait_routed(bus, &[ROUTES_PROBE.to_owned()]).await?;
+    let wanted = serde_json::Value::from(addresses.to_vec());
+    for _ in 0..400 {
+        if let Ok(m) = bus.request(ROUTES_PROBE, wanted.clone()).await {
+            if m.body::<u64>() == Some(&1) {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(ClusterBenchError::Server(
+        "the second node never routed the reply addresses back to this one".into(),
+    ))
+}
+
 /// What the second node hosts.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -140,6 +167,24 @@ pub async fn serve(etcd: &str, cfg: &ServeConfig) -> Result<(), ClusterBenchErro
             })
             .await?;
     }
+    // Answers whether this node routes every address in a JSON array to
+    // another node, so a driver can wait until its reply addresses are
+    // visible here before starting chains.
+    let probe_bus = bus.clone();
+    let _probe = bus
+        .consumer(ROUTES_PROBE)
+        .handler(move |mut m| {
+            let wanted = m.body::<serde_json::Value>().cloned().unwrap_or_default();
+            let routed = probe_bus.remote_addresses();
+            let all = wanted.as_array().is_some_and(|a| {
+                a.iter()
+                    .all(|v| v.as_str().is_some_and(|s| routed.iter().any(|r| r == s)))
+            });
+            let _ = m.reply(u64::from(all));
+            std::future::ready(())
+        })
+        .await
+        .map_err(|e| ClusterBenchError::Join(e.to_string()))?;
     println!("READY {}", node.node_id());
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(_)) = lines.next_line().await {}

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 use railyard_bus::{DeliveryOptions, EventBus};
-use railyard_cluster::ClusterNode;
 use serde::{Deserialize, Serialize};
 
 use crate::cluster::{self, ClusterBenchError, ClusterTarget, ServeConfig, ServerProcess};
@@ -291,9 +290,7 @@ pub async fn run(
                     // The echoers must route to every reply address before a
                     // chain starts, or its first echo would find no handler.
                     let addresses: Vec<String> = kicks.iter().map(|(a, _)| a.clone()).collect();
-                    if let Some(n) = &node {
-                        wait_subscribed(n, &addresses).await?;
-                    }
+                    cluster::wait_visible_remotely(&bus, &addresses).await?;
                 }
                 let b = bus.clone();
                 loops
@@ -358,26 +355,6 @@ pub async fn run(
         runtime: Some(cfg.runtime.as_str().into()),
         threads: Some(cfg.loops),
     })
-}
-
-/// Waits (at most 20 s) until the cluster store lists a subscription for
-/// each address, so other nodes are about to route to them; then lets their
-/// watches catch up briefly.
-async fn wait_subscribed(
-    node: &ClusterNode,
-    addresses: &[String],
-) -> Result<(), ClusterBenchError> {
-    for _ in 0..2000 {
-        let view = node.view();
-        if addresses.iter().all(|a| view.subscriptions.contains_key(a)) {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    Err(ClusterBenchError::Server(
-        "reply addresses never appeared in the cluster store".into(),
-    ))
 }
 
 /// One send-reply chain: a task that requests, counts the echo and requests again.
