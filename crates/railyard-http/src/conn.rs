@@ -1,0 +1,348 @@
+//! One connection: hyper's HTTP/1.1 state machine over [`ConnIo`], the
+//! per-connection service that routes, times out and meters requests, and
+//! graceful shutdown.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Instant;
+
+use http::header::{HeaderValue, CONNECTION};
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit};
+
+use crate::body::{Body, RequestBody};
+use crate::config::HttpConfig;
+use crate::metrics::{method_label, HttpMetrics, RequestLabels};
+use crate::router::{self, RouteFuture, Router};
+use crate::sendfile::{self, Run, Runs};
+
+/// Metric handles by (route id, method, status).
+type SeriesCache = HashMap<(usize, &'static str, u16), (Counter, Histogram)>;
+
+/// What one core's connections share. Lives on that core only.
+pub(crate) struct Core {
+    pub(crate) router: Arc<Router>,
+    pub(crate) metrics: Arc<HttpMetrics>,
+    pub(crate) config: Arc<HttpConfig>,
+    pub(crate) http1: hyper::server::conn::http1::Builder,
+    /// Metric handles by (route id, method, status), so the hot path skips
+    /// the shared family's lock and hash.
+    series: RefCell<SeriesCache>,
+    pub(crate) shutdown: watch::Receiver<bool>,
+    /// Connections open on this core.
+    pub(crate) active: Cell<usize>,
+    /// Woken when `active` drops to zero.
+    pub(crate) idle: Notify,
+}
+
+impl Core {
+    pub(crate) fn new(
+        router: Arc<Router>,
+        metrics: Arc<HttpMetrics>,
+        config: Arc<HttpConfig>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        let mut http1 = hyper::server::conn::http1::Builder::new();
+        http1
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(config.header_read_timeout)
+            .max_header_size(config.max_header_bytes)
+            .max_headers(config.max_headers)
+            .keep_alive(true)
+            // Vectored writes keep body chunks out of hyper's own buffer,
+            // which the sendfile placeholders rely on (see `sendfile`).
+            .writev(true);
+        Self {
+            router,
+            metrics,
+            config,
+            http1,
+            series: RefCell::new(HashMap::new()),
+            shutdown,
+            active: Cell::new(0),
+            idle: Notify::new(),
+        }
+    }
+
+    fn record(&self, route: usize, method: &'static str, status: u16, secs: f64) {
+        let mut series = self.series.borrow_mut();
+        let (c, h) = series.entry((route, method, status)).or_insert_with(|| {
+            self.metrics.series(&RequestLabels {
+                route: self.router.route_names()[route].clone(),
+                method,
+                status,
+            })
+        });
+        c.inc();
+        h.observe(secs);
+    }
+}
+
+/// Resolves once shutdown is signalled (or its sender is gone).
+pub(crate) async fn shutdown_signalled(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// Keeps the core's connection count right however the task ends.
+struct ActiveGuard {
+    core: Rc<Core>,
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        let n = self.core.active.get() - 1;
+        self.core.active.set(n);
+        self.core.metrics.open_connections.dec();
+        if n == 0 {
+            self.core.idle.notify_waiters();
+        }
+    }
+}
+
+/// Serves one accepted connection until the client leaves, an error closes
+/// it, or shutdown drains it (the in-flight response is finished first).
+pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphorePermit) {
+    core.active.set(core.active.get() + 1);
+    core.metrics.open_connections.inc();
+    let _guard = ActiveGuard { core: core.clone() };
+    let _permit = permit;
+    let runs = Runs::default();
+    let io = TokioIo::new(ConnIo {
+        tcp,
+        runs: runs.clone(),
+        metrics: core.metrics.clone(),
+    });
+    let svc = ConnService {
+        core: core.clone(),
+        runs,
+    };
+    let conn = core.http1.serve_connection(io, svc);
+    tokio::pin!(conn);
+    let mut shutdown = core.shutdown.clone();
+    let res = tokio::select! {
+        r = conn.as_mut() => r,
+        () = shutdown_signalled(&mut shutdown) => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = res {
+        tracing::debug!(error = %e, "connection closed with an error");
+    }
+}
+
+/// hyper's view of a request: route it, bound it in time, meter it.
+struct ConnService {
+    core: Rc<Core>,
+    runs: Runs,
+}
+
+impl hyper::service::Service<Request<Incoming>> for ConnService {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn call(&self, req: Request<Incoming>) -> ResponseFuture {
+        let start = Instant::now();
+        let method = method_label(req.method());
+        let d = self.core.router.dispatch(req.map(RequestBody::incoming));
+        let state = match d.response {
+            RouteFuture::Ready(r) => State::Ready(Some(r)),
+            RouteFuture::Pending(fut) => State::Pending {
+                fut,
+                deadline: Box::pin(tokio::time::sleep(self.core.config.request_timeout)),
+            },
+        };
+        ResponseFuture {
+            state,
+            core: self.core.clone(),
+            runs: self.runs.clone(),
+            start,
+            route: d.route,
+            method,
+        }
+    }
+}
+
+enum State {
+    Ready(Option<Response<Body>>),
+    Pending {
+        fut: router::HandlerFuture,
+        deadline: Pin<Box<tokio::time::Sleep>>,
+    },
+}
+
+pub(crate) struct ResponseFuture {
+    state: State,
+    core: Rc<Core>,
+    runs: Runs,
+    start: Instant,
+    route: usize,
+    method: &'static str,
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut resp = match &mut this.state {
+            State::Ready(r) => r.take().expect("polled after completion"),
+            State::Pending { fut, deadline } => match fut.as_mut().poll(cx) {
+                Poll::Ready(r) => r,
+                Poll::Pending => {
+                    ready!(deadline.as_mut().poll(cx));
+                    // The request body may be half read: do not reuse the connection.
+                    let mut r = router::text(StatusCode::REQUEST_TIMEOUT, "request timed out\n");
+                    r.headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                    r
+                }
+            },
+        };
+        if let Some((file, offset, remaining)) = resp.body_mut().take_sendfile_run() {
+            this.runs.borrow_mut().push_back(Run {
+                file,
+                offset,
+                remaining,
+            });
+        }
+        let secs = this.start.elapsed().as_secs_f64();
+        this.core
+            .record(this.route, this.method, resp.status().as_u16(), secs);
+        Poll::Ready(Ok(resp))
+    }
+}
+
+/// The socket as hyper sees it: counts bytes and turns sendfile placeholders
+/// into `sendfile(2)` calls.
+pub(crate) struct ConnIo {
+    tcp: TcpStream,
+    runs: Runs,
+    metrics: Arc<HttpMetrics>,
+}
+
+impl ConnIo {
+    /// Sends up to `max` bytes of the front file run.
+    fn poll_sendfile(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<io::Result<usize>> {
+        let mut runs = self.runs.borrow_mut();
+        let Some(run) = runs.front_mut() else {
+            return Poll::Ready(Err(io::Error::other(
+                "sendfile placeholder without a file run (a bug in railyard-http)",
+            )));
+        };
+        let want = max.min(usize::try_from(run.remaining).unwrap_or(usize::MAX));
+        loop {
+            ready!(self.tcp.poll_write_ready(cx))?;
+            let mut off = run.offset;
+            let res = self.tcp.try_io(Interest::WRITABLE, || {
+                rustix::fs::sendfile(&self.tcp, &*run.file, Some(&mut off), want)
+                    .map_err(io::Error::from)
+            });
+            match res {
+                Ok(0) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "file shorter than its announced length",
+                    )))
+                }
+                Ok(n) => {
+                    run.offset += n as u64;
+                    run.remaining -= n as u64;
+                    if run.remaining == 0 {
+                        runs.pop_front();
+                    }
+                    self.metrics.bytes_out.inc_by(n as u64);
+                    self.metrics.sendfile_bytes.inc_by(n as u64);
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn count_out(&self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(Ok(n)) = r {
+            self.metrics.bytes_out.inc_by(n as u64);
+        }
+        r
+    }
+}
+
+impl AsyncRead for ConnIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut this.tcp).poll_read(cx, buf))?;
+        let n = buf.filled().len() - before;
+        this.metrics.bytes_in.inc_by(n as u64);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for ConnIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if sendfile::is_placeholder(buf) {
+            return this.poll_sendfile(cx, buf.len());
+        }
+        let r = Pin::new(&mut this.tcp).poll_write(cx, buf);
+        this.count_out(r)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if bufs.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        // Write the ordinary slices before the first placeholder with one
+        // writev; a placeholder at the front becomes one sendfile.
+        let cut = bufs
+            .iter()
+            .position(|b| sendfile::is_placeholder(b))
+            .unwrap_or(bufs.len());
+        if cut == 0 {
+            return this.poll_sendfile(cx, bufs[0].len());
+        }
+        let r = Pin::new(&mut this.tcp).poll_write_vectored(cx, &bufs[..cut]);
+        this.count_out(r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
