@@ -120,7 +120,10 @@ fn open_send_file(path: &Path) -> io::Result<(File, u64)> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        std::fs::write(path, random_alnum(DEFAULT_SEND_FILE_LEN))?;
+        // Written aside and renamed, so a concurrent starter never sees half a file.
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        std::fs::write(&tmp, random_alnum(DEFAULT_SEND_FILE_LEN))?;
+        std::fs::rename(&tmp, path)?;
     }
     let mut f = File::open(path)?;
     let len = io::copy(&mut f, &mut io::sink())?;

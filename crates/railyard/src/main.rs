@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
 mod bench_cmd;
+mod http_node;
 mod node;
 
 // The bus allocates one small `Arc` per message; mimalloc's thread-local free
@@ -38,7 +39,8 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a node on embedded defaults (the event bus, for now), until SIGINT or SIGTERM.
+    /// Run a node on embedded defaults (the event bus, the HTTP server on 8080 with
+    /// metrics on 8081), until SIGINT or SIGTERM.
     Node(node::NodeArgs),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]
