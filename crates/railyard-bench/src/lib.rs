@@ -4,6 +4,7 @@
 //! # Map
 //! - [`pingpong`]: seed 000, 500k request/reply messages.
 //! - [`echo`]: seed 001, echo round trips in a window, and its matrix.
+//! - [`c10k`]: seed 004, an HTTP server under 10k connections (wrk, oha, RSS).
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
@@ -11,6 +12,7 @@
 //! Every scenario returns a serializable result row carrying `scenario`,
 //! `system` and its full configuration, so rows from different runs join.
 
+pub mod c10k;
 pub mod echo;
 pub mod loops;
 pub mod peer;

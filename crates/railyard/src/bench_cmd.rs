@@ -17,6 +17,8 @@ pub(crate) enum BenchCommand {
     Pingpong(PingpongArgs),
     /// Seed 001: echo round trips in a fixed window (optionally the whole matrix).
     Echo(EchoArgs),
+    /// Seed 004: the HTTP server under 10k connections (wrk, oha, RSS per connection).
+    C10k(crate::bench_c10k::C10kArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -152,6 +154,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Pingpong(a) => run_pingpong(a).await,
         BenchCommand::Echo(a) => run_echo(a).await,
+        BenchCommand::C10k(a) => crate::bench_c10k::run(a).await,
     }
 }
 

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
+mod bench_c10k;
 mod bench_cmd;
 mod http_node;
 mod node;
