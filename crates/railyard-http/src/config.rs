@@ -43,6 +43,9 @@ pub struct HttpConfig {
     pub compress_min_bytes: usize,
     /// Enable TCP fast open on the listeners with this queue length (0: off).
     pub tcp_fastopen_queue: u32,
+    /// Drop hyper's per-connection state (about 10 KiB) while a keep-alive
+    /// connection is idle between requests, keeping only the socket.
+    pub park_idle_connections: bool,
 }
 
 impl Default for HttpConfig {
@@ -59,6 +62,7 @@ impl Default for HttpConfig {
             shutdown_deadline: Duration::from_secs(10),
             compress_min_bytes: 1024,
             tcp_fastopen_queue: 256,
+            park_idle_connections: true,
         }
     }
 }

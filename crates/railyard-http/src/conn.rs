@@ -28,6 +28,7 @@ use crate::config::HttpConfig;
 use crate::metrics::{method_label, HttpMetrics, RequestLabels};
 use crate::router::{self, RouteFuture, Router};
 use crate::sendfile::{self, Run, Runs};
+use bytes::Bytes;
 
 /// Metric handles by (route id, method, status).
 type SeriesCache = HashMap<(usize, &'static str, u16), (Counter, Histogram)>;
@@ -112,52 +113,183 @@ impl Drop for ActiveGuard {
     }
 }
 
+/// Per-connection state shared by the socket wrapper, the service and the
+/// driver. Single-threaded (the connection never leaves its core).
+#[derive(Default)]
+pub(crate) struct ConnState {
+    /// File runs for the sendfile placeholders, in response order.
+    runs: Runs,
+    /// Responses produced whose body hyper has not finished (dropped) yet.
+    in_flight: Cell<usize>,
+    /// hyper flushed everything it buffered (it calls `poll_flush` on the
+    /// socket only once its own write buffer is empty).
+    write_clean: Cell<bool>,
+    /// hyper's last read found the socket empty: it holds no complete
+    /// request head, only (at most) part of one.
+    read_blocked: Cell<bool>,
+    /// A request with a body was seen: never park this connection (hyper
+    /// must finish or discard that body itself).
+    had_body: Cell<bool>,
+}
+
+impl ConnState {
+    /// Between requests: nothing to write, nothing to parse.
+    fn is_idle(&self) -> bool {
+        self.in_flight.get() == 0
+            && self.write_clean.get()
+            && self.read_blocked.get()
+            && !self.had_body.get()
+    }
+}
+
+/// How an active (hyper-driven) phase of a connection ended.
+enum Phase {
+    /// Idle between requests: hyper's state is dropped; the socket waits
+    /// for its next request. `leftover` is a partial request head, if any.
+    Parked { tcp: TcpStream, leftover: Bytes },
+    /// The connection is finished.
+    Closed,
+}
+
 /// Serves one accepted connection until the client leaves, an error closes
 /// it, or shutdown drains it (the in-flight response is finished first).
+///
+/// # Parking
+/// hyper keeps about 10 KiB per connection (8 KiB read buffer, write buffer,
+/// state) for as long as it serves it. Most of a C10K server's connections
+/// are idle keep-alive connections, so between requests the connection is
+/// *parked*: hyper's connection is taken apart (`into_parts`, keeping any
+/// bytes already read), and only the socket waits for readability. The next
+/// request starts a fresh hyper connection over the same socket. A partial
+/// head parks too, but its deadline keeps running (slowloris).
 pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphorePermit) {
     core.active.set(core.active.get() + 1);
     core.metrics.open_connections.inc();
     let _guard = ActiveGuard { core: core.clone() };
     let _permit = permit;
-    let runs = Runs::default();
+    let state = Rc::new(ConnState::default());
+    let mut shutdown = core.shutdown.clone();
+    let mut tcp = tcp;
+    let mut leftover = Bytes::new();
+    // Deadline of a request head that arrived in pieces across parks.
+    let mut head_deadline: Option<tokio::time::Instant> = None;
+    loop {
+        match serve_active(&core, tcp, leftover, &state, &mut shutdown).await {
+            Phase::Parked {
+                tcp: t,
+                leftover: l,
+            } => {
+                if l.is_empty() {
+                    head_deadline = None;
+                } else if head_deadline.is_none() {
+                    head_deadline =
+                        Some(tokio::time::Instant::now() + core.config.header_read_timeout);
+                }
+                tcp = t;
+                leftover = l;
+            }
+            Phase::Closed => return,
+        }
+        // Parked: the socket alone waits for the next request (or the rest
+        // of a partial head), at most until the head deadline.
+        let deadline = head_deadline
+            .unwrap_or_else(|| tokio::time::Instant::now() + core.config.header_read_timeout);
+        let woke = tokio::select! {
+            biased;
+            // Idle at shutdown: nothing in flight, just close.
+            () = shutdown_signalled(&mut shutdown) => false,
+            r = tokio::time::timeout_at(deadline, tcp.readable()) => matches!(r, Ok(Ok(()))),
+        };
+        if !woke {
+            return;
+        }
+    }
+}
+
+/// Lets hyper serve the connection until it parks, closes or drains.
+async fn serve_active(
+    core: &Rc<Core>,
+    tcp: TcpStream,
+    leftover: Bytes,
+    state: &Rc<ConnState>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Phase {
+    state.write_clean.set(true);
+    state.read_blocked.set(false);
     let io = TokioIo::new(ConnIo {
         tcp,
-        runs: runs.clone(),
+        prefix: leftover,
+        state: state.clone(),
         metrics: core.metrics.clone(),
     });
     let svc = ConnService {
         core: core.clone(),
-        runs,
+        state: state.clone(),
     };
-    let conn = core.http1.serve_connection(io, svc);
-    tokio::pin!(conn);
-    let mut shutdown = core.shutdown.clone();
-    let res = tokio::select! {
-        r = conn.as_mut() => r,
-        () = shutdown_signalled(&mut shutdown) => {
-            conn.as_mut().graceful_shutdown();
-            conn.await
+    // Boxed, so a parked connection's task does not keep hyper's size.
+    let mut conn = Box::new(core.http1.serve_connection(io, svc));
+    let park = core.config.park_idle_connections;
+    let mut parking = false;
+    let mut stopping = false;
+    let stop = shutdown_signalled(shutdown);
+    tokio::pin!(stop);
+    let res = std::future::poll_fn(|cx| loop {
+        if !stopping && stop.as_mut().poll(cx).is_ready() {
+            stopping = true;
+            Pin::new(&mut *conn).graceful_shutdown();
         }
-    };
+        if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
+            return Poll::Ready(r);
+        }
+        if park && !parking && !stopping && state.is_idle() {
+            // Idle: hyper closes at once, without touching the socket.
+            parking = true;
+            Pin::new(&mut *conn).graceful_shutdown();
+            continue;
+        }
+        return Poll::Pending;
+    })
+    .await;
     if let Err(e) = res {
         tracing::debug!(error = %e, "connection closed with an error");
+        return Phase::Closed;
     }
+    let parts = conn.into_parts();
+    let mut io = parts.io.into_inner();
+    if parking && !stopping {
+        core.metrics.parks.inc();
+        return Phase::Parked {
+            tcp: io.tcp,
+            leftover: parts.read_buf,
+        };
+    }
+    // Finished (client closed, `Connection: close`, or drained): send FIN.
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        tokio::io::AsyncWriteExt::shutdown(&mut io.tcp),
+    )
+    .await;
+    Phase::Closed
 }
 
 /// hyper's view of a request: route it, bound it in time, meter it.
 struct ConnService {
     core: Rc<Core>,
-    runs: Runs,
+    state: Rc<ConnState>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for ConnService {
-    type Response = Response<Body>;
+    type Response = Response<ConnBody>;
     type Error = Infallible;
     type Future = ResponseFuture;
 
     fn call(&self, req: Request<Incoming>) -> ResponseFuture {
         let start = Instant::now();
         let method = method_label(req.method());
+        if !http_body::Body::is_end_stream(req.body()) {
+            self.state.had_body.set(true);
+        }
+        self.state.in_flight.set(self.state.in_flight.get() + 1);
         let d = self.core.router.dispatch(req.map(RequestBody::incoming));
         let state = match d.response {
             RouteFuture::Ready(r) => State::Ready(Some(r)),
@@ -169,7 +301,7 @@ impl hyper::service::Service<Request<Incoming>> for ConnService {
         ResponseFuture {
             state,
             core: self.core.clone(),
-            runs: self.runs.clone(),
+            conn: Some(self.state.clone()),
             start,
             route: d.route,
             method,
@@ -188,14 +320,24 @@ enum State {
 pub(crate) struct ResponseFuture {
     state: State,
     core: Rc<Core>,
-    runs: Runs,
+    /// Moved into the response body, which reports when hyper is done with it.
+    conn: Option<Rc<ConnState>>,
     start: Instant,
     route: usize,
     method: &'static str,
 }
 
+impl Drop for ResponseFuture {
+    fn drop(&mut self) {
+        // Dropped before answering (the connection died): not in flight.
+        if let Some(c) = self.conn.take() {
+            c.in_flight.set(c.in_flight.get() - 1);
+        }
+    }
+}
+
 impl Future for ResponseFuture {
-    type Output = Result<Response<Body>, Infallible>;
+    type Output = Result<Response<ConnBody>, Infallible>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
@@ -213,8 +355,9 @@ impl Future for ResponseFuture {
                 }
             },
         };
+        let conn = this.conn.take().expect("polled after completion");
         if let Some((file, offset, remaining)) = resp.body_mut().take_sendfile_run() {
-            this.runs.borrow_mut().push_back(Run {
+            conn.runs.borrow_mut().push_back(Run {
                 file,
                 offset,
                 remaining,
@@ -223,7 +366,39 @@ impl Future for ResponseFuture {
         let secs = this.start.elapsed().as_secs_f64();
         this.core
             .record(this.route, this.method, resp.status().as_u16(), secs);
-        Poll::Ready(Ok(resp))
+        Poll::Ready(Ok(resp.map(|inner| ConnBody { inner, conn })))
+    }
+}
+
+/// A response body that tells its connection when hyper is done with it.
+pub(crate) struct ConnBody {
+    inner: Body,
+    conn: Rc<ConnState>,
+}
+
+impl Drop for ConnBody {
+    fn drop(&mut self) {
+        self.conn.in_flight.set(self.conn.in_flight.get() - 1);
+    }
+}
+
+impl http_body::Body for ConnBody {
+    type Data = Bytes;
+    type Error = crate::body::BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -231,14 +406,16 @@ impl Future for ResponseFuture {
 /// into `sendfile(2)` calls.
 pub(crate) struct ConnIo {
     tcp: TcpStream,
-    runs: Runs,
+    /// Bytes read before the connection last parked, replayed first.
+    prefix: Bytes,
+    state: Rc<ConnState>,
     metrics: Arc<HttpMetrics>,
 }
 
 impl ConnIo {
     /// Sends up to `max` bytes of the front file run.
     fn poll_sendfile(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<io::Result<usize>> {
-        let mut runs = self.runs.borrow_mut();
+        let mut runs = self.state.runs.borrow_mut();
         let Some(run) = runs.front_mut() else {
             return Poll::Ready(Err(io::Error::other(
                 "sendfile placeholder without a file run (a bug in railyard-http)",
@@ -290,11 +467,25 @@ impl AsyncRead for ConnIo {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
         let before = buf.filled().len();
-        ready!(Pin::new(&mut this.tcp).poll_read(cx, buf))?;
-        let n = buf.filled().len() - before;
-        this.metrics.bytes_in.inc_by(n as u64);
-        Poll::Ready(Ok(()))
+        match Pin::new(&mut this.tcp).poll_read(cx, buf) {
+            Poll::Pending => {
+                this.state.read_blocked.set(true);
+                Poll::Pending
+            }
+            Poll::Ready(r) => {
+                this.state.read_blocked.set(false);
+                r?;
+                let n = buf.filled().len() - before;
+                this.metrics.bytes_in.inc_by(n as u64);
+                Poll::Ready(Ok(()))
+            }
+        }
     }
 }
 
@@ -318,6 +509,7 @@ impl AsyncWrite for ConnIo {
         bufs: &[IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        this.state.write_clean.set(false);
         if bufs.is_empty() {
             return Poll::Ready(Ok(0));
         }
@@ -339,7 +531,10 @@ impl AsyncWrite for ConnIo {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+        let this = self.get_mut();
+        // hyper flushes the socket only once its own buffer is empty.
+        this.state.write_clean.set(true);
+        Pin::new(&mut this.tcp).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -9,6 +9,7 @@
 //! | `railyard_http_connections_accepted_total` | counter | |
 //! | `railyard_http_received_bytes_total` | counter | |
 //! | `railyard_http_sent_bytes_total` | counter | |
+//! | `railyard_http_connection_parks_total` | counter | (idle keep-alive connections parked: see `conn`) |
 //! | `railyard_http_sendfile_bytes_total` | counter | (the part of sent bytes sent by `sendfile(2)`) |
 //!
 //! `route` is the route pattern (`unmatched` for unknown paths), never the
@@ -61,6 +62,7 @@ pub struct HttpMetrics {
     pub(crate) bytes_in: Counter,
     pub(crate) bytes_out: Counter,
     pub(crate) sendfile_bytes: Counter,
+    pub(crate) parks: Counter,
 }
 
 impl HttpMetrics {
@@ -74,6 +76,7 @@ impl HttpMetrics {
             bytes_in: Counter::default(),
             bytes_out: Counter::default(),
             sendfile_bytes: Counter::default(),
+            parks: Counter::default(),
         };
         // A poisoned lock only means another thread panicked mid-registration;
         // the registry itself is still usable.
@@ -108,6 +111,11 @@ impl HttpMetrics {
             "sent_bytes",
             "Bytes written to client sockets, sendfile included",
             m.bytes_out.clone(),
+        );
+        r.register(
+            "connection_parks",
+            "Times an idle keep-alive connection gave up hyper's state between requests",
+            m.parks.clone(),
         );
         r.register(
             "sendfile_bytes",

@@ -11,7 +11,6 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::rc::Rc;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -45,4 +44,4 @@ pub(crate) struct Run {
 /// The file runs of one connection, front first. Responses are written in
 /// order, so the n-th placeholder byte written is the n-th byte of the runs.
 /// Bounded by hyper's pipelining: one run per response not yet written.
-pub(crate) type Runs = Rc<RefCell<VecDeque<Run>>>;
+pub(crate) type Runs = RefCell<VecDeque<Run>>;
