@@ -258,9 +258,16 @@ async fn serve_active(
     let mut io = parts.io.into_inner();
     if parking && !stopping {
         core.metrics.parks.inc();
+        // hyper's leftover shares its 8 KiB read buffer: keep a copy of the
+        // few bytes (a partial head), never the buffer.
+        let leftover = if parts.read_buf.is_empty() {
+            Bytes::new()
+        } else {
+            Bytes::copy_from_slice(&parts.read_buf)
+        };
         return Phase::Parked {
             tcp: io.tcp,
-            leftover: parts.read_buf,
+            leftover,
         };
     }
     // Finished (client closed, `Connection: close`, or drained): send FIN.
@@ -539,5 +546,29 @@ impl AsyncWrite for ConnIo {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod size_probe {
+    use super::*;
+    #[tokio::test]
+    async fn print_sizes() {
+        let (reg, metrics) = crate::HttpMetrics::standalone();
+        drop(reg);
+        let (_tx, rx) = watch::channel(false);
+        let core = Rc::new(Core::new(
+            Arc::new(crate::Router::new()),
+            metrics,
+            Arc::new(HttpConfig::default()),
+            rx,
+        ));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let sem = Arc::new(tokio::sync::Semaphore::new(1));
+        let p = sem.try_acquire_owned().unwrap();
+        let f = serve(core.clone(), c, p);
+        eprintln!("serve future: {} bytes", std::mem::size_of_val(&f));
+        eprintln!("conn state: {} bytes", std::mem::size_of::<ConnState>());
     }
 }

@@ -57,6 +57,10 @@ pub(crate) struct HttpArgs {
     /// File served at /sendFile/test (default: <data dir>/test, created if missing).
     #[arg(long)]
     send_file: Option<PathBuf>,
+    /// Keep hyper's state (about 10 KiB) on idle keep-alive connections
+    /// instead of parking them between requests (for comparison).
+    #[arg(long)]
+    no_park_idle: bool,
     /// Do not start the HTTP and admin servers.
     #[arg(long)]
     no_http: bool,
@@ -107,6 +111,7 @@ pub(crate) async fn start(args: &HttpArgs, bus: &EventBus) -> anyhow::Result<Opt
         request_timeout: args.request_timeout,
         shutdown_deadline: args.shutdown_deadline,
         max_body_bytes: args.max_upload_bytes,
+        park_idle_connections: !args.no_park_idle,
         ..HttpConfig::default()
     };
     config.validate().context("HTTP options")?;
