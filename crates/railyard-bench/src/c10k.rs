@@ -185,6 +185,11 @@ pub struct C10kResult {
     pub rate_errors: u64,
     /// wrk's closed-loop latency at saturation (hides stalls; for reference).
     pub saturation_latency_ms: LatencyMs,
+    /// Requests wrk completed at saturation.
+    pub requests: u64,
+    /// Server CPU time (user + system, all threads) per request at
+    /// saturation, microseconds: robust to other load on the machine.
+    pub cpu_us_per_request: f64,
     /// Peak server RSS during saturation, MiB.
     pub rss_mb: f64,
     /// Server RSS after warm-up, before the idle connections, MiB.
@@ -225,6 +230,19 @@ pub fn rss_mb(pid: u32) -> Option<f64> {
     let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024.0)
+}
+
+/// The process's CPU time so far (user + system), seconds, from `/proc/<pid>/stat`.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the line, i.e. the 12th and 13th after it.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // Safety: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    Some(ticks / if hz > 0 { hz as f64 } else { 100.0 })
 }
 
 /// A running server under test; killed when dropped.
@@ -371,6 +389,8 @@ pub async fn open_idle_connections(port: u16, n: usize) -> (Vec<TcpStream>, usiz
 pub struct WrkReport {
     /// Requests/s.
     pub requests_per_s: f64,
+    /// Requests completed.
+    pub requests: u64,
     /// Socket errors.
     pub socket_errors: SocketErrors,
     /// Non-2xx/3xx responses.
@@ -420,6 +440,8 @@ pub fn parse_wrk(out: &str) -> Option<WrkReport> {
                     _ => {}
                 }
             }
+        } else if line.contains(" requests in ") {
+            r.requests = line.split_whitespace().next()?.parse().ok()?;
         } else if let Some(v) = line.strip_prefix("Non-2xx or 3xx responses:") {
             r.non_2xx = v.trim().parse().ok()?;
         } else if let Some(v) = line.strip_prefix("50%") {
@@ -660,7 +682,9 @@ async fn measure(
             }
         })
     };
+    let cpu_before = cpu_seconds(pid).unwrap_or(0.0);
     let sat = wrk(cfg.wrk_threads, cfg.connections, cfg.duration, &url).await;
+    let cpu_used = cpu_seconds(pid).unwrap_or(0.0) - cpu_before;
     sampler.abort();
     let rss_busy = peak_kb.load(Ordering::Relaxed) as f64 / 1024.0;
     let sat = sat?;
@@ -697,6 +721,12 @@ async fn measure(
         duration_s: cfg.duration.as_secs_f64(),
         requests_per_s: sat.requests_per_s,
         errors: sat.socket_errors.total() + sat.non_2xx,
+        requests: sat.requests,
+        cpu_us_per_request: if sat.requests > 0 {
+            cpu_used * 1e6 / sat.requests as f64
+        } else {
+            0.0
+        },
         socket_errors: sat.socket_errors,
         non_2xx: sat.non_2xx,
         latency_ms: latency,
@@ -736,6 +766,7 @@ Transfer/sec:    441.05MB
 ";
         let r = parse_wrk(out).unwrap();
         assert_eq!(r.requests_per_s, 111789.39);
+        assert_eq!(r.requests, 3588359);
         assert_eq!(r.socket_errors.total(), 18);
         assert_eq!(r.socket_errors.timeout, 12);
         assert_eq!(r.non_2xx, 5);

@@ -46,6 +46,10 @@ pub struct HttpConfig {
     /// Drop hyper's per-connection state (about 10 KiB) while a keep-alive
     /// connection is idle between requests, keeping only the socket.
     pub park_idle_connections: bool,
+    /// How long a connection stays idle before it parks (roughly: between
+    /// one and two of these); 0 parks at once after every response.
+    #[serde(with = "secs")]
+    pub park_idle_after: Duration,
 }
 
 impl Default for HttpConfig {
@@ -63,6 +67,7 @@ impl Default for HttpConfig {
             compress_min_bytes: 1024,
             tcp_fastopen_queue: 256,
             park_idle_connections: true,
+            park_idle_after: Duration::from_millis(500),
         }
     }
 }

@@ -47,6 +47,11 @@ pub(crate) struct Core {
     pub(crate) active: Cell<usize>,
     /// Woken when `active` drops to zero.
     pub(crate) idle: Notify,
+    /// Park clock: advanced every `park_idle_after` by the core's ticker.
+    pub(crate) park_epoch: Cell<u64>,
+    /// Idle connections to re-check at the next tick (one entry per
+    /// connection and tick at most).
+    pub(crate) park_wakers: RefCell<Vec<std::task::Waker>>,
 }
 
 impl Core {
@@ -75,6 +80,18 @@ impl Core {
             shutdown,
             active: Cell::new(0),
             idle: Notify::new(),
+            park_epoch: Cell::new(0),
+            park_wakers: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Advances the park clock and wakes the connections that were idle,
+    /// so they can park if they still are.
+    pub(crate) fn park_tick(&self) {
+        self.park_epoch.set(self.park_epoch.get() + 1);
+        let wakers = std::mem::take(&mut *self.park_wakers.borrow_mut());
+        for w in wakers {
+            w.wake();
         }
     }
 
@@ -130,6 +147,10 @@ pub(crate) struct ConnState {
     /// A request with a body was seen: never park this connection (hyper
     /// must finish or discard that body itself).
     had_body: Cell<bool>,
+    /// Requests received, to tell whether an idle connection was busy since.
+    served: Cell<u64>,
+    /// When the connection was last seen idle: (`served`, park epoch).
+    idle_mark: Cell<Option<(u64, u64)>>,
 }
 
 impl ConnState {
@@ -139,6 +160,35 @@ impl ConnState {
             && self.write_clean.get()
             && self.read_blocked.get()
             && !self.had_body.get()
+    }
+}
+
+/// Whether an idle connection has stayed idle across a park tick. The first
+/// time it is seen idle (or idle again after serving more requests) it is
+/// marked and queued for the next tick; a busy connection is thus re-checked
+/// at most once per tick, never per request.
+fn idle_long_enough(core: &Core, state: &ConnState, cx: &Context<'_>) -> bool {
+    if core.config.park_idle_after.is_zero() {
+        return true;
+    }
+    let now = (state.served.get(), core.park_epoch.get());
+    match state.idle_mark.get() {
+        Some((served, epoch)) if served == now.0 => {
+            if now.1 > epoch {
+                return true;
+            }
+            false // queued already for this tick
+        }
+        Some((_, epoch)) if epoch == now.1 => {
+            // Busy since, but already queued for this tick: re-mark only.
+            state.idle_mark.set(Some(now));
+            false
+        }
+        _ => {
+            state.idle_mark.set(Some(now));
+            core.park_wakers.borrow_mut().push(cx.waker().clone());
+            false
+        }
     }
 }
 
@@ -162,6 +212,10 @@ enum Phase {
 /// bytes already read), and only the socket waits for readability. The next
 /// request starts a fresh hyper connection over the same socket. A partial
 /// head parks too, but its deadline keeps running (slowloris).
+///
+/// A connection parks once it has been idle across a tick of the core's park
+/// clock (`park_idle_after`), so a busy connection is not taken apart
+/// between every two requests.
 pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphorePermit) {
     core.active.set(core.active.get() + 1);
     core.metrics.open_connections.inc();
@@ -241,7 +295,7 @@ async fn serve_active(
         if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
             return Poll::Ready(r);
         }
-        if park && !parking && !stopping && state.is_idle() {
+        if park && !parking && !stopping && state.is_idle() && idle_long_enough(core, state, cx) {
             // Idle: hyper closes at once, without touching the socket.
             parking = true;
             Pin::new(&mut *conn).graceful_shutdown();
@@ -254,6 +308,7 @@ async fn serve_active(
         tracing::debug!(error = %e, "connection closed with an error");
         return Phase::Closed;
     }
+    state.idle_mark.set(None);
     let parts = conn.into_parts();
     let mut io = parts.io.into_inner();
     if parking && !stopping {
@@ -297,6 +352,7 @@ impl hyper::service::Service<Request<Incoming>> for ConnService {
             self.state.had_body.set(true);
         }
         self.state.in_flight.set(self.state.in_flight.get() + 1);
+        self.state.served.set(self.state.served.get() + 1);
         let d = self.core.router.dispatch(req.map(RequestBody::incoming));
         let state = match d.response {
             RouteFuture::Ready(r) => State::Ready(Some(r)),
@@ -550,12 +606,14 @@ impl AsyncWrite for ConnIo {
 }
 
 #[cfg(test)]
-mod size_probe {
+mod tests {
     use super::*;
+
+    /// A parked connection costs its task (this future) plus the socket:
+    /// hyper's state is boxed and dropped while parked. Keep the task small.
     #[tokio::test]
-    async fn print_sizes() {
-        let (reg, metrics) = crate::HttpMetrics::standalone();
-        drop(reg);
+    async fn a_connection_task_stays_small() {
+        let (_reg, metrics) = crate::HttpMetrics::standalone();
         let (_tx, rx) = watch::channel(false);
         let core = Rc::new(Core::new(
             Arc::new(crate::Router::new()),
@@ -565,10 +623,12 @@ mod size_probe {
         ));
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let sem = Arc::new(tokio::sync::Semaphore::new(1));
-        let p = sem.try_acquire_owned().unwrap();
-        let f = serve(core.clone(), c, p);
-        eprintln!("serve future: {} bytes", std::mem::size_of_val(&f));
-        eprintln!("conn state: {} bytes", std::mem::size_of::<ConnState>());
+        let permit = Arc::new(tokio::sync::Semaphore::new(1))
+            .try_acquire_owned()
+            .unwrap();
+        let task = serve(core, c, permit);
+        let size = std::mem::size_of_val(&task);
+        assert!(size <= 1024, "the connection future grew to {size} bytes");
+        assert!(std::mem::size_of::<ConnState>() <= 128);
     }
 }

@@ -233,6 +233,21 @@ async fn accept_loop(
     permits: Arc<Semaphore>,
 ) -> usize {
     let mut stop = core.shutdown.clone();
+    let ticker = (core.config.park_idle_connections && !core.config.park_idle_after.is_zero())
+        .then(|| {
+            let core = core.clone();
+            tokio::task::spawn_local(async move {
+                let mut every = tokio::time::interval(core.config.park_idle_after);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut stop = core.shutdown.clone();
+                loop {
+                    tokio::select! {
+                        () = conn::shutdown_signalled(&mut stop) => break,
+                        _ = every.tick() => core.park_tick(),
+                    }
+                }
+            })
+        });
     loop {
         // Accept first, then wait for a permit: a core never holds a permit
         // while its own listener is empty, so a connection on any core gets
@@ -276,6 +291,9 @@ async fn accept_loop(
         tokio::task::spawn_local(conn::serve(core.clone(), tcp, permit));
     }
     drop(listener);
+    if let Some(t) = ticker {
+        t.abort();
+    }
     let deadline = tokio::time::sleep(core.config.shutdown_deadline);
     tokio::pin!(deadline);
     loop {

@@ -27,7 +27,11 @@ async fn parks(admin: std::net::SocketAddr) -> f64 {
 
 #[tokio::test]
 async fn keep_alive_connections_park_and_resume() {
-    let server = TestServer::start(app("park"), HttpConfig::default()).await;
+    let config = HttpConfig {
+        park_idle_after: Duration::from_millis(50),
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(app("park"), config).await;
     let admin =
         TestServer::start(admin_router(server.registry.clone()), HttpConfig::default()).await;
     let mut c = Client::connect(server.addr).await;
@@ -54,7 +58,11 @@ async fn keep_alive_connections_park_and_resume() {
 
 #[tokio::test]
 async fn a_head_split_across_a_park_is_served() {
-    let server = TestServer::start(app("split"), HttpConfig::default()).await;
+    let config = HttpConfig {
+        park_idle_after: Duration::ZERO, // park after every response
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(app("split"), config).await;
     let mut c = Client::connect(server.addr).await;
     assert_eq!(c.get("/0k", "").await.status, 200);
     c.send(b"GET /static/4k HTTP/1.1\r\nHo").await;
@@ -72,6 +80,7 @@ async fn a_head_split_across_a_park_is_served() {
 async fn a_head_trickling_in_is_cut_off_at_its_deadline() {
     let config = HttpConfig {
         header_read_timeout: Duration::from_millis(300),
+        park_idle_after: Duration::ZERO,
         ..HttpConfig::default()
     };
     let server = TestServer::start(app("trickle"), config).await;

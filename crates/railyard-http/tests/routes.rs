@@ -126,7 +126,12 @@ async fn compressed_variants_decode_to_the_identity_body() {
 async fn sendfile_sends_the_file_and_keeps_the_connection() {
     // 300 KB: several placeholder chunks and, on loopback, partial writes.
     let (opts, content) = app_with_file("sendfile", 300_000);
-    let server = TestServer::start(c10k::app(&opts).unwrap(), HttpConfig::default()).await;
+    // Parking after every response puts each request on a fresh hyper connection.
+    let config = HttpConfig {
+        park_idle_after: std::time::Duration::ZERO,
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(c10k::app(&opts).unwrap(), config).await;
     let mut c = Client::connect(server.addr).await;
     for _ in 0..3 {
         let r = c.get("/sendFile/test", "").await;

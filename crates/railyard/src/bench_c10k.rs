@@ -202,8 +202,9 @@ pub(crate) async fn run(a: C10kArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("c10k run {run} against {label}"))?;
             pb.finish_with_message(format!(
-                "{} req/s, {} errors, p99 {:.2} ms at {} req/s, {:.1} KiB/idle conn",
+                "{} req/s, {:.1} CPU us/req, {} errors, p99 {:.2} ms at {} req/s, {:.1} KiB/idle conn",
                 thousands(r.requests_per_s as u64),
+                r.cpu_us_per_request,
                 r.errors,
                 r.latency_ms.p99,
                 thousands(r.rate),
@@ -237,6 +238,7 @@ struct Summary {
     rate: u64,
     rss_mb: f64,
     per_conn_kb: f64,
+    cpu_us: f64,
 }
 
 fn summarize(label: String, rs: &[&C10kResult]) -> Summary {
@@ -254,6 +256,7 @@ fn summarize(label: String, rs: &[&C10kResult]) -> Summary {
         rate: rs.first().map_or(0, |r| r.rate),
         rss_mb: m(|r| r.rss_mb),
         per_conn_kb: m(|r| r.rss_per_conn_kb),
+        cpu_us: m(|r| r.cpu_us_per_request),
     }
 }
 
@@ -285,6 +288,7 @@ fn report(a: &C10kArgs, results: &[C10kResult]) {
             vec![
                 s.label.clone(),
                 thousands(s.rps as u64),
+                format!("{:.1}", s.cpu_us),
                 format!("{}", s.errors),
                 thousands(s.rate),
                 format!("{:.2}", s.p50),
@@ -306,6 +310,7 @@ fn report(a: &C10kArgs, results: &[C10kResult]) {
             &[
                 "system",
                 "req/s (wrk)",
+                "CPU us/req",
                 "errors",
                 "fixed rate",
                 "p50 ms",
@@ -325,9 +330,10 @@ fn report(a: &C10kArgs, results: &[C10kResult]) {
         .max_by(|x, y| x.rps.total_cmp(&y.rps));
     if let (Some(o), Some(v)) = (ours, best_vertx) {
         println!(
-            "railyard vs {} (Vert.x's best): {:.2}x requests/s, p99 {:.2} ms vs {:.2} ms, {:.1} vs {:.1} KiB per idle connection",
+            "railyard vs {} (Vert.x's best): {:.2}x requests/s, {:.2}x less CPU per request, p99 {:.2} ms vs {:.2} ms, {:.1} vs {:.1} KiB per idle connection",
             v.label,
             o.rps / v.rps,
+            v.cpu_us / o.cpu_us,
             o.p99,
             v.p99,
             o.per_conn_kb,
