@@ -31,7 +31,8 @@ use crate::sendfile::{self, Run, Runs};
 use bytes::Bytes;
 
 /// Metric handles by (route id, method, status).
-type SeriesCache = HashMap<(usize, &'static str, u16), (Counter, Histogram)>;
+type SeriesCache =
+    HashMap<(usize, &'static str, u16), (Counter, Histogram), foldhash::fast::RandomState>;
 
 /// What one core's connections share. Lives on that core only.
 pub(crate) struct Core {
@@ -76,7 +77,7 @@ impl Core {
             metrics,
             config,
             http1,
-            series: RefCell::new(HashMap::new()),
+            series: RefCell::new(HashMap::default()),
             shutdown,
             active: Cell::new(0),
             idle: Notify::new(),
