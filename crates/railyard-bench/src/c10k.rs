@@ -5,7 +5,7 @@
 //!    peer) and wait until `GET /0k` answers;
 //! 2. warm up (`wrk`, 100 connections, a few seconds; the JVM compiles);
 //! 3. memory: read the server's RSS, open `idle_connections` keep-alive
-//!    connections from this process (one `GET /0k` each, then idle for 5 s),
+//!    connections from this process (one `GET /0k` each, then idle for 6 s),
 //!    read the RSS again: the difference per connection is `rss_per_conn_kb`;
 //! 4. saturation: `wrk -t2 -c N` on `path` for `duration`, sampling the RSS
 //!    (`rss_mb` is the peak); `requests_per_s` and socket errors come from here;
@@ -652,7 +652,7 @@ async fn measure(
     );
     let (idle, failed) = open_idle_connections(cfg.port, cfg.idle_connections).await;
     // Let the server settle: idle connections are idle for a while.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
     let rss_idle = rss_mb(server.pid).unwrap_or(0.0);
     let idle_open = idle.len();
     drop(idle);

@@ -67,7 +67,7 @@ impl Default for HttpConfig {
             compress_min_bytes: 1024,
             tcp_fastopen_queue: 256,
             park_idle_connections: true,
-            park_idle_after: Duration::from_millis(500),
+            park_idle_after: Duration::from_secs(2),
         }
     }
 }

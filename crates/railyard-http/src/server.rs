@@ -50,6 +50,11 @@ pub fn bind(
     count: usize,
     config: &HttpConfig,
 ) -> Result<Vec<std::net::TcpListener>, HttpError> {
+    // SO_REUSEPORT lets a second server of the same user share a port
+    // silently. A probe bound without it fails if anything listens there.
+    if addr.port() != 0 {
+        probe(addr).map_err(|source| HttpError::Bind { addr, source })?;
+    }
     let mut out: Vec<std::net::TcpListener> = Vec::with_capacity(count.max(1));
     let mut at = addr;
     for _ in 0..count.max(1) {
@@ -60,6 +65,13 @@ pub fn bind(
         out.push(l);
     }
     Ok(out)
+}
+
+/// Binds (without `SO_REUSEPORT`) and closes: fails when the port is taken.
+fn probe(addr: SocketAddr) -> io::Result<()> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.bind(&addr.into())
 }
 
 fn listener(addr: SocketAddr, config: &HttpConfig) -> io::Result<std::net::TcpListener> {

@@ -204,3 +204,17 @@ async fn the_connection_cap_holds_new_connections_until_one_closes() {
     assert_eq!(second.read_response().await.unwrap().status, 200);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_port_already_served_is_a_clear_error() {
+    let (app, _) = upload_app("portbusy", 1000);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    // SO_REUSEPORT would let a second server share the port silently.
+    let err = railyard_http::bind(server.addr, 2, &HttpConfig::default()).unwrap_err();
+    assert!(
+        matches!(err, railyard_http::HttpError::Bind { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("is the port in use?"), "{err}");
+    server.stop().await;
+}
