@@ -7,6 +7,7 @@
 //! - [`bridge`]: request/reply round trips through a TCP event-bus bridge
 //!   server (a `railyard node` or the Vert.x peer) run as its own process.
 //! - [`cluster`]: clustered runs: a bus joined to etcd, the second node process.
+//! - [`c10k`]: seed 004, an HTTP server under 10k connections (wrk, oha, RSS).
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
@@ -15,6 +16,7 @@
 //! `system` and its full configuration, so rows from different runs join.
 
 pub mod bridge;
+pub mod c10k;
 pub mod cluster;
 pub mod echo;
 pub mod loops;

@@ -116,6 +116,17 @@ impl JavaPeer {
         cmd
     }
 
+    /// The `java` arguments that run this peer's jar with `args` (the JVM
+    /// flags from `jvm.options` first), and the directory to run them in; for
+    /// peers that are long-running servers rather than one-shot benches.
+    pub fn java_args(&self, args: &[String]) -> (Vec<String>, PathBuf) {
+        let mut v = self.jvm_flags();
+        v.push("-jar".to_owned());
+        v.push(self.jar_path().display().to_string());
+        v.extend(args.iter().cloned());
+        (v, self.dir.clone())
+    }
+
     /// Runs the peer with `args`, echoing its output when `verbose`, and
     /// returns the parsed `RESULT` object.
     ///

@@ -21,6 +21,8 @@ pub(crate) enum BenchCommand {
     Echo(EchoArgs),
     /// Request/reply round trips through the TCP event-bus bridge (node vs Vert.x's bridge).
     Bridge(crate::bench_bridge::BridgeArgs),
+    /// Seed 004: the HTTP server under 10k connections (wrk, oha, RSS per connection).
+    C10k(crate::bench_c10k::C10kArgs),
     /// The second node of a `--nodes 2` run (started by the bench itself).
     #[command(hide = true)]
     Serve(ServeArgs),
@@ -227,6 +229,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Pingpong(a) => run_pingpong(a).await,
         BenchCommand::Echo(a) => run_echo(a).await,
         BenchCommand::Bridge(a) => crate::bench_bridge::run(a).await,
+        BenchCommand::C10k(a) => crate::bench_c10k::run(a).await,
         BenchCommand::Serve(a) => run_serve(a).await,
     }
 }

@@ -10,10 +10,12 @@ use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
 mod bench_bridge;
+mod bench_c10k;
 mod bench_cmd;
 mod bridge_node;
 mod cluster_node;
 mod dev;
+mod http_node;
 mod node;
 mod node_config;
 
@@ -43,7 +45,8 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a node on embedded defaults (the event bus, optionally clustered on etcd, and its TCP bridge), until SIGINT or SIGTERM.
+    /// Run a node on embedded defaults (the event bus, optionally clustered on etcd; its TCP
+    /// bridge; the HTTP server on 8080 with metrics on 8081), until SIGINT or SIGTERM.
     Node(node::NodeArgs),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]

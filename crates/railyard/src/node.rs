@@ -20,6 +20,8 @@ pub(crate) struct NodeArgs {
     config: crate::node_config::ConfigArgs,
     #[command(flatten)]
     bridge: crate::bridge_node::BridgeArgs,
+    #[command(flatten)]
+    http: crate::http_node::HttpArgs,
 }
 
 /// Address of the node's built-in echo service, handy for trying the bus.
@@ -50,8 +52,9 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         .context("registering the node's info service")?;
     let cluster = crate::cluster_node::join(&bus, &args.cluster, &args.name).await?;
     let bridge = crate::bridge_node::start(&bus, &args.bridge, file.bridge).await?;
+    let http = crate::http_node::start(&args.http, &bus).await?;
     let shutdown = shutdown_signal();
-    tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), "node started; press Ctrl-C to stop");
+    tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), http = http.is_some(), "node started; press Ctrl-C to stop");
 
     let mut ticker = (!args.stats_every.is_zero()).then(|| tokio::time::interval(args.stats_every));
     tokio::pin!(shutdown);
@@ -82,6 +85,9 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         }
     }
     tracing::info!(node = %args.name, "node stopping");
+    if let Some(http) = http {
+        http.stop().await;
+    }
     if let Some(b) = bridge {
         b.shutdown().await;
     }

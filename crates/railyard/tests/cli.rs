@@ -20,6 +20,10 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
             "0",
             "--bridge-port",
             "0",
+            "--http-port",
+            "0",
+            "--admin-port",
+            "0",
         ])
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
@@ -34,8 +38,12 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     });
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut started = false;
+    let mut addrs = None;
     while Instant::now() < deadline {
         if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            if line.contains("http server listening") {
+                addrs = Some((field(&line, "http"), field(&line, "admin")));
+            }
             if line.contains("node started") {
                 assert!(line.contains("test-node"), "{line}");
                 started = true;
@@ -48,6 +56,20 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
         let _ = child.wait();
         panic!("the node did not log that it started");
     }
+    let (http, admin) = addrs.expect("the node logs its HTTP addresses before it starts");
+    let page = http_get(&http, "/static/4k");
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    assert!(page.contains("content-length: 4096"), "{page}");
+    let metrics = http_get(&admin, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(
+        metrics.contains(
+            r#"railyard_http_requests_total{route="/static/4k",method="GET",status="200"} 1"#
+        ),
+        "{metrics}"
+    );
+    // The node's echo and info services.
+    assert!(metrics.contains("railyard_bus_consumers 2"), "{metrics}");
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -71,6 +93,33 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     // rather than race it for the last lines.
     let rest: Vec<String> = rx.iter().collect();
     assert!(rest.iter().any(|l| l.contains("node stopping")), "{rest:?}");
+}
+
+/// The value of `name=` in a text log line.
+fn field(line: &str, name: &str) -> String {
+    let at = line
+        .find(&format!("{name}="))
+        .unwrap_or_else(|| panic!("no {name}= in {line}"));
+    line[at + name.len() + 1..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+/// One `GET` with `Connection: close`; the whole response as text.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the node");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read the response");
+    out
 }
 
 #[test]
@@ -255,6 +304,10 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
                     "--cluster",
                     "etcd",
                     "--no-bridge",
+                    "--http-port",
+                    "0",
+                    "--admin-port",
+                    "0",
                 ])
                 .args(["--etcd", &etcd.endpoint(), "--lease-ttl", "2s"])
                 .args(["--cluster-bind", "127.0.0.1"])

@@ -1,0 +1,251 @@
+//! Response compression: `Accept-Encoding` negotiation, bodies compressed
+//! once ([`FixedBody`]), and on-the-fly compression of dynamic bodies above a
+//! size threshold.
+//!
+//! gzip and deflate (zlib) are offered, like Vert.x's default compressor.
+//! Compression runs inline for bodies up to [`INLINE_MAX`] bytes (well under
+//! 0.5 ms at the fast level) and on the blocking pool above.
+
+use std::io::Write as _;
+
+use bytes::Bytes;
+use flate2::write::{GzEncoder, ZlibEncoder};
+use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_ENCODING, CONTENT_TYPE, VARY};
+use http::{HeaderMap, Response};
+
+use crate::body::Body;
+
+/// Largest body compressed on the async thread; larger goes to the blocking pool.
+pub const INLINE_MAX: usize = 16 * 1024;
+
+/// A content coding Railyard produces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Encoding {
+    /// No compression.
+    Identity,
+    /// `gzip`.
+    Gzip,
+    /// `deflate` (zlib framing, RFC 1950).
+    Deflate,
+}
+
+impl Encoding {
+    /// The best coding the client accepts: gzip, then deflate, else identity.
+    /// Codings with `q=0` are refused; `*` accepts gzip.
+    pub fn negotiate(headers: &HeaderMap) -> Encoding {
+        let mut gzip = false;
+        let mut deflate = false;
+        for value in headers.get_all(http::header::ACCEPT_ENCODING) {
+            let Ok(s) = value.to_str() else { continue };
+            for item in s.split(',') {
+                let mut parts = item.split(';');
+                let name = parts.next().unwrap_or("").trim();
+                let refused = parts.any(|p| {
+                    let p = p.trim();
+                    p.strip_prefix("q=")
+                        .and_then(|q| q.trim().parse::<f32>().ok())
+                        .is_some_and(|q| q <= 0.0)
+                });
+                if refused {
+                    continue;
+                }
+                if name.eq_ignore_ascii_case("gzip") || name == "*" {
+                    gzip = true;
+                } else if name.eq_ignore_ascii_case("deflate") {
+                    deflate = true;
+                }
+            }
+        }
+        if gzip {
+            Encoding::Gzip
+        } else if deflate {
+            Encoding::Deflate
+        } else {
+            Encoding::Identity
+        }
+    }
+
+    /// The `Content-Encoding` value, `None` for identity.
+    pub fn header_value(self) -> Option<HeaderValue> {
+        match self {
+            Encoding::Identity => None,
+            Encoding::Gzip => Some(HeaderValue::from_static("gzip")),
+            Encoding::Deflate => Some(HeaderValue::from_static("deflate")),
+        }
+    }
+}
+
+/// Compresses `data` with `enc` at the fast level.
+pub fn compress(enc: Encoding, data: &[u8]) -> Bytes {
+    let level = flate2::Compression::fast();
+    // Writing into a Vec cannot fail, hence the expects.
+    match enc {
+        Encoding::Identity => Bytes::copy_from_slice(data),
+        Encoding::Gzip => {
+            let mut e = GzEncoder::new(Vec::with_capacity(data.len() / 2 + 64), level);
+            e.write_all(data).expect("writing to a Vec");
+            Bytes::from(e.finish().expect("writing to a Vec"))
+        }
+        Encoding::Deflate => {
+            let mut e = ZlibEncoder::new(Vec::with_capacity(data.len() / 2 + 64), level);
+            e.write_all(data).expect("writing to a Vec");
+            Bytes::from(e.finish().expect("writing to a Vec"))
+        }
+    }
+}
+
+/// Compresses on the blocking pool when `data` is large.
+pub async fn compress_async(enc: Encoding, data: Bytes) -> Bytes {
+    if data.len() <= INLINE_MAX {
+        return compress(enc, &data);
+    }
+    let fallback = data.clone();
+    match tokio::task::spawn_blocking(move || compress(enc, &data)).await {
+        Ok(b) => b,
+        // The blocking pool is shutting down: compress here rather than fail.
+        Err(_) => compress(enc, &fallback),
+    }
+}
+
+/// Whether a content type is worth compressing.
+fn compressible(ct: Option<&HeaderValue>) -> bool {
+    let Some(ct) = ct.and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let ct = ct.trim_start().to_ascii_lowercase();
+    ct.starts_with("text/")
+        || ct.starts_with("application/json")
+        || ct.starts_with("application/javascript")
+        || ct.starts_with("application/xml")
+        || ct.starts_with("image/svg+xml")
+}
+
+/// A body fixed at start-up, kept in every encoding worth having.
+#[derive(Debug, Clone)]
+pub struct FixedBody {
+    identity: Bytes,
+    gzip: Option<Bytes>,
+    deflate: Option<Bytes>,
+    content_type: HeaderValue,
+}
+
+impl FixedBody {
+    /// Compresses `bytes` once per encoding when at least `min_compress`
+    /// bytes long and the result is smaller.
+    pub fn new(bytes: impl Into<Bytes>, content_type: &'static str, min_compress: usize) -> Self {
+        let identity = bytes.into();
+        let variant = |enc| {
+            (identity.len() >= min_compress)
+                .then(|| compress(enc, &identity))
+                .filter(|c| c.len() < identity.len())
+        };
+        Self {
+            gzip: variant(Encoding::Gzip),
+            deflate: variant(Encoding::Deflate),
+            identity,
+            content_type: HeaderValue::from_static(content_type),
+        }
+    }
+
+    /// The uncompressed bytes.
+    pub fn bytes(&self) -> &Bytes {
+        &self.identity
+    }
+
+    /// The response for a client accepting `enc`.
+    pub fn response(&self, enc: Encoding) -> Response<Body> {
+        let compressed = match enc {
+            Encoding::Gzip => self.gzip.as_ref(),
+            Encoding::Deflate => self.deflate.as_ref(),
+            Encoding::Identity => None,
+        };
+        let has_variants = self.gzip.is_some() || self.deflate.is_some();
+        let body = compressed.unwrap_or(&self.identity).clone();
+        let mut resp = Response::new(Body::full(body));
+        let h = resp.headers_mut();
+        if !self.identity.is_empty() {
+            h.insert(CONTENT_TYPE, self.content_type.clone());
+        }
+        if has_variants {
+            h.insert(VARY, HeaderValue::from_static("accept-encoding"));
+        }
+        if let (Some(_), Some(v)) = (compressed, enc.header_value()) {
+            h.insert(CONTENT_ENCODING, v);
+        }
+        resp
+    }
+}
+
+/// Compresses a dynamic response when the client accepts it, the body is in
+/// memory, at least `min` bytes, of a compressible type and not already encoded.
+pub async fn on_the_fly(resp: Response<Body>, enc: Encoding, min: usize) -> Response<Body> {
+    if enc == Encoding::Identity {
+        return resp;
+    }
+    let h = resp.headers();
+    let eligible = !h.contains_key(CONTENT_ENCODING)
+        && compressible(h.get(CONTENT_TYPE))
+        && !h
+            .get(CACHE_CONTROL)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains("no-transform"))
+        && resp.body().as_bytes().is_some_and(|b| b.len() >= min);
+    if !eligible {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let data = Bytes::copy_from_slice(body.as_bytes().unwrap_or_default());
+    let compressed = compress_async(enc, data).await;
+    if let Some(v) = enc.header_value() {
+        parts.headers.insert(CONTENT_ENCODING, v);
+    }
+    parts
+        .headers
+        .append(VARY, HeaderValue::from_static("accept-encoding"));
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::full(compressed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn accept(v: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::ACCEPT_ENCODING, HeaderValue::from_static(v));
+        h
+    }
+
+    #[test]
+    fn negotiation_prefers_gzip_and_honours_q0() {
+        assert_eq!(Encoding::negotiate(&HeaderMap::new()), Encoding::Identity);
+        assert_eq!(
+            Encoding::negotiate(&accept("gzip, deflate")),
+            Encoding::Gzip
+        );
+        assert_eq!(Encoding::negotiate(&accept("deflate")), Encoding::Deflate);
+        assert_eq!(
+            Encoding::negotiate(&accept("gzip;q=0, deflate;q=0.5")),
+            Encoding::Deflate
+        );
+        assert_eq!(Encoding::negotiate(&accept("br")), Encoding::Identity);
+    }
+
+    #[test]
+    fn fixed_body_round_trips_through_gzip() {
+        use std::io::Read as _;
+        let text = "hello railyard ".repeat(200);
+        let fb = FixedBody::new(text.clone(), "text/plain", 1024);
+        let resp = fb.response(Encoding::Gzip);
+        assert_eq!(resp.headers()[CONTENT_ENCODING], "gzip");
+        let gz = resp.body().as_bytes().unwrap().to_vec();
+        let mut out = String::new();
+        flate2::read::GzDecoder::new(&gz[..])
+            .read_to_string(&mut out)
+            .unwrap();
+        assert_eq!(out, text);
+        let plain = fb.response(Encoding::Identity);
+        assert!(plain.headers().get(CONTENT_ENCODING).is_none());
+        assert_eq!(plain.body().as_bytes().unwrap(), text.as_bytes());
+    }
+}

@@ -1,0 +1,635 @@
+//! One connection: hyper's HTTP/1.1 state machine over [`ConnIo`], the
+//! per-connection service that routes, times out and meters requests, and
+//! graceful shutdown.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Instant;
+
+use http::header::{HeaderValue, CONNECTION};
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit};
+
+use crate::body::{Body, RequestBody};
+use crate::config::HttpConfig;
+use crate::metrics::{method_label, HttpMetrics, RequestLabels};
+use crate::router::{self, RouteFuture, Router};
+use crate::sendfile::{self, Run, Runs};
+use bytes::Bytes;
+
+/// Metric handles by (route id, method, status).
+type SeriesCache =
+    HashMap<(usize, &'static str, u16), (Counter, Histogram), foldhash::fast::RandomState>;
+
+/// What one core's connections share. Lives on that core only.
+pub(crate) struct Core {
+    pub(crate) router: Arc<Router>,
+    pub(crate) metrics: Arc<HttpMetrics>,
+    pub(crate) config: Arc<HttpConfig>,
+    pub(crate) http1: hyper::server::conn::http1::Builder,
+    /// Metric handles by (route id, method, status), so the hot path skips
+    /// the shared family's lock and hash.
+    series: RefCell<SeriesCache>,
+    pub(crate) shutdown: watch::Receiver<bool>,
+    /// Connections open on this core.
+    pub(crate) active: Cell<usize>,
+    /// Woken when `active` drops to zero.
+    pub(crate) idle: Notify,
+    /// Park clock: advanced every `park_idle_after` by the core's ticker.
+    pub(crate) park_epoch: Cell<u64>,
+    /// Idle connections to re-check at the next tick (one entry per
+    /// connection and tick at most).
+    pub(crate) park_wakers: RefCell<Vec<std::task::Waker>>,
+}
+
+impl Core {
+    pub(crate) fn new(
+        router: Arc<Router>,
+        metrics: Arc<HttpMetrics>,
+        config: Arc<HttpConfig>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        let mut http1 = hyper::server::conn::http1::Builder::new();
+        http1
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(config.header_read_timeout)
+            .max_header_size(config.max_header_bytes)
+            .max_headers(config.max_headers)
+            .keep_alive(true)
+            // Vectored writes keep body chunks out of hyper's own buffer,
+            // which the sendfile placeholders rely on (see `sendfile`).
+            .writev(true);
+        Self {
+            router,
+            metrics,
+            config,
+            http1,
+            series: RefCell::new(HashMap::default()),
+            shutdown,
+            active: Cell::new(0),
+            idle: Notify::new(),
+            park_epoch: Cell::new(0),
+            park_wakers: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Advances the park clock and wakes the connections that were idle,
+    /// so they can park if they still are.
+    pub(crate) fn park_tick(&self) {
+        self.park_epoch.set(self.park_epoch.get() + 1);
+        let wakers = std::mem::take(&mut *self.park_wakers.borrow_mut());
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    fn record(&self, route: usize, method: &'static str, status: u16, secs: f64) {
+        let mut series = self.series.borrow_mut();
+        let (c, h) = series.entry((route, method, status)).or_insert_with(|| {
+            self.metrics.series(&RequestLabels {
+                route: self.router.route_names()[route].clone(),
+                method,
+                status,
+            })
+        });
+        c.inc();
+        h.observe(secs);
+    }
+}
+
+/// Resolves once shutdown is signalled (or its sender is gone).
+pub(crate) async fn shutdown_signalled(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// Keeps the core's connection count right however the task ends.
+struct ActiveGuard {
+    core: Rc<Core>,
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        let n = self.core.active.get() - 1;
+        self.core.active.set(n);
+        self.core.metrics.open_connections.dec();
+        if n == 0 {
+            self.core.idle.notify_waiters();
+        }
+    }
+}
+
+/// Per-connection state shared by the socket wrapper, the service and the
+/// driver. Single-threaded (the connection never leaves its core).
+#[derive(Default)]
+pub(crate) struct ConnState {
+    /// File runs for the sendfile placeholders, in response order.
+    runs: Runs,
+    /// Responses produced whose body hyper has not finished (dropped) yet.
+    in_flight: Cell<usize>,
+    /// hyper flushed everything it buffered (it calls `poll_flush` on the
+    /// socket only once its own write buffer is empty).
+    write_clean: Cell<bool>,
+    /// hyper's last read found the socket empty: it holds no complete
+    /// request head, only (at most) part of one.
+    read_blocked: Cell<bool>,
+    /// A request with a body was seen: never park this connection (hyper
+    /// must finish or discard that body itself).
+    had_body: Cell<bool>,
+    /// Requests received, to tell whether an idle connection was busy since.
+    served: Cell<u64>,
+    /// When the connection was last seen idle: (`served`, park epoch).
+    idle_mark: Cell<Option<(u64, u64)>>,
+}
+
+impl ConnState {
+    /// Between requests: nothing to write, nothing to parse.
+    fn is_idle(&self) -> bool {
+        self.in_flight.get() == 0
+            && self.write_clean.get()
+            && self.read_blocked.get()
+            && !self.had_body.get()
+    }
+}
+
+/// Whether an idle connection has stayed idle across a park tick. The first
+/// time it is seen idle (or idle again after serving more requests) it is
+/// marked and queued for the next tick; a busy connection is thus re-checked
+/// at most once per tick, never per request.
+fn idle_long_enough(core: &Core, state: &ConnState, cx: &Context<'_>) -> bool {
+    if core.config.park_idle_after.is_zero() {
+        return true;
+    }
+    let now = (state.served.get(), core.park_epoch.get());
+    match state.idle_mark.get() {
+        Some((served, epoch)) if served == now.0 => {
+            if now.1 > epoch {
+                return true;
+            }
+            false // queued already for this tick
+        }
+        Some((_, epoch)) if epoch == now.1 => {
+            // Busy since, but already queued for this tick: re-mark only.
+            state.idle_mark.set(Some(now));
+            false
+        }
+        _ => {
+            state.idle_mark.set(Some(now));
+            core.park_wakers.borrow_mut().push(cx.waker().clone());
+            false
+        }
+    }
+}
+
+/// How an active (hyper-driven) phase of a connection ended.
+enum Phase {
+    /// Idle between requests: hyper's state is dropped; the socket waits
+    /// for its next request. `leftover` is a partial request head, if any.
+    Parked { tcp: TcpStream, leftover: Bytes },
+    /// The connection is finished.
+    Closed,
+}
+
+/// Serves one accepted connection until the client leaves, an error closes
+/// it, or shutdown drains it (the in-flight response is finished first).
+///
+/// # Parking
+/// hyper keeps about 10 KiB per connection (8 KiB read buffer, write buffer,
+/// state) for as long as it serves it. Most of a C10K server's connections
+/// are idle keep-alive connections, so between requests the connection is
+/// *parked*: hyper's connection is taken apart (`into_parts`, keeping any
+/// bytes already read), and only the socket waits for readability. The next
+/// request starts a fresh hyper connection over the same socket. A partial
+/// head parks too, but its deadline keeps running (slowloris).
+///
+/// A connection parks once it has been idle across a tick of the core's park
+/// clock (`park_idle_after`), so a busy connection is not taken apart
+/// between every two requests.
+pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphorePermit) {
+    core.active.set(core.active.get() + 1);
+    core.metrics.open_connections.inc();
+    let _guard = ActiveGuard { core: core.clone() };
+    let _permit = permit;
+    let state = Rc::new(ConnState::default());
+    let mut shutdown = core.shutdown.clone();
+    let mut tcp = tcp;
+    let mut leftover = Bytes::new();
+    // Deadline of a request head that arrived in pieces across parks.
+    let mut head_deadline: Option<tokio::time::Instant> = None;
+    loop {
+        match serve_active(&core, tcp, leftover, &state, &mut shutdown).await {
+            Phase::Parked {
+                tcp: t,
+                leftover: l,
+            } => {
+                if l.is_empty() {
+                    head_deadline = None;
+                } else if head_deadline.is_none() {
+                    head_deadline =
+                        Some(tokio::time::Instant::now() + core.config.header_read_timeout);
+                }
+                tcp = t;
+                leftover = l;
+            }
+            Phase::Closed => return,
+        }
+        // Parked: the socket alone waits for the next request (or the rest
+        // of a partial head), at most until the head deadline.
+        let deadline = head_deadline
+            .unwrap_or_else(|| tokio::time::Instant::now() + core.config.header_read_timeout);
+        let woke = tokio::select! {
+            biased;
+            // Idle at shutdown: nothing in flight, just close.
+            () = shutdown_signalled(&mut shutdown) => false,
+            r = tokio::time::timeout_at(deadline, tcp.readable()) => matches!(r, Ok(Ok(()))),
+        };
+        if !woke {
+            return;
+        }
+    }
+}
+
+/// Lets hyper serve the connection until it parks, closes or drains.
+async fn serve_active(
+    core: &Rc<Core>,
+    tcp: TcpStream,
+    leftover: Bytes,
+    state: &Rc<ConnState>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Phase {
+    state.write_clean.set(true);
+    state.read_blocked.set(false);
+    let io = TokioIo::new(ConnIo {
+        tcp,
+        prefix: leftover,
+        state: state.clone(),
+        metrics: core.metrics.clone(),
+    });
+    let svc = ConnService {
+        core: core.clone(),
+        state: state.clone(),
+    };
+    // Boxed, so a parked connection's task does not keep hyper's size.
+    let mut conn = Box::new(core.http1.serve_connection(io, svc));
+    let park = core.config.park_idle_connections;
+    let mut parking = false;
+    let mut stopping = false;
+    let stop = shutdown_signalled(shutdown);
+    tokio::pin!(stop);
+    let res = std::future::poll_fn(|cx| loop {
+        if !stopping && stop.as_mut().poll(cx).is_ready() {
+            stopping = true;
+            Pin::new(&mut *conn).graceful_shutdown();
+        }
+        if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
+            return Poll::Ready(r);
+        }
+        if park && !parking && !stopping && state.is_idle() && idle_long_enough(core, state, cx) {
+            // Idle: hyper closes at once, without touching the socket.
+            parking = true;
+            Pin::new(&mut *conn).graceful_shutdown();
+            continue;
+        }
+        return Poll::Pending;
+    })
+    .await;
+    if let Err(e) = res {
+        tracing::debug!(error = %e, "connection closed with an error");
+        return Phase::Closed;
+    }
+    state.idle_mark.set(None);
+    let parts = conn.into_parts();
+    let mut io = parts.io.into_inner();
+    if parking && !stopping {
+        core.metrics.parks.inc();
+        // hyper's leftover shares its 8 KiB read buffer: keep a copy of the
+        // few bytes (a partial head), never the buffer.
+        let leftover = if parts.read_buf.is_empty() {
+            Bytes::new()
+        } else {
+            Bytes::copy_from_slice(&parts.read_buf)
+        };
+        return Phase::Parked {
+            tcp: io.tcp,
+            leftover,
+        };
+    }
+    // Finished (client closed, `Connection: close`, or drained): send FIN.
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        tokio::io::AsyncWriteExt::shutdown(&mut io.tcp),
+    )
+    .await;
+    Phase::Closed
+}
+
+/// hyper's view of a request: route it, bound it in time, meter it.
+struct ConnService {
+    core: Rc<Core>,
+    state: Rc<ConnState>,
+}
+
+impl hyper::service::Service<Request<Incoming>> for ConnService {
+    type Response = Response<ConnBody>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn call(&self, req: Request<Incoming>) -> ResponseFuture {
+        let start = Instant::now();
+        let method = method_label(req.method());
+        if !http_body::Body::is_end_stream(req.body()) {
+            self.state.had_body.set(true);
+        }
+        self.state.in_flight.set(self.state.in_flight.get() + 1);
+        self.state.served.set(self.state.served.get() + 1);
+        let d = self.core.router.dispatch(req.map(RequestBody::incoming));
+        let state = match d.response {
+            RouteFuture::Ready(r) => State::Ready(Some(r)),
+            RouteFuture::Pending(fut) => State::Pending {
+                fut,
+                deadline: Box::pin(tokio::time::sleep(self.core.config.request_timeout)),
+            },
+        };
+        ResponseFuture {
+            state,
+            core: self.core.clone(),
+            conn: Some(self.state.clone()),
+            start,
+            route: d.route,
+            method,
+        }
+    }
+}
+
+enum State {
+    Ready(Option<Response<Body>>),
+    Pending {
+        fut: router::HandlerFuture,
+        deadline: Pin<Box<tokio::time::Sleep>>,
+    },
+}
+
+pub(crate) struct ResponseFuture {
+    state: State,
+    core: Rc<Core>,
+    /// Moved into the response body, which reports when hyper is done with it.
+    conn: Option<Rc<ConnState>>,
+    start: Instant,
+    route: usize,
+    method: &'static str,
+}
+
+impl Drop for ResponseFuture {
+    fn drop(&mut self) {
+        // Dropped before answering (the connection died): not in flight.
+        if let Some(c) = self.conn.take() {
+            c.in_flight.set(c.in_flight.get() - 1);
+        }
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response<ConnBody>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut resp = match &mut this.state {
+            State::Ready(r) => r.take().expect("polled after completion"),
+            State::Pending { fut, deadline } => match fut.as_mut().poll(cx) {
+                Poll::Ready(r) => r,
+                Poll::Pending => {
+                    ready!(deadline.as_mut().poll(cx));
+                    // The request body may be half read: do not reuse the connection.
+                    let mut r = router::text(StatusCode::REQUEST_TIMEOUT, "request timed out\n");
+                    r.headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                    r
+                }
+            },
+        };
+        let conn = this.conn.take().expect("polled after completion");
+        if let Some((file, offset, remaining)) = resp.body_mut().take_sendfile_run() {
+            conn.runs.borrow_mut().push_back(Run {
+                file,
+                offset,
+                remaining,
+            });
+        }
+        let secs = this.start.elapsed().as_secs_f64();
+        this.core
+            .record(this.route, this.method, resp.status().as_u16(), secs);
+        Poll::Ready(Ok(resp.map(|inner| ConnBody { inner, conn })))
+    }
+}
+
+/// A response body that tells its connection when hyper is done with it.
+pub(crate) struct ConnBody {
+    inner: Body,
+    conn: Rc<ConnState>,
+}
+
+impl Drop for ConnBody {
+    fn drop(&mut self) {
+        self.conn.in_flight.set(self.conn.in_flight.get() - 1);
+    }
+}
+
+impl http_body::Body for ConnBody {
+    type Data = Bytes;
+    type Error = crate::body::BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The socket as hyper sees it: counts bytes and turns sendfile placeholders
+/// into `sendfile(2)` calls.
+pub(crate) struct ConnIo {
+    tcp: TcpStream,
+    /// Bytes read before the connection last parked, replayed first.
+    prefix: Bytes,
+    state: Rc<ConnState>,
+    metrics: Arc<HttpMetrics>,
+}
+
+impl ConnIo {
+    /// Sends up to `max` bytes of the front file run.
+    fn poll_sendfile(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<io::Result<usize>> {
+        let mut runs = self.state.runs.borrow_mut();
+        let Some(run) = runs.front_mut() else {
+            return Poll::Ready(Err(io::Error::other(
+                "sendfile placeholder without a file run (a bug in railyard-http)",
+            )));
+        };
+        let want = max.min(usize::try_from(run.remaining).unwrap_or(usize::MAX));
+        loop {
+            ready!(self.tcp.poll_write_ready(cx))?;
+            let mut off = run.offset;
+            let res = self.tcp.try_io(Interest::WRITABLE, || {
+                rustix::fs::sendfile(&self.tcp, &*run.file, Some(&mut off), want)
+                    .map_err(io::Error::from)
+            });
+            match res {
+                Ok(0) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "file shorter than its announced length",
+                    )))
+                }
+                Ok(n) => {
+                    run.offset += n as u64;
+                    run.remaining -= n as u64;
+                    if run.remaining == 0 {
+                        runs.pop_front();
+                    }
+                    self.metrics.bytes_out.inc_by(n as u64);
+                    self.metrics.sendfile_bytes.inc_by(n as u64);
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn count_out(&self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(Ok(n)) = r {
+            self.metrics.bytes_out.inc_by(n as u64);
+        }
+        r
+    }
+}
+
+impl AsyncRead for ConnIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.tcp).poll_read(cx, buf) {
+            Poll::Pending => {
+                this.state.read_blocked.set(true);
+                Poll::Pending
+            }
+            Poll::Ready(r) => {
+                this.state.read_blocked.set(false);
+                r?;
+                let n = buf.filled().len() - before;
+                this.metrics.bytes_in.inc_by(n as u64);
+                Poll::Ready(Ok(()))
+            }
+        }
+    }
+}
+
+impl AsyncWrite for ConnIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if sendfile::is_placeholder(buf) {
+            return this.poll_sendfile(cx, buf.len());
+        }
+        let r = Pin::new(&mut this.tcp).poll_write(cx, buf);
+        this.count_out(r)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.state.write_clean.set(false);
+        if bufs.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        // Write the ordinary slices before the first placeholder with one
+        // writev; a placeholder at the front becomes one sendfile.
+        let cut = bufs
+            .iter()
+            .position(|b| sendfile::is_placeholder(b))
+            .unwrap_or(bufs.len());
+        if cut == 0 {
+            return this.poll_sendfile(cx, bufs[0].len());
+        }
+        let r = Pin::new(&mut this.tcp).poll_write_vectored(cx, &bufs[..cut]);
+        this.count_out(r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        // hyper flushes the socket only once its own buffer is empty.
+        this.state.write_clean.set(true);
+        Pin::new(&mut this.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A parked connection costs its task (this future) plus the socket:
+    /// hyper's state is boxed and dropped while parked. Keep the task small.
+    #[tokio::test]
+    async fn a_connection_task_stays_small() {
+        let (_reg, metrics) = crate::HttpMetrics::standalone();
+        let (_tx, rx) = watch::channel(false);
+        let core = Rc::new(Core::new(
+            Arc::new(crate::Router::new()),
+            metrics,
+            Arc::new(HttpConfig::default()),
+            rx,
+        ));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let permit = Arc::new(tokio::sync::Semaphore::new(1))
+            .try_acquire_owned()
+            .unwrap();
+        let task = serve(core, c, permit);
+        let size = std::mem::size_of_val(&task);
+        assert!(size <= 1024, "the connection future grew to {size} bytes");
+        assert!(std::mem::size_of::<ConnState>() <= 128);
+    }
+}

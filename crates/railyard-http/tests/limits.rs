@@ -1,0 +1,220 @@
+//! Limits and bad input: 100-continue, 413 with no partial file, slowloris,
+//! 400 and 431 without harming other connections, request timeout, the
+//! connection cap.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Client, TestServer};
+use http::{Response, StatusCode};
+use railyard_http::c10k::{self, C10kOptions};
+use railyard_http::{Body, HttpConfig, Router};
+
+fn upload_app(tag: &str, max: u64) -> (Router, C10kOptions) {
+    let dir = common::temp_dir(tag);
+    let mut opts = C10kOptions::in_dir(&dir);
+    opts.max_upload_bytes = max;
+    (c10k::app(&opts).unwrap(), opts)
+}
+
+#[tokio::test]
+async fn expect_100_continue_then_upload() {
+    let (app, opts) = upload_app("continue", 1 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+    c.send(
+        b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await;
+    let cont = c.read_response().await.unwrap();
+    assert_eq!(cont.status, 100);
+    c.send(b"hello world").await;
+    let r = c.read_response().await.unwrap();
+    assert_eq!(r.status, 200);
+    let files = common::entries(&opts.upload_dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(
+        std::fs::read(opts.upload_dir.join(&files[0])).unwrap(),
+        b"hello world"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn multipart_upload_stores_the_file_part() {
+    let (app, opts) = upload_app("multipart", 1 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+    let body = "--XyZ\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\nContent-Type: text/plain\r\n\r\nfile content here\r\n--XyZ--\r\n";
+    let req = format!(
+        "POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=XyZ\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.send(req.as_bytes()).await;
+    assert_eq!(c.read_response().await.unwrap().status, 200);
+    let files = common::entries(&opts.upload_dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(
+        std::fs::read(opts.upload_dir.join(&files[0])).unwrap(),
+        b"file content here"
+    );
+    // No file part at all: a clear 400.
+    let mut c = Client::connect(server.addr).await;
+    let body = "--XyZ\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--XyZ--\r\n";
+    let req = format!(
+        "POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=XyZ\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.send(req.as_bytes()).await;
+    assert_eq!(c.read_response().await.unwrap().status, 400);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn uploads_over_the_limit_get_413_and_leave_no_file() {
+    let (app, opts) = upload_app("toolarge", 1000);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+
+    // Declared too large, with Expect: refused before the body is sent.
+    let mut c = Client::connect(server.addr).await;
+    c.send(
+        b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await;
+    let r = c.read_response().await.unwrap();
+    assert_eq!(r.status, 413);
+    assert_eq!(r.header("connection"), Some("close"));
+
+    // Chunked, discovered mid-stream: the partial file is removed before the answer.
+    let mut c = Client::connect(server.addr).await;
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .await;
+    let chunk = format!("{:x}\r\n{}\r\n", 600, "a".repeat(600));
+    c.send(chunk.as_bytes()).await;
+    c.send(chunk.as_bytes()).await;
+    c.send(b"0\r\n\r\n").await;
+    assert_eq!(c.read_response().await.unwrap().status, 413);
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+
+    // Multipart over the limit.
+    let mut c = Client::connect(server.addr).await;
+    let body = format!(
+        "--B\r\nContent-Disposition: form-data; name=\"f\"; filename=\"x\"\r\n\r\n{}\r\n--B--\r\n",
+        "z".repeat(3000)
+    );
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nTransfer-Encoding: chunked\r\n\r\n").await;
+    c.send(format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len()).as_bytes())
+        .await;
+    assert_eq!(c.read_response().await.unwrap().status, 413);
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+
+    // The server still serves uploads within the limit.
+    let mut c = Client::connect(server.addr).await;
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc")
+        .await;
+    assert_eq!(c.read_response().await.unwrap().status, 200);
+    assert_eq!(common::entries(&opts.upload_dir).len(), 1);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn slow_heads_are_dropped_after_the_header_timeout() {
+    let (app, _) = upload_app("slowloris", 1000);
+    let config = HttpConfig {
+        header_read_timeout: Duration::from_millis(300),
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(app, config).await;
+    let mut slow = Client::connect(server.addr).await;
+    slow.send(b"GET /static/4k HTTP/1.1\r\nHost: t\r\n").await; // never finished
+    let sent = slow.read_to_close().await;
+    assert!(
+        sent.is_empty() || sent.starts_with(b"HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&sent)
+    );
+    // Others are served.
+    let mut ok = Client::connect(server.addr).await;
+    assert_eq!(ok.get("/static/4k", "").await.status, 200);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bad_request_lines_and_huge_heads_close_only_their_connection() {
+    let (app, _) = upload_app("badinput", 1000);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    let mut bystander = Client::connect(server.addr).await;
+    assert_eq!(bystander.get("/0k", "").await.status, 200);
+
+    let mut bad = Client::connect(server.addr).await;
+    bad.send(b"GARBAGE\x01 / HTTP/9.9 what\r\n\r\n").await;
+    let r = bad.read_response().await.expect("an answer before closing");
+    assert_eq!(r.status, 400);
+    assert!(bad.read_to_close().await.is_empty());
+
+    let mut huge = Client::connect(server.addr).await;
+    let big = format!(
+        "GET /0k HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n",
+        "h".repeat(40 * 1024)
+    );
+    huge.send(big.as_bytes()).await;
+    let r = huge
+        .read_response()
+        .await
+        .expect("an answer before closing");
+    assert_eq!(r.status, 431);
+
+    // The bystander's keep-alive connection is unharmed.
+    assert_eq!(bystander.get("/static/4k", "").await.body.len(), 4096);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn slow_handlers_get_408() {
+    let router = Router::new().get("/slow", |_req| async {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        Response::new(Body::from("late"))
+    });
+    let config = HttpConfig {
+        request_timeout: Duration::from_millis(100),
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(router, config).await;
+    let mut c = Client::connect(server.addr).await;
+    let r = c.get("/slow", "").await;
+    assert_eq!(r.status, StatusCode::REQUEST_TIMEOUT.as_u16());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_connection_cap_holds_new_connections_until_one_closes() {
+    let (app, _) = upload_app("cap", 1000);
+    let config = HttpConfig {
+        max_connections: 1,
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(app, config).await;
+    let mut first = Client::connect(server.addr).await;
+    assert_eq!(first.get("/0k", "").await.status, 200);
+    // The second connection is accepted by the kernel but not served yet.
+    let mut second = Client::connect(server.addr).await;
+    second.send(b"GET /0k HTTP/1.1\r\nHost: t\r\n\r\n").await;
+    drop(first);
+    assert_eq!(second.read_response().await.unwrap().status, 200);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_port_already_served_is_a_clear_error() {
+    let (app, _) = upload_app("portbusy", 1000);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    // SO_REUSEPORT would let a second server share the port silently.
+    let err = railyard_http::bind(server.addr, 2, &HttpConfig::default()).unwrap_err();
+    assert!(
+        matches!(err, railyard_http::HttpError::Bind { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("is the port in use?"), "{err}");
+    server.stop().await;
+}

@@ -1,0 +1,186 @@
+//! Every seed route over a real socket: status, headers, body, compressed
+//! variants, the sendfile path under keep-alive; and the router without a socket.
+
+mod common;
+
+use std::io::Read as _;
+
+use common::{Client, TestServer};
+use http::Request;
+use railyard_http::c10k::{self, C10kOptions};
+use railyard_http::{HttpConfig, RequestBody};
+
+fn is_alnum(b: &[u8]) -> bool {
+    b.iter().all(u8::is_ascii_alphanumeric)
+}
+
+fn gunzip(b: &[u8]) -> Vec<u8> {
+    let mut out = vec![];
+    flate2::read::GzDecoder::new(b)
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+fn inflate(b: &[u8]) -> Vec<u8> {
+    let mut out = vec![];
+    flate2::read::ZlibDecoder::new(b)
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+/// The app with a send file of `len` known bytes.
+fn app_with_file(tag: &str, len: usize) -> (C10kOptions, Vec<u8>) {
+    let dir = common::temp_dir(tag);
+    let opts = C10kOptions::in_dir(&dir);
+    let content: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&opts.send_file, &content).unwrap();
+    (opts, content)
+}
+
+#[tokio::test]
+async fn seed_routes_answer_with_the_right_bodies() {
+    let (opts, _) = app_with_file("routes", 1000);
+    let server = TestServer::start(c10k::app(&opts).unwrap(), HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+
+    let r = c.get("/0k", "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-length"), Some("0"));
+    assert!(r.body.is_empty());
+
+    for (path, len) in [
+        ("/static/4k", 4096),
+        ("/static/8k", 8192),
+        ("/static/64k", 65536),
+        ("/cached/4k", 4096),
+        ("/cached/8k", 8192),
+        ("/cached/64k", 65536),
+    ] {
+        let r = c.get(path, "").await;
+        assert_eq!(r.status, 200, "{path}");
+        assert_eq!(
+            r.header("content-length"),
+            Some(len.to_string().as_str()),
+            "{path}"
+        );
+        assert_eq!(r.header("content-type"), Some("text/plain; charset=utf-8"));
+        assert!(r.header("content-encoding").is_none(), "{path}");
+        assert_eq!(r.body.len(), len, "{path}");
+        assert!(is_alnum(&r.body), "{path}");
+    }
+    // Static bodies are fixed: the same bytes every time.
+    let a = c.get("/static/4k", "").await.body;
+    let b = c.get("/static/4k", "").await.body;
+    assert_eq!(a, b);
+
+    let head = {
+        c.send(b"HEAD /static/8k HTTP/1.1\r\nHost: t\r\n\r\n").await;
+        c.read_response_for("HEAD").await.unwrap()
+    };
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("content-length"), Some("8192"));
+
+    let r = c.get("/nope", "").await;
+    assert_eq!(r.status, 404);
+    c.send(b"DELETE /static/4k HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await;
+    let r = c.read_response().await.unwrap();
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("allow"), Some("GET"));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn compressed_variants_decode_to_the_identity_body() {
+    let (opts, _) = app_with_file("gzip", 10);
+    let server = TestServer::start(c10k::app(&opts).unwrap(), HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+    for path in ["/static/4k", "/static/64k"] {
+        let plain = c.get(path, "").await.body;
+        let gz = c.get(path, "Accept-Encoding: gzip, deflate\r\n").await;
+        assert_eq!(gz.header("content-encoding"), Some("gzip"), "{path}");
+        assert_eq!(gz.header("vary"), Some("accept-encoding"));
+        assert!(gz.body.len() < plain.len());
+        assert_eq!(gunzip(&gz.body), plain, "{path}");
+        let df = c.get(path, "Accept-Encoding: deflate\r\n").await;
+        assert_eq!(df.header("content-encoding"), Some("deflate"));
+        assert_eq!(inflate(&df.body), plain, "{path}");
+        let refused = c.get(path, "Accept-Encoding: gzip;q=0\r\n").await;
+        assert!(refused.header("content-encoding").is_none());
+        assert_eq!(refused.body, plain);
+    }
+    for (path, len) in [("/cached/4k", 4096), ("/cached/64k", 65536)] {
+        let gz = c.get(path, "Accept-Encoding: gzip\r\n").await;
+        assert_eq!(gz.status, 200);
+        assert_eq!(gz.header("content-encoding"), Some("gzip"));
+        let body = gunzip(&gz.body);
+        assert_eq!(body.len(), len);
+        assert!(is_alnum(&body));
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn sendfile_sends_the_file_and_keeps_the_connection() {
+    // 300 KB: several placeholder chunks and, on loopback, partial writes.
+    let (opts, content) = app_with_file("sendfile", 300_000);
+    // Parking after every response puts each request on a fresh hyper connection.
+    let config = HttpConfig {
+        park_idle_after: std::time::Duration::ZERO,
+        ..HttpConfig::default()
+    };
+    let server = TestServer::start(c10k::app(&opts).unwrap(), config).await;
+    let mut c = Client::connect(server.addr).await;
+    for _ in 0..3 {
+        let r = c.get("/sendFile/test", "").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("content-length"), Some("300000"));
+        assert_eq!(r.header("content-type"), Some("application/octet-stream"));
+        assert!(r.body == content, "the file's bytes, in order");
+        // An ordinary response on the same connection right after.
+        let s = c.get("/static/4k", "").await;
+        assert_eq!(s.body.len(), 4096);
+    }
+    // Pipelined: two file responses and a fixed one written back to back.
+    c.send(
+        b"GET /sendFile/test HTTP/1.1\r\nHost: t\r\n\r\nGET /0k HTTP/1.1\r\nHost: t\r\n\r\nGET /sendFile/test HTTP/1.1\r\nHost: t\r\n\r\n",
+    )
+    .await;
+    assert!(c.read_response().await.unwrap().body == content);
+    assert_eq!(c.read_response().await.unwrap().status, 200);
+    assert!(c.read_response().await.unwrap().body == content);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_router_answers_without_a_socket() {
+    let (opts, content) = app_with_file("nosocket", 200_000);
+    let app = c10k::app(&opts).unwrap();
+    let req = |path: &str| {
+        Request::builder()
+            .uri(path)
+            .body(RequestBody::empty())
+            .unwrap()
+    };
+    let r = app.handle(req("/static/8k")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.body().as_bytes().unwrap().len(), 8192);
+    // Without a socket the file body is read in chunks instead of sendfile.
+    let r = app.handle(req("/sendFile/test")).await;
+    assert!(r.body().is_file());
+    use http_body_util::BodyExt as _;
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    assert!(bytes == content);
+    let up = Request::post("/upload")
+        .body(RequestBody::from("hello upload"))
+        .unwrap();
+    assert_eq!(app.handle(up).await.status(), 200);
+    let files = common::entries(&opts.upload_dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(
+        std::fs::read(opts.upload_dir.join(&files[0])).unwrap(),
+        b"hello upload"
+    );
+}
