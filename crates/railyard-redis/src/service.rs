@@ -1,0 +1,1 @@
+//! The seed-002 HTTP service (`GET /test`); see below.
