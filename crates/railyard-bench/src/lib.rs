@@ -5,6 +5,8 @@
 //! - [`pingpong`]: seed 000, 500k request/reply messages.
 //! - [`echo`]: seed 001, echo round trips in a window, and its matrix.
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
+//! - [`redis_refresh`]: seed 002, a Redis-backed `GET /test` under vegeta
+//!   with topology refresh on and off, against Lettuce.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
 //!
@@ -15,4 +17,5 @@ pub mod echo;
 pub mod loops;
 pub mod peer;
 pub mod pingpong;
+pub mod redis_refresh;
 pub mod report;

@@ -335,6 +335,16 @@ impl LocalCluster {
         })
     }
 
+    /// A handle for `n` nodes from `base_port` in `dir` (to clean up after
+    /// a failed start, before the port list was written).
+    pub fn adopt_ports(dir: &Path, base_port: u16, n: usize) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            ports: (0..n as u16).map(|i| base_port + i).collect(),
+            owned: false,
+        }
+    }
+
     /// The node ports.
     pub fn ports(&self) -> &[u16] {
         &self.ports

@@ -186,3 +186,24 @@ async fn bad_configuration_is_a_typed_error() {
         .unwrap_err();
     assert!(matches!(err, RedisError::NoSeed { .. }), "{err:?}");
 }
+
+#[tokio::test]
+async fn the_seed_service_sets_and_gets_through_the_cluster() {
+    use railyard_redis::service::TestService;
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs()).build().await.unwrap();
+    let svc = TestService::new(c, "test");
+    let r = svc.app(&hyper::Method::GET, "/test").await;
+    assert_eq!(r.status(), 200);
+    use http_body_util::BodyExt;
+    let body = r.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"ok");
+    let r = svc.app(&hyper::Method::GET, "/stats").await;
+    assert_eq!(r.status(), 200);
+    let stats: serde_json::Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(stats["shards"], 3);
+    assert_eq!(stats["refresh"]["full_refreshes"], 1);
+    assert_eq!(svc.app(&hyper::Method::GET, "/nope").await.status(), 404);
+    assert_eq!(svc.app(&hyper::Method::POST, "/test").await.status(), 405);
+}

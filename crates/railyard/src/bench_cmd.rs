@@ -17,6 +17,8 @@ pub(crate) enum BenchCommand {
     Pingpong(PingpongArgs),
     /// Seed 001: echo round trips in a fixed window (optionally the whole matrix).
     Echo(EchoArgs),
+    /// Seed 002: a Redis-backed GET /test under vegeta, topology refresh on and off.
+    RedisRefresh(crate::bench_redis::RedisRefreshArgs),
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -152,6 +154,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Pingpong(a) => run_pingpong(a).await,
         BenchCommand::Echo(a) => run_echo(a).await,
+        BenchCommand::RedisRefresh(a) => crate::bench_redis::run(a).await,
     }
 }
 

@@ -10,7 +10,10 @@ use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 
 mod bench_cmd;
+mod bench_redis;
+mod dev;
 mod node;
+mod redis_node;
 
 // The bus allocates one small `Arc` per message; mimalloc's thread-local free
 // lists make that, and the cross-thread frees it implies, cheap.
@@ -43,6 +46,9 @@ enum Command {
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
+    /// Developer helpers: local Redis clusters and test doubles.
+    #[command(subcommand)]
+    Dev(dev::DevCommand),
 }
 
 fn init_logging(format: LogFormat) {
@@ -75,6 +81,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Node(args) => node::run(args).await,
             Command::Bench(cmd) => bench_cmd::run(cmd).await,
+            Command::Dev(cmd) => dev::run(cmd).await,
         }
     });
     match result {

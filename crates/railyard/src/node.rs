@@ -14,6 +14,8 @@ pub(crate) struct NodeArgs {
     /// How often to log the bus's counters (0 disables).
     #[arg(long, default_value = "60s", value_parser = crate::bench_cmd::parse_duration)]
     stats_every: Duration,
+    #[command(flatten)]
+    redis: crate::redis_node::RedisNodeArgs,
 }
 
 /// Address of the node's built-in echo service, handy for trying the bus.
@@ -29,6 +31,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         })
         .await
         .context("registering the node's echo service")?;
+    let _redis = crate::redis_node::start(&args.redis).await?;
     tracing::info!(node = %args.name, echo = NODE_ECHO, "node started; press Ctrl-C to stop");
 
     let mut ticker = (!args.stats_every.is_zero()).then(|| tokio::time::interval(args.stats_every));
