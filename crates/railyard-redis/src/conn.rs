@@ -274,6 +274,9 @@ async fn connect(addr: &Arc<str>, cfg: &ConnConfig) -> Result<TcpStream, RedisEr
     }
 }
 
+/// Initial read buffer per connection.
+const READ_BUF: usize = 4096;
+
 /// Largest write buffer before the task stops taking new requests until the
 /// socket drains.
 const MAX_WRITE_BUF: usize = 1 << 20;
@@ -285,8 +288,9 @@ async fn serve(
     cfg: &ConnConfig,
 ) -> End {
     let (mut rd, mut wr) = stream.into_split();
-    let mut rbuf = BytesMut::with_capacity(16 * 1024);
-    let mut wbuf = BytesMut::with_capacity(16 * 1024);
+    // Small to start: a client of a 1000-node cluster holds 1000 of these.
+    let mut rbuf = BytesMut::with_capacity(READ_BUF);
+    let mut wbuf = BytesMut::new();
     let mut pending: VecDeque<Pending> = VecDeque::with_capacity(64);
     let io = |e: std::io::Error| RedisError::Io {
         node: addr.clone(),
@@ -294,8 +298,14 @@ async fn serve(
     };
     let end = loop {
         let can_take = pending.len() < cfg.max_in_flight && wbuf.len() < MAX_WRITE_BUF;
-        if rbuf.capacity() - rbuf.len() < 4096 {
-            rbuf.reserve(16 * 1024);
+        if rbuf.is_empty() && rbuf.capacity() > 16 * READ_BUF {
+            // A big reply (CLUSTER NODES) grew the buffer: give the memory back.
+            rbuf = BytesMut::with_capacity(READ_BUF);
+        } else if rbuf.capacity() - rbuf.len() < READ_BUF / 2 {
+            rbuf.reserve(READ_BUF.max(rbuf.len()));
+        }
+        if wbuf.is_empty() && wbuf.capacity() > MAX_WRITE_BUF {
+            wbuf = BytesMut::new();
         }
         tokio::select! {
             biased;

@@ -48,6 +48,24 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// `masters` masters on the first ports, the rest replicas spread over
+    /// them; slots split evenly; epochs 1..=n.
+    pub fn generate(masters: usize, ports: &[u16]) -> Self {
+        let masters = masters.max(1);
+        let nodes = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &port)| DoubleNode {
+                id: format!("{:040x}", 0xd0_0b1e_0000_u64 + i as u64),
+                port,
+                master_of: (i >= masters).then(|| (i - masters) % masters),
+                epoch: i as u64 + 1,
+            })
+            .collect();
+        let owner = (0..SLOTS).map(|s| (s * masters / SLOTS) as u16).collect();
+        Self { nodes, owner }
+    }
+
     /// Moves `slots` (inclusive range) to master `to`, bumping its epoch
     /// above every other (as a finished migration does).
     pub fn move_slots(&mut self, from: u16, to_slot: u16, to: usize) {
@@ -198,18 +216,7 @@ impl ClusterDouble {
             .iter()
             .map(|l| l.local_addr().map(|a| a.port()))
             .collect::<Result<_, _>>()?;
-        let nodes: Vec<DoubleNode> = (0..n)
-            .map(|i| DoubleNode {
-                id: format!("{:040x}", 0xd0_0b1e_0000_u64 + i as u64),
-                port: ports[i],
-                master_of: (i >= masters).then(|| (i - masters) % masters.max(1)),
-                epoch: i as u64 + 1,
-            })
-            .collect();
-        let owner = (0..SLOTS)
-            .map(|s| (s * masters.max(1) / SLOTS) as u16)
-            .collect();
-        let r = Rendered::new(Topology { nodes, owner });
+        let r = Rendered::new(Topology::generate(masters, &ports));
         let state = Arc::new(State {
             views: RwLock::new(vec![r; n]),
             store: Mutex::new(HashMap::new()),
@@ -261,6 +268,16 @@ impl ClusterDouble {
     pub fn cluster_nodes_text(&self, i: usize) -> Bytes {
         self.state.views.read()[i].cluster_nodes(i)
     }
+}
+
+/// The `CLUSTER NODES` reply node `me` of a generated topology would give,
+/// without opening any port (for benches): `masters * (1 + replicas)` nodes
+/// on ports 30000...
+pub fn synthetic_cluster_nodes(masters: usize, replicas: usize, me: usize) -> Bytes {
+    let ports: Vec<u16> = (0..masters * (1 + replicas))
+        .map(|i| 30000 + i as u16)
+        .collect();
+    Rendered::new(Topology::generate(masters, &ports)).cluster_nodes(me)
 }
 
 fn bulk(out: &mut BytesMut, b: &[u8]) {

@@ -21,7 +21,6 @@
 //! Connection tasks only carry bytes: all parsing, hashing and building runs
 //! in `spawn_blocking`, and its CPU time is counted in [`RefreshStats`].
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
@@ -32,7 +31,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::client::Inner;
 use crate::error::RedisError;
-use crate::topology::{build_table, fingerprint, parse_nodes, Candidate, SlotTable};
+use crate::topology::{fingerprint, SlotTable, ViewTally};
 use crate::value::{Cmd, Value};
 
 /// Why an adaptive refresh was requested.
@@ -161,9 +160,6 @@ pub fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// At most this many distinct views are parsed in one refresh (the most voted).
-const MAX_VIEWS: usize = 8;
-
 /// What a full refresh built.
 pub(crate) struct Built {
     pub(crate) table: SlotTable,
@@ -172,52 +168,24 @@ pub(crate) struct Built {
     distinct: u64,
 }
 
-/// Votes for one fingerprint, and one reply that has it.
-type Group = (usize, Arc<str>, Bytes);
-
-/// The blocking half of a full refresh: fingerprints replies as they arrive,
-/// keeps one per distinct fingerprint, then parses those and builds the table.
+/// The blocking half of a full refresh: tallies replies as they arrive, then
+/// builds the table.
 fn build_from_stream(mut rx: mpsc::Receiver<(Arc<str>, Bytes)>) -> Result<Built, RedisError> {
     let start = thread_cpu_ns();
-    let mut groups: HashMap<u64, Group, foldhash::fast::RandomState> = HashMap::default();
-    let mut views = 0u64;
-    let mut last_err = None;
+    let mut tally = ViewTally::default();
     while let Some((node, text)) = rx.blocking_recv() {
-        match fingerprint(&text) {
-            Ok(fp) => {
-                views += 1;
-                groups.entry(fp).or_insert((0, node, text)).0 += 1;
-            }
-            Err(detail) => last_err = Some(RedisError::Topology { node, detail }),
-        }
+        tally.add(node, text);
     }
-    let distinct = groups.len() as u64;
-    let mut ranked: Vec<(u64, Group)> = groups.into_iter().collect();
-    ranked.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
-    ranked.truncate(MAX_VIEWS);
-    let mut candidates = Vec::with_capacity(ranked.len());
-    for (fp, (votes, node, text)) in ranked {
-        match parse_nodes(&text) {
-            Ok(view) => candidates.push(Candidate {
-                view,
-                votes,
-                fingerprint: fp,
-            }),
-            Err(detail) => last_err = Some(RedisError::Topology { node, detail }),
-        }
+    match tally.finish() {
+        Ok(t) => Ok(Built {
+            table: t.table,
+            cpu_ns: thread_cpu_ns().saturating_sub(start),
+            views: t.views,
+            distinct: t.distinct,
+        }),
+        Err((node, detail)) if &*node == "-" => Err(RedisError::NoSeed { detail }),
+        Err((node, detail)) => Err(RedisError::Topology { node, detail }),
     }
-    if candidates.is_empty() {
-        return Err(last_err.unwrap_or(RedisError::NoSeed {
-            detail: "no node answered".into(),
-        }));
-    }
-    let table = build_table(&candidates);
-    Ok(Built {
-        table,
-        cpu_ns: thread_cpu_ns().saturating_sub(start),
-        views,
-        distinct,
-    })
 }
 
 fn nodes_cmd() -> Cmd {

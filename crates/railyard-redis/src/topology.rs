@@ -28,6 +28,8 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use crate::slot::SLOTS;
 
 /// Marks a slot no node serves.
@@ -65,45 +67,90 @@ fn line_fields(line: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// The order-independent fingerprint of a `CLUSTER NODES` reply.
 ///
+/// Per line it hashes: id and address, the flags without `myself` and
+/// `fail?`, the master id, the config epoch, and the slot ranges without the
+/// node's own `[slot->-id]` markers; the line hashes are summed.
+///
 /// # Errors
 /// A line with fewer than 8 fields.
 pub fn fingerprint(text: &[u8]) -> Result<u64, String> {
     let state = foldhash::quality::FixedState::with_seed(0x5241_494c_5941_5244);
     let mut sum: u64 = 0;
     let mut lines: u64 = 0;
+    let mut scratch: Vec<u8> = Vec::new();
     for line in text.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         if line.is_empty() {
             continue;
         }
-        let mut h = state.build_hasher();
-        let mut n = 0;
-        for (i, f) in line_fields(line).enumerate() {
-            n = i + 1;
-            match i {
-                // ping-sent, pong-recv, link-state: volatile.
-                4 | 5 | 7 => continue,
-                2 => {
-                    for flag in f.split(|&b| b == b',') {
-                        if flag != b"myself" && flag != b"fail?" {
-                            h.write(flag);
-                            h.write_u8(b',');
-                        }
-                    }
-                }
-                // Only the node itself lists its [slot->-id] migrations.
-                _ if i >= 8 && f.first() == Some(&b'[') => continue,
-                _ => {
-                    h.write(f);
+        // Start of each of the first 8 fields, and where the slots begin.
+        let mut bounds = [0usize; 9];
+        let mut field = 1;
+        for (i, &b) in line.iter().enumerate() {
+            if b == b' ' {
+                bounds[field] = i + 1;
+                field += 1;
+                if field == 9 {
+                    break;
                 }
             }
-            h.write_u8(0xff);
         }
-        if n < 8 {
+        if field < 8 {
             return Err(format!(
-                "line {} has {n} fields, expected at least 8",
+                "line {} has {field} fields, expected at least 8",
                 lines + 1
             ));
+        }
+        let end = |k: usize| {
+            if k + 1 < field {
+                bounds[k + 1] - 1
+            } else {
+                line.len()
+            }
+        };
+        let f = |k: usize| &line[bounds[k]..end(k)];
+        let mut h = state.build_hasher();
+        // id and address in one go
+        h.write(&line[..end(1)]);
+        h.write_u8(0xff);
+        let flags = f(2);
+        if flags.starts_with(b"myself") || flags.windows(5).any(|w| w == b"fail?") {
+            scratch.clear();
+            for flag in flags.split(|&b| b == b',') {
+                if flag != b"myself" && flag != b"fail?" {
+                    if !scratch.is_empty() {
+                        scratch.push(b',');
+                    }
+                    scratch.extend_from_slice(flag);
+                }
+            }
+            h.write(&scratch);
+        } else {
+            h.write(flags);
+        }
+        h.write_u8(0xff);
+        h.write(f(3));
+        h.write_u8(0xff);
+        h.write(f(6));
+        h.write_u8(0xff);
+        if field == 9 {
+            let tail = &line[bounds[8]..];
+            if tail.contains(&b'[') {
+                // Only the node itself lists its [slot->-id] migrations.
+                scratch.clear();
+                for t in tail
+                    .split(|&b| b == b' ')
+                    .filter(|t| !t.is_empty() && t[0] != b'[')
+                {
+                    if !scratch.is_empty() {
+                        scratch.push(b' ');
+                    }
+                    scratch.extend_from_slice(t);
+                }
+                h.write(&scratch);
+            } else {
+                h.write(tail.trim_ascii_end());
+            }
         }
         // Each line's hash is finished (mixed) before the order-independent sum.
         sum = sum.wrapping_add(h.finish());
@@ -402,6 +449,77 @@ pub fn build_table(candidates: &[Candidate]) -> SlotTable {
     }
 }
 
+/// Votes for one fingerprint, and the first reply that had it.
+type Group = (usize, Arc<str>, Bytes);
+
+/// At most this many distinct views are parsed in one refresh (the most voted).
+pub const MAX_VIEWS: usize = 8;
+
+/// Collects the replies of one full refresh: fingerprints each as it arrives
+/// (no allocation per reply beyond keeping the first of each fingerprint),
+/// then parses the few distinct views and builds the table.
+#[derive(Debug, Default)]
+pub struct ViewTally {
+    groups: HashMap<u64, Group, foldhash::fast::RandomState>,
+    views: u64,
+    error: Option<(Arc<str>, String)>,
+}
+
+/// What [`ViewTally::finish`] built.
+#[derive(Debug)]
+pub struct Tallied {
+    /// The new table.
+    pub table: SlotTable,
+    /// Replies fingerprinted.
+    pub views: u64,
+    /// Distinct fingerprints among them.
+    pub distinct: u64,
+}
+
+impl ViewTally {
+    /// Adds `node`'s reply.
+    pub fn add(&mut self, node: Arc<str>, text: Bytes) {
+        match fingerprint(&text) {
+            Ok(fp) => {
+                self.views += 1;
+                self.groups.entry(fp).or_insert((0, node, text)).0 += 1;
+            }
+            Err(e) => self.error = Some((node, e)),
+        }
+    }
+
+    /// Builds the table from the most-voted distinct views.
+    ///
+    /// # Errors
+    /// `(node, detail)` of the last unusable reply when no view was usable.
+    pub fn finish(self) -> Result<Tallied, (Arc<str>, String)> {
+        let distinct = self.groups.len() as u64;
+        let mut last_err = self.error;
+        let mut ranked: Vec<(u64, Group)> = self.groups.into_iter().collect();
+        ranked.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
+        ranked.truncate(MAX_VIEWS);
+        let mut candidates = Vec::with_capacity(ranked.len());
+        for (fp, (votes, node, text)) in ranked {
+            match parse_nodes(&text) {
+                Ok(view) => candidates.push(Candidate {
+                    view,
+                    votes,
+                    fingerprint: fp,
+                }),
+                Err(detail) => last_err = Some((node, detail)),
+            }
+        }
+        if candidates.is_empty() {
+            return Err(last_err.unwrap_or_else(|| ("-".into(), "no node answered".into())));
+        }
+        Ok(Tallied {
+            table: build_table(&candidates),
+            views: self.views,
+            distinct,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,6 +560,11 @@ e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001 myself,master - 0
             .replace("5461-10922", "5460-10922");
         assert_ne!(a, fingerprint(moved.as_bytes()).unwrap());
         assert!(fingerprint(b"short line\n").is_err());
+        // A node's local suspicion (fail?) is not part of the agreed topology; fail is.
+        let pfail = A.replace(" slave 67ed", " slave,fail? 67ed");
+        assert_eq!(a, fingerprint(pfail.as_bytes()).unwrap());
+        let failed = A.replace(" slave 67ed", " slave,fail 67ed");
+        assert_ne!(a, fingerprint(failed.as_bytes()).unwrap());
     }
 
     #[test]
