@@ -180,27 +180,81 @@ impl ClusterClientBuilder {
             ));
         }
         let trigger = Trigger::default();
+        let topo = TopologyRuntime::start()
+            .map_err(|e| RedisError::Config(format!("cannot start the topology thread: {e}")))?;
         let inner = Arc::new(Inner {
             cfg: self.cfg,
             table: ArcSwap::from_pointee(SlotTable::empty()),
             pool: RwLock::new(HashMap::default()),
+            topo_pool: RwLock::new(HashMap::default()),
+            commands_rt: tokio::runtime::Handle::current(),
+            topo,
             trigger: trigger.clone(),
             stats: StatsCells::default(),
             rr: AtomicUsize::new(0),
         });
         refresh::full_refresh(&inner, inner.cfg.seeds.clone()).await?;
-        tokio::spawn(refresh::run(Arc::downgrade(&inner), trigger));
+        inner
+            .topo
+            .handle
+            .spawn(refresh::run(Arc::downgrade(&inner), trigger));
         Ok(ClusterClient { inner })
     }
 }
+
+/// The thread all topology work runs on: the refresher task, its own
+/// connections to every node, and (through its blocking pool) the parsing
+/// and table building. Commands never share a socket, a queue or a worker
+/// thread with it, so a 126 MB full refresh of a 1000-node cluster cannot
+/// sit in front of a GET.
+struct TopologyRuntime {
+    handle: tokio::runtime::Handle,
+    /// Dropping it ends the thread's `block_on`, which drops the runtime and
+    /// with it every topology task.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl TopologyRuntime {
+    fn start() -> std::io::Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .max_blocking_threads(2)
+            .thread_name("railyard-redis-topology")
+            .build()?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("railyard-redis-topology".into())
+            .spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+                // Tasks still running (connections) are dropped with the runtime.
+                rt.shutdown_background();
+            })?;
+        Ok(Self {
+            handle,
+            _stop: stop,
+        })
+    }
+}
+
+type Pool = RwLock<HashMap<Arc<str>, NodeConn, foldhash::fast::RandomState>>;
 
 pub(crate) struct Inner {
     pub(crate) cfg: Config,
     /// The routing table; replaced whole by the refresher, read lock-free.
     pub(crate) table: ArcSwap<SlotTable>,
-    /// Connection handles by `ip:port`. A std-style lock is right here: it is
-    /// held for a map lookup or insert only, never across an await.
-    pool: RwLock<HashMap<Arc<str>, NodeConn, foldhash::fast::RandomState>>,
+    /// Command connections by `ip:port`, on the caller's runtime. A
+    /// parking_lot lock is right here: it is held for a map lookup or insert
+    /// only, never across an await. Lock order: `pool` before `topo_pool`
+    /// (they are never held together today).
+    pool: Pool,
+    /// Topology connections by `ip:port`, on the topology thread.
+    topo_pool: Pool,
+    /// Where command connections are spawned.
+    commands_rt: tokio::runtime::Handle,
+    topo: TopologyRuntime,
     trigger: Trigger,
     pub(crate) stats: StatsCells,
     rr: AtomicUsize,
@@ -213,17 +267,32 @@ impl Drop for Inner {
 }
 
 impl Inner {
+    /// The command connection to `addr`.
     pub(crate) fn conn(&self, addr: &Arc<str>) -> NodeConn {
-        if let Some(c) = self.pool.read().get(addr) {
+        self.get_or_spawn(&self.pool, &self.commands_rt, addr)
+    }
+
+    /// The topology connection to `addr` (never carries commands).
+    pub(crate) fn topo_conn(&self, addr: &Arc<str>) -> NodeConn {
+        self.get_or_spawn(&self.topo_pool, &self.topo.handle, addr)
+    }
+
+    fn get_or_spawn(&self, pool: &Pool, rt: &tokio::runtime::Handle, addr: &Arc<str>) -> NodeConn {
+        if let Some(c) = pool.read().get(addr) {
             if !c.is_closed() {
                 return c.clone();
             }
         }
-        let mut pool = self.pool.write();
+        let mut pool = pool.write();
         match pool.get(addr) {
             Some(c) if !c.is_closed() => c.clone(),
             _ => {
-                let c = NodeConn::spawn(addr.clone(), self.cfg.conn.clone(), self.trigger.clone());
+                let c = NodeConn::spawn(
+                    rt,
+                    addr.clone(),
+                    self.cfg.conn.clone(),
+                    self.trigger.clone(),
+                );
                 pool.insert(addr.clone(), c.clone());
                 c
             }
@@ -243,10 +312,12 @@ impl Inner {
     /// Swaps `table` in and drops connections to nodes it no longer lists.
     pub(crate) fn install(&self, table: SlotTable) {
         let seeds = &self.cfg.seeds;
-        {
-            let mut pool = self.pool.write();
-            pool.retain(|a, _| table.knows(a) || seeds.contains(a));
-        }
+        self.pool
+            .write()
+            .retain(|a, _| table.knows(a) || seeds.contains(a));
+        self.topo_pool
+            .write()
+            .retain(|a, _| table.knows(a) || seeds.contains(a));
         self.table.store(Arc::new(table));
     }
 
@@ -361,8 +432,14 @@ impl ClusterClient {
     /// # Errors
     /// When no node answered.
     pub async fn refresh_now(&self) -> Result<(), RedisError> {
-        let targets = self.inner.refresh_targets();
-        refresh::full_refresh(&self.inner, targets).await
+        // On the topology thread, like every refresh, so even an explicit one
+        // adds nothing to the caller's runtime.
+        let inner = self.inner.clone();
+        let task = self.inner.topo.handle.spawn(async move {
+            let targets = inner.refresh_targets();
+            refresh::full_refresh(&inner, targets).await
+        });
+        task.await.unwrap_or(Err(RedisError::Shutdown))
     }
 
     fn pick(

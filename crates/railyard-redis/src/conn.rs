@@ -84,12 +84,17 @@ impl std::fmt::Debug for NodeConn {
 }
 
 impl NodeConn {
-    /// Spawns the connection task for `addr` on the current runtime.
-    pub(crate) fn spawn(addr: Arc<str>, cfg: ConnConfig, trigger: Trigger) -> Self {
+    /// Spawns the connection task for `addr` on `rt`.
+    pub(crate) fn spawn(
+        rt: &tokio::runtime::Handle,
+        addr: Arc<str>,
+        cfg: ConnConfig,
+        trigger: Trigger,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
         let stats = Arc::new(ConnStats::default());
         let capacity = cfg.queue_capacity;
-        tokio::spawn(run(addr.clone(), cfg, rx, stats.clone(), trigger));
+        rt.spawn(run(addr.clone(), cfg, rx, stats.clone(), trigger));
         Self {
             tx,
             addr,

@@ -98,16 +98,15 @@ impl Topology {
         self.nodes[r].master_of = None;
     }
 
-    fn slot_ranges(&self, node: usize) -> Vec<(u16, u16)> {
-        let mut out: Vec<(u16, u16)> = Vec::new();
+    /// Every node's slot ranges, in one pass over the slots.
+    fn all_slot_ranges(&self) -> Vec<Vec<(u16, u16)>> {
+        let mut out: Vec<Vec<(u16, u16)>> = vec![Vec::new(); self.nodes.len()];
         for (s, &o) in self.owner.iter().enumerate() {
-            if usize::from(o) != node {
-                continue;
-            }
             let s = s as u16;
-            match out.last_mut() {
+            let r = &mut out[usize::from(o)];
+            match r.last_mut() {
                 Some((_, b)) if *b + 1 == s => *b = s,
-                _ => out.push((s, s)),
+                _ => r.push((s, s)),
             }
         }
         out
@@ -122,6 +121,7 @@ struct Rendered {
 
 impl Rendered {
     fn new(topo: Topology) -> Arc<Self> {
+        let ranges = topo.all_slot_ranges();
         let lines = (0..topo.nodes.len())
             .map(|i| {
                 let n = &topo.nodes[i];
@@ -135,7 +135,7 @@ impl Rendered {
                     .map_or_else(|| "-".to_owned(), |m| topo.nodes[m].id.clone());
                 let mut slots = String::new();
                 if n.master_of.is_none() {
-                    for (a, b) in topo.slot_ranges(i) {
+                    for &(a, b) in &ranges[i] {
                         if a == b {
                             let _ = write!(slots, " {a}");
                         } else {
@@ -359,12 +359,13 @@ fn answer(args: &[Bytes], me: usize, state: &State, readonly: &mut bool, out: &m
             let masters: Vec<usize> = (0..topo.nodes.len())
                 .filter(|&i| topo.nodes[i].master_of.is_none())
                 .collect();
+            let all_ranges = topo.all_slot_ranges();
             let mut entries = Vec::new();
             for &m in &masters {
                 let reps: Vec<usize> = (0..topo.nodes.len())
                     .filter(|&r| topo.nodes[r].master_of == Some(m))
                     .collect();
-                let ranges = topo.slot_ranges(m);
+                let ranges = all_ranges[m].clone();
                 if shards {
                     entries.push((ranges, m, reps));
                 } else {

@@ -193,7 +193,7 @@ fn nodes_cmd() -> Cmd {
 }
 
 async fn fetch_view(inner: &Inner, addr: &Arc<str>) -> Result<Bytes, RedisError> {
-    let conn = inner.conn(addr);
+    let conn = inner.topo_conn(addr);
     match conn
         .request(&[&nodes_cmd()], inner.cfg.command_timeout)
         .await?

@@ -35,6 +35,10 @@ pub(crate) struct RedisRefreshArgs {
     /// Use the in-process test double even below 1000 nodes.
     #[arg(long)]
     double: bool,
+    /// With the double: move one slot to another master (new epoch) this
+    /// often, so every refresh check finds a change and runs a full refresh.
+    #[arg(long, value_parser = crate::bench_cmd::parse_duration)]
+    churn: Option<Duration>,
     /// Requests per second.
     #[arg(long, default_value_t = 10)]
     rate: u32,
@@ -131,7 +135,11 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
     // The cluster: the double for 1000 nodes (or --double), else a real one.
     let use_double = a.double || a.nodes >= 1000;
     let mut _owned: Option<LocalCluster> = None;
-    let _double: Option<ClusterDouble>;
+    let _double: Option<std::sync::Arc<ClusterDouble>>;
+    let mut _churn: Option<tokio::task::JoinHandle<()>> = None;
+    if a.churn.is_some() && !(a.double || a.nodes >= 1000) {
+        bail!("--churn needs the test double (--nodes 1000 or --double)");
+    }
     let seeds: Vec<String>;
     if use_double {
         let d = ClusterDouble::start(masters, a.replicas, None)
@@ -139,6 +147,26 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
             .context("starting the cluster double")?;
         seeds = d.addrs()[..3].to_vec();
         eprintln!("cluster double: {} nodes ({masters} masters)", a.nodes);
+        let d = std::sync::Arc::new(d);
+        if let Some(every) = a.churn {
+            let d = d.clone();
+            _churn = Some(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.tick().await;
+                for slot in (0..16384u16).cycle() {
+                    tick.tick().await;
+                    let d = d.clone();
+                    // Rendering 1000 nodes' lines is CPU work: off the double's I/O workers.
+                    let _ = tokio::task::spawn_blocking(move || {
+                        let mut t = d.topology(0);
+                        let to = (usize::from(t.owner[usize::from(slot)]) + 1) % masters;
+                        t.move_slots(slot, slot, to);
+                        d.apply(t, None);
+                    })
+                    .await;
+                }
+            }));
+        }
         _double = Some(d);
     } else {
         _double = None;
@@ -188,7 +216,11 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                     system: system.clone(),
                     seeds: seeds.clone(),
                     nodes: a.nodes,
-                    cluster: if use_double { "double" } else { "real" }.into(),
+                    cluster: match (use_double, a.churn) {
+                        (false, _) => "real".into(),
+                        (true, None) => "double".into(),
+                        (true, Some(c)) => format!("double, churn every {c:?}"),
+                    },
                     refresh,
                     rate: a.rate,
                     duration: a.duration,
@@ -282,7 +314,11 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
     println!(
         "\nredis-refresh: {} nodes ({}), {}/s for {:?}, median of {} run(s)\n{}",
         a.nodes,
-        if use_double { "double" } else { "real cluster" },
+        match (use_double, a.churn) {
+            (false, _) => "real cluster".to_owned(),
+            (true, None) => "double".to_owned(),
+            (true, Some(c)) => format!("double, a slot moves every {c:?}"),
+        },
         a.rate,
         a.duration,
         a.runs,
@@ -319,6 +355,9 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                 );
             }
         }
+    }
+    if let Some(h) = _churn.take() {
+        h.abort();
     }
     if let Some(path) = &a.json {
         let rows: Vec<serde_json::Value> = all
