@@ -177,6 +177,8 @@ impl Rendered {
 struct State {
     /// Each node's current view (usually one shared `Arc`).
     views: RwLock<Vec<Arc<Rendered>>>,
+    /// Key commands (GET/SET/DEL/INCR) each node served (not redirected).
+    served: Vec<std::sync::atomic::AtomicU64>,
     store: Mutex<HashMap<Bytes, Bytes>>,
 }
 
@@ -219,6 +221,9 @@ impl ClusterDouble {
         let r = Rendered::new(Topology::generate(masters, &ports));
         let state = Arc::new(State {
             views: RwLock::new(vec![r; n]),
+            served: (0..n)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
             store: Mutex::new(HashMap::new()),
         });
         let mut tasks = JoinSet::new();
@@ -262,6 +267,11 @@ impl ClusterDouble {
             None => v.iter_mut().for_each(|x| *x = r.clone()),
             Some(ix) => ix.iter().for_each(|&i| v[i] = r.clone()),
         }
+    }
+
+    /// Key commands node `i` served itself (not redirected).
+    pub fn served(&self, i: usize) -> u64 {
+        self.state.served[i].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The rendered `CLUSTER NODES` reply of node `i` (for benches).
@@ -431,6 +441,7 @@ fn answer(args: &[Bytes], me: usize, state: &State, readonly: &mut bool, out: &m
                 out.put_slice(format!("-MOVED {slot} 127.0.0.1:{}\r\n", topo.nodes[owner].port).as_bytes());
                 return;
             }
+            state.served[me].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut store = state.store.lock();
             match name.as_str() {
                 "GET" => match store.get(&args[1]) {

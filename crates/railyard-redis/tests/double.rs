@@ -207,3 +207,30 @@ async fn the_seed_service_sets_and_gets_through_the_cluster() {
     assert_eq!(svc.app(&hyper::Method::GET, "/nope").await.status(), 404);
     assert_eq!(svc.app(&hyper::Method::POST, "/test").await.status(), 405);
 }
+
+#[tokio::test]
+async fn replica_reads_go_to_replicas_and_writes_to_masters() {
+    use railyard_redis::ReadFrom;
+    // 3 masters (nodes 0-2), replicas 3-5 (replica of master i is node 3 + i).
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .read_from(ReadFrom::Replica)
+        .build()
+        .await
+        .unwrap();
+    for i in 0..30 {
+        c.set(format!("r{i}"), "v").await.unwrap();
+    }
+    let masters: u64 = (0..3).map(|i| d.served(i)).sum();
+    assert_eq!(masters, 30);
+    for i in 0..30 {
+        assert_eq!(
+            c.get(format!("r{i}")).await.unwrap().as_deref(),
+            Some(&b"v"[..])
+        );
+    }
+    // Every GET was served by a replica (READONLY was sent), none redirected.
+    let replicas: u64 = (3..6).map(|i| d.served(i)).sum();
+    assert_eq!(replicas, 30);
+    assert_eq!((0..3).map(|i| d.served(i)).sum::<u64>(), 30);
+}
