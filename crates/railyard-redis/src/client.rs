@@ -551,11 +551,10 @@ impl ClusterClient {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
-            // Retry only what was certainly not executed.
-            let not_sent = matches!(
-                err,
-                RedisError::Disconnected { .. } | RedisError::QueueFull { .. }
-            ) || err.is_retryable() && matches!(err, RedisError::Server { .. });
+            // Retry only what was certainly not executed. A full queue is
+            // back-pressure: the caller hears about it at once.
+            let not_sent = matches!(err, RedisError::Disconnected { .. })
+                || err.is_retryable() && matches!(err, RedisError::Server { .. });
             if matches!(err, RedisError::Disconnected { .. }) {
                 inner.fire(Reason::ConnectionLost);
             }

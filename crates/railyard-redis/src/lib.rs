@@ -12,7 +12,8 @@
 //!   rule and the [`SlotTable`].
 //! - `refresh`: the refresher task (periodic sampled checks, full refreshes
 //!   on change or adaptive triggers, all parsing on a blocking thread, the
-//!   table swapped in atomically); [`RefreshStats`].
+//!   table swapped in atomically); [`RefreshStats`]. It runs on a dedicated
+//!   topology thread with its own node connections.
 //! - [`double`]: an in-process many-port fake cluster (up to 1000 nodes) for
 //!   tests and benches.
 //! - [`local_cluster`]: start/stop a real local cluster from `redis-server`.
@@ -22,9 +23,9 @@
 //! A command hashes its key to a slot, reads the current [`SlotTable`] (an
 //! `ArcSwap` load: no lock), picks the node, and hands the encoded command to
 //! that node's connection task, which pipelines it and sends the reply back.
-//! The refresher fetches views through the same connection tasks, but parses
-//! and builds on a blocking thread, then stores the new table with one
-//! atomic pointer swap.
+//! The refresher, on its own thread, fetches views over its own connections,
+//! hashes, parses and builds on a blocking thread, then stores the new table
+//! with one atomic pointer swap. Command tasks only ever read the table.
 //!
 //! The RESP decoder is the `redis-protocol` crate; the command encoder, the
 //! CRC16 and the topology code are Railyard's own, because they are either

@@ -234,3 +234,68 @@ async fn replica_reads_go_to_replicas_and_writes_to_masters() {
     assert_eq!(replicas, 30);
     assert_eq!((0..3).map(|i| d.served(i)).sum::<u64>(), 30);
 }
+
+/// A node that answers CLUSTER NODES and nothing else.
+async fn silent_node() -> (u16, tokio::task::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    let n = match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if String::from_utf8_lossy(&buf[..n])
+                        .to_ascii_uppercase()
+                        .contains("NODES")
+                    {
+                        let text = format!(
+                            "{:040x} 127.0.0.1:{port}@1 myself,master - 0 0 1 connected 0-16383\n",
+                            1
+                        );
+                        let reply = format!("${}\r\n{text}\r\n", text.len());
+                        if s.write_all(reply.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (port, h)
+}
+
+#[tokio::test]
+async fn a_full_queue_is_a_typed_error_and_a_silent_node_a_timeout() {
+    let (port, server) = silent_node().await;
+    let c = ClusterClient::builder([format!("127.0.0.1:{port}")])
+        .queue_capacity(1)
+        .max_in_flight(1)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let results = futures::future::join_all((0..4).map(|i| {
+        let c = c.clone();
+        async move { c.get(format!("k{i}")).await }
+    }))
+    .await;
+    let full = results
+        .iter()
+        .filter(|r| matches!(r, Err(RedisError::QueueFull { capacity: 1, .. })))
+        .count();
+    let timeouts = results
+        .iter()
+        .filter(|r| matches!(r, Err(RedisError::Timeout { .. })))
+        .count();
+    assert!(full >= 1, "{results:?}");
+    assert!(timeouts >= 1, "{results:?}");
+    assert_eq!(full + timeouts, 4, "{results:?}");
+    server.abort();
+}
