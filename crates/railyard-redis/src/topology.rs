@@ -78,7 +78,11 @@ pub fn fingerprint(text: &[u8]) -> Result<u64, String> {
     let mut sum: u64 = 0;
     let mut lines: u64 = 0;
     let mut scratch: Vec<u8> = Vec::new();
-    for line in text.split(|&b| b == b'\n') {
+    let mut start = 0;
+    while start < text.len() {
+        let end_of_line = memchr::memchr(b'\n', &text[start..]).map_or(text.len(), |i| start + i);
+        let line = &text[start..end_of_line];
+        start = end_of_line + 1;
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         if line.is_empty() {
             continue;
@@ -86,13 +90,11 @@ pub fn fingerprint(text: &[u8]) -> Result<u64, String> {
         // Start of each of the first 8 fields, and where the slots begin.
         let mut bounds = [0usize; 9];
         let mut field = 1;
-        for (i, &b) in line.iter().enumerate() {
-            if b == b' ' {
-                bounds[field] = i + 1;
-                field += 1;
-                if field == 9 {
-                    break;
-                }
+        for i in memchr::memchr_iter(b' ', line) {
+            bounds[field] = i + 1;
+            field += 1;
+            if field == 9 {
+                break;
             }
         }
         if field < 8 {
@@ -135,7 +137,7 @@ pub fn fingerprint(text: &[u8]) -> Result<u64, String> {
         h.write_u8(0xff);
         if field == 9 {
             let tail = &line[bounds[8]..];
-            if tail.contains(&b'[') {
+            if memchr::memchr(b'[', tail).is_some() {
                 // Only the node itself lists its [slot->-id] migrations.
                 scratch.clear();
                 for t in tail
