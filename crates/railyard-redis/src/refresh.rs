@@ -319,8 +319,12 @@ async fn check(inner: &Inner, cursor: &mut usize) -> bool {
 pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
     let mut cursor = 0usize;
     let mut last_full = Instant::now();
-    let (period, min_interval) = match weak.upgrade() {
-        Some(i) => (i.cfg.refresh_period, i.cfg.adaptive_min_interval),
+    let (period, min_interval, adaptive_on) = match weak.upgrade() {
+        Some(i) => (
+            i.cfg.refresh_period,
+            i.cfg.adaptive_min_interval,
+            i.cfg.adaptive,
+        ),
         None => return,
     };
     let mut ticker = period.map(|p| {
@@ -335,6 +339,11 @@ pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
         };
         if trigger.0.shutdown.load(Ordering::Relaxed) {
             return;
+        }
+        if adaptive && !adaptive_on {
+            // Connection tasks fire triggers regardless of the setting.
+            trigger.take();
+            continue;
         }
         if adaptive {
             // Rate limit: wait out the rest of the interval, coalescing triggers.
