@@ -220,12 +220,15 @@ impl TopologyRuntime {
             .enable_all()
             .max_blocking_threads(2)
             .thread_name("railyard-redis-topology")
+            // Blocking-pool threads (the hashing and building) start here.
+            .on_thread_start(lower_priority)
             .build()?;
         let handle = rt.handle().clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()
             .name("railyard-redis-topology".into())
             .spawn(move || {
+                lower_priority();
                 rt.block_on(async {
                     let _ = stopped.await;
                 });
@@ -236,6 +239,24 @@ impl TopologyRuntime {
             handle,
             _stop: stop,
         })
+    }
+}
+
+/// Niceness of topology threads: when they compete with command threads for
+/// a core, the scheduler gives the command threads ~10x the share.
+const TOPOLOGY_NICE: i32 = 10;
+
+/// Lowers the calling thread's CPU priority (Linux: nice is per thread).
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        // Safety: gettid takes no arguments; setpriority with PRIO_PROCESS and
+        // a thread id changes only that thread's nice value. A failure (e.g.
+        // not permitted) leaves the priority as it was, which is harmless.
+        unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, TOPOLOGY_NICE);
+        }
     }
 }
 
