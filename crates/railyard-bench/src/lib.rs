@@ -9,6 +9,8 @@
 //! - [`cluster`]: clustered runs: a bus joined to etcd, the second node process.
 //! - [`c10k`]: seed 004, an HTTP server under 10k connections (wrk, oha, RSS).
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
+//! - [`redis_refresh`]: seed 002, a Redis-backed `GET /test` under vegeta
+//!   with topology refresh on and off, against Lettuce.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
 //!
@@ -22,4 +24,5 @@ pub mod echo;
 pub mod loops;
 pub mod peer;
 pub mod pingpong;
+pub mod redis_refresh;
 pub mod report;

@@ -23,6 +23,8 @@ pub(crate) enum BenchCommand {
     Bridge(crate::bench_bridge::BridgeArgs),
     /// Seed 004: the HTTP server under 10k connections (wrk, oha, RSS per connection).
     C10k(crate::bench_c10k::C10kArgs),
+    /// Seed 002: a Redis-backed GET /test under vegeta, topology refresh on and off.
+    RedisRefresh(crate::bench_redis::RedisRefreshArgs),
     /// The second node of a `--nodes 2` run (started by the bench itself).
     #[command(hide = true)]
     Serve(ServeArgs),
@@ -231,6 +233,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Bridge(a) => crate::bench_bridge::run(a).await,
         BenchCommand::C10k(a) => crate::bench_c10k::run(a).await,
         BenchCommand::Serve(a) => run_serve(a).await,
+        BenchCommand::RedisRefresh(a) => crate::bench_redis::run(a).await,
     }
 }
 

@@ -12,12 +12,14 @@ use mimalloc::MiMalloc;
 mod bench_bridge;
 mod bench_c10k;
 mod bench_cmd;
+mod bench_redis;
 mod bridge_node;
 mod cluster_node;
 mod dev;
 mod http_node;
 mod node;
 mod node_config;
+mod redis_node;
 
 // The bus allocates one small `Arc` per message; mimalloc's thread-local free
 // lists make that, and the cross-thread frees it implies, cheap.
@@ -47,11 +49,11 @@ enum LogFormat {
 enum Command {
     /// Run a node on embedded defaults (the event bus, optionally clustered on etcd; its TCP
     /// bridge; the HTTP server on 8080 with metrics on 8081), until SIGINT or SIGTERM.
-    Node(node::NodeArgs),
+    Node(Box<node::NodeArgs>),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
-    /// Developer helpers (a local etcd, ...).
+    /// Developer helpers: a local etcd, local Redis clusters and test doubles.
     #[command(subcommand)]
     Dev(dev::DevCommand),
 }
@@ -84,7 +86,7 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async {
         match cli.command {
-            Command::Node(args) => node::run(args).await,
+            Command::Node(args) => node::run(*args).await,
             Command::Bench(cmd) => bench_cmd::run(cmd).await,
             Command::Dev(cmd) => dev::run(cmd).await,
         }

@@ -22,6 +22,8 @@ pub(crate) struct NodeArgs {
     bridge: crate::bridge_node::BridgeArgs,
     #[command(flatten)]
     http: crate::http_node::HttpArgs,
+    #[command(flatten)]
+    redis: crate::redis_node::RedisNodeArgs,
 }
 
 /// Address of the node's built-in echo service, handy for trying the bus.
@@ -53,6 +55,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let cluster = crate::cluster_node::join(&bus, &args.cluster, &args.name).await?;
     let bridge = crate::bridge_node::start(&bus, &args.bridge, file.bridge).await?;
     let http = crate::http_node::start(&args.http, &bus).await?;
+    let _redis = crate::redis_node::start(&args.redis).await?;
     let shutdown = shutdown_signal();
     tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), http = http.is_some(), "node started; press Ctrl-C to stop");
 

@@ -1,0 +1,392 @@
+//! One task per node owns that node's socket; handles talk to it over a
+//! bounded channel and get their reply on a oneshot.
+//!
+//! The task pipelines: it writes every queued command as soon as it arrives
+//! (batched into one buffer per wake-up) and matches replies to requests in
+//! order. A request may carry several commands that must go out back to back
+//! on one connection (`ASKING` + the command); its reply is the last one.
+//!
+//! # Back-pressure
+//! The command queue holds `queue_capacity` requests; when it is full,
+//! [`NodeConn::request`] fails at once with [`RedisError::QueueFull`] and the
+//! command is not sent. At most `max_in_flight` requests are written and
+//! awaiting replies; beyond that the task stops reading its queue.
+//!
+//! # Failure
+//! A malformed reply or an I/O error closes the socket; every request in
+//! flight gets the error ([`RedisError::Protocol`] / [`RedisError::Io`]).
+//! The task then reconnects with exponential backoff, failing queued
+//! requests fast with [`RedisError::Disconnected`] meanwhile, and fires the
+//! adaptive refresh trigger after `reconnects_before_refresh` failed attempts.
+//! The task ends when every handle is dropped.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::RedisError;
+use crate::refresh::{Reason, Trigger};
+use crate::value::{decode, Cmd, Protocol, Value};
+
+/// Settings every node connection shares.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnConfig {
+    pub(crate) connect_timeout: Duration,
+    pub(crate) queue_capacity: usize,
+    pub(crate) max_in_flight: usize,
+    pub(crate) backoff_min: Duration,
+    pub(crate) backoff_max: Duration,
+    pub(crate) reconnects_before_refresh: u32,
+    pub(crate) protocol: Protocol,
+    /// Send `READONLY` after connecting (replica reads).
+    pub(crate) readonly: bool,
+}
+
+struct Request {
+    bytes: Bytes,
+    replies: usize,
+    tx: oneshot::Sender<Result<Value, RedisError>>,
+}
+
+struct Pending {
+    remaining: usize,
+    tx: oneshot::Sender<Result<Value, RedisError>>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct ConnStats {
+    connected: AtomicBool,
+    /// Successful connects; more than one means reconnects happened.
+    pub(crate) connects: AtomicU64,
+}
+
+/// A handle to a node's connection task. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct NodeConn {
+    tx: mpsc::Sender<Request>,
+    addr: Arc<str>,
+    stats: Arc<ConnStats>,
+    capacity: usize,
+}
+
+impl std::fmt::Debug for NodeConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeConn")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl NodeConn {
+    /// Spawns the connection task for `addr` on `rt`.
+    pub(crate) fn spawn(
+        rt: &tokio::runtime::Handle,
+        addr: Arc<str>,
+        cfg: ConnConfig,
+        trigger: Trigger,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(cfg.queue_capacity);
+        let stats = Arc::new(ConnStats::default());
+        let capacity = cfg.queue_capacity;
+        rt.spawn(run(addr.clone(), cfg, rx, stats.clone(), trigger));
+        Self {
+            tx,
+            addr,
+            stats,
+            capacity,
+        }
+    }
+
+    /// Whether the socket is up right now.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.stats.connected.load(Ordering::Relaxed)
+    }
+
+    /// Whether the task has ended (it only does when every handle is gone or
+    /// the runtime shut down).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Sends `cmds` back to back and returns the last reply.
+    ///
+    /// # Errors
+    /// [`RedisError::QueueFull`], [`RedisError::Timeout`], and whatever the
+    /// connection reports.
+    ///
+    /// # Cancel safety
+    /// Dropping the future abandons the reply; the command may still run.
+    pub(crate) async fn request(
+        &self,
+        cmds: &[&Cmd],
+        timeout: Duration,
+    ) -> Result<Value, RedisError> {
+        let mut buf = BytesMut::new();
+        for c in cmds {
+            c.encode_into(&mut buf);
+        }
+        self.request_raw(buf.freeze(), cmds.len(), timeout).await
+    }
+
+    pub(crate) async fn request_raw(
+        &self,
+        bytes: Bytes,
+        replies: usize,
+        timeout: Duration,
+    ) -> Result<Value, RedisError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .try_send(Request { bytes, replies, tx })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => RedisError::QueueFull {
+                    node: self.addr.clone(),
+                    capacity: self.capacity,
+                },
+                mpsc::error::TrySendError::Closed(_) => RedisError::Shutdown,
+            })?;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(RedisError::Disconnected {
+                node: self.addr.clone(),
+            }),
+            Err(_) => Err(RedisError::Timeout {
+                node: self.addr.clone(),
+                timeout,
+            }),
+        }
+    }
+}
+
+enum End {
+    /// Every handle is gone: stop.
+    Closed,
+    /// The socket failed: reconnect.
+    Failed(RedisError),
+}
+
+async fn run(
+    addr: Arc<str>,
+    cfg: ConnConfig,
+    mut rx: mpsc::Receiver<Request>,
+    stats: Arc<ConnStats>,
+    trigger: Trigger,
+) {
+    let mut backoff = cfg.backoff_min;
+    let mut failures: u32 = 0;
+    loop {
+        match connect(&addr, &cfg).await {
+            Ok(stream) => {
+                stats.connected.store(true, Ordering::Relaxed);
+                stats.connects.fetch_add(1, Ordering::Relaxed);
+                failures = 0;
+                backoff = cfg.backoff_min;
+                let end = serve(&addr, stream, &mut rx, &cfg).await;
+                stats.connected.store(false, Ordering::Relaxed);
+                match end {
+                    End::Closed => return,
+                    End::Failed(e) => {
+                        tracing::warn!(node = %addr, error = %e, "redis connection lost; reconnecting");
+                        trigger.fire(Reason::ConnectionLost);
+                    }
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::debug!(node = %addr, error = %e, failures, "redis connect failed");
+                if failures >= cfg.reconnects_before_refresh {
+                    trigger.fire(Reason::Reconnects);
+                }
+            }
+        }
+        // Back off, answering queued requests at once rather than letting
+        // them wait for a node that may be gone for good.
+        let sleep = tokio::time::sleep(backoff);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                () = &mut sleep => break,
+                req = rx.recv() => match req {
+                    None => return,
+                    Some(r) => {
+                        let _ = r.tx.send(Err(RedisError::Disconnected { node: addr.clone() }));
+                    }
+                },
+            }
+        }
+        backoff = (backoff * 2).min(cfg.backoff_max);
+    }
+}
+
+async fn connect(addr: &Arc<str>, cfg: &ConnConfig) -> Result<TcpStream, RedisError> {
+    let io = |e: std::io::Error| RedisError::Io {
+        node: addr.clone(),
+        source: Arc::new(e),
+    };
+    let fut = async {
+        let mut s = TcpStream::connect(&**addr).await.map_err(io)?;
+        s.set_nodelay(true).map_err(io)?;
+        let mut hello = Vec::new();
+        if cfg.protocol == Protocol::Resp3 {
+            hello.push(Cmd::new("HELLO").arg("3"));
+        }
+        if cfg.readonly {
+            hello.push(Cmd::new("READONLY"));
+        }
+        let mut rbuf = BytesMut::new();
+        for (i, c) in hello.iter().enumerate() {
+            s.write_all(&c.encode()).await.map_err(io)?;
+            // HELLO's own reply is already in the negotiated protocol.
+            let proto = if i == 0 && cfg.protocol == Protocol::Resp3 {
+                Protocol::Resp3
+            } else {
+                cfg.protocol
+            };
+            let v = loop {
+                if let Some(v) =
+                    decode(&mut rbuf, proto).map_err(|detail| RedisError::Protocol {
+                        node: addr.clone(),
+                        detail,
+                    })?
+                {
+                    break v;
+                }
+                if s.read_buf(&mut rbuf).await.map_err(io)? == 0 {
+                    return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+            };
+            if let Value::Error(e) = v {
+                return Err(RedisError::Server {
+                    node: addr.clone(),
+                    kind: e.split(' ').next().unwrap_or("ERR").to_owned(),
+                    message: format!("during {} handshake: {e}", c.name()),
+                });
+            }
+        }
+        Ok(s)
+    };
+    match tokio::time::timeout(cfg.connect_timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(RedisError::Timeout {
+            node: addr.clone(),
+            timeout: cfg.connect_timeout,
+        }),
+    }
+}
+
+/// Initial read buffer per connection.
+const READ_BUF: usize = 4096;
+
+/// Largest write buffer before the task stops taking new requests until the
+/// socket drains.
+const MAX_WRITE_BUF: usize = 1 << 20;
+
+async fn serve(
+    addr: &Arc<str>,
+    stream: TcpStream,
+    rx: &mut mpsc::Receiver<Request>,
+    cfg: &ConnConfig,
+) -> End {
+    let (mut rd, mut wr) = stream.into_split();
+    // Small to start: a client of a 1000-node cluster holds 1000 of these.
+    let mut rbuf = BytesMut::with_capacity(READ_BUF);
+    let mut wbuf = BytesMut::new();
+    let mut pending: VecDeque<Pending> = VecDeque::with_capacity(64);
+    let io = |e: std::io::Error| RedisError::Io {
+        node: addr.clone(),
+        source: Arc::new(e),
+    };
+    let end = loop {
+        let can_take = pending.len() < cfg.max_in_flight && wbuf.len() < MAX_WRITE_BUF;
+        if rbuf.is_empty() && rbuf.capacity() > 16 * READ_BUF {
+            // A big reply (CLUSTER NODES) grew the buffer: give the memory back.
+            rbuf = BytesMut::with_capacity(READ_BUF);
+        } else if rbuf.capacity() - rbuf.len() < READ_BUF / 2 {
+            rbuf.reserve(READ_BUF.max(rbuf.len()));
+        }
+        if wbuf.is_empty() && wbuf.capacity() > MAX_WRITE_BUF {
+            wbuf = BytesMut::new();
+        }
+        tokio::select! {
+            biased;
+            r = rd.read_buf(&mut rbuf) => {
+                match r {
+                    Ok(0) => break End::Failed(io(std::io::ErrorKind::UnexpectedEof.into())),
+                    Ok(_) => {}
+                    Err(e) => break End::Failed(io(e)),
+                }
+                if let Err(e) = dispatch(addr, &mut rbuf, &mut pending, cfg.protocol) {
+                    break End::Failed(e);
+                }
+            }
+            r = wr.write_buf(&mut wbuf), if !wbuf.is_empty() => {
+                if let Err(e) = r {
+                    break End::Failed(io(e));
+                }
+            }
+            req = rx.recv(), if can_take => {
+                let Some(req) = req else { break End::Closed };
+                take(req, &mut wbuf, &mut pending);
+                while pending.len() < cfg.max_in_flight && wbuf.len() < MAX_WRITE_BUF {
+                    match rx.try_recv() {
+                        Ok(req) => take(req, &mut wbuf, &mut pending),
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+    };
+    if let End::Failed(e) = &end {
+        for p in pending.drain(..) {
+            let _ = p.tx.send(Err(e.clone()));
+        }
+    }
+    end
+}
+
+fn take(req: Request, wbuf: &mut BytesMut, pending: &mut VecDeque<Pending>) {
+    // A caller that already gave up (timeout, dropped future) still gets its
+    // command written if it was queued: the reply slot keeps replies in order.
+    wbuf.extend_from_slice(&req.bytes);
+    pending.push_back(Pending {
+        remaining: req.replies.max(1),
+        tx: req.tx,
+    });
+}
+
+fn dispatch(
+    addr: &Arc<str>,
+    rbuf: &mut BytesMut,
+    pending: &mut VecDeque<Pending>,
+    proto: Protocol,
+) -> Result<(), RedisError> {
+    loop {
+        let v = match decode(rbuf, proto) {
+            Ok(Some(v)) => v,
+            Ok(None) => return Ok(()),
+            Err(detail) => {
+                return Err(RedisError::Protocol {
+                    node: addr.clone(),
+                    detail,
+                })
+            }
+        };
+        let Some(front) = pending.front_mut() else {
+            return Err(RedisError::Protocol {
+                node: addr.clone(),
+                detail: format!("a reply ({}) arrived with no request waiting", v.describe()),
+            });
+        };
+        front.remaining -= 1;
+        if front.remaining == 0 {
+            if let Some(p) = pending.pop_front() {
+                let _ = p.tx.send(Ok(v));
+            }
+        }
+    }
+}

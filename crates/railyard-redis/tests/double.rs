@@ -1,0 +1,301 @@
+//! The client against the in-process cluster double: routing, views that
+//! disagree, periodic refresh, and malformed replies from a fake server.
+
+use std::time::Duration;
+
+use railyard_redis::double::ClusterDouble;
+use railyard_redis::slot::key_slot;
+use railyard_redis::{ClusterClient, RedisError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+#[tokio::test]
+async fn commands_route_to_the_slot_owner() {
+    let d = ClusterDouble::start(9, 1, None).await.unwrap();
+    let c = ClusterClient::builder(&d.addrs()[..1])
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(c.table().nodes().len(), 18);
+    assert_eq!(c.table().uncovered(), 0);
+    for i in 0..200 {
+        c.set(format!("k{i}"), format!("v{i}")).await.unwrap();
+    }
+    for i in 0..200 {
+        assert_eq!(
+            c.get(format!("k{i}")).await.unwrap().as_deref(),
+            Some(format!("v{i}").as_bytes())
+        );
+    }
+    assert_eq!(c.incr("counter").await.unwrap(), 1);
+    assert_eq!(c.incr("counter").await.unwrap(), 2);
+    // No command needed a redirection, so nothing triggered a refresh.
+    assert_eq!(c.refresh_stats().adaptive, 0);
+}
+
+#[tokio::test]
+async fn disagreeing_views_resolve_by_config_epoch() {
+    let d = ClusterDouble::start(6, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let slot = key_slot(b"disputed");
+    let old_owner = c.table().shard(slot).unwrap().master.clone();
+    // Only two nodes (the new owner, master 5, and one replica) know that the
+    // slot moved; the other ten still report the old owner.
+    let mut t = d.topology(0);
+    t.move_slots(slot, slot, 5);
+    d.apply(t, Some(&[5, 11]));
+    c.refresh_now().await.unwrap();
+    let stats = c.refresh_stats();
+    assert_eq!(stats.last_views, 12);
+    assert_eq!(stats.last_distinct_views, 2);
+    let table = c.table();
+    let new_owner = &table.shard(slot).unwrap().master;
+    assert_ne!(*new_owner, old_owner);
+    assert_eq!(&**new_owner, d.addrs()[5].as_str());
+    // Every other slot stays where the majority put it.
+    assert_eq!(table.uncovered(), 0);
+    assert_eq!(table.fingerprints().len(), 2);
+    // And commands on the disputed slot reach the new owner.
+    c.set("disputed", "x").await.unwrap();
+    assert_eq!(c.get("disputed").await.unwrap().as_deref(), Some(&b"x"[..]));
+}
+
+#[tokio::test]
+async fn the_periodic_check_finds_a_moved_slot() {
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .refresh_period(Some(Duration::from_millis(50)))
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let slot = key_slot(b"moving");
+    let mut t = d.topology(0);
+    let to = (0..3)
+        .find(|&m| d.addrs()[m] != *c.table().shard(slot).unwrap().master)
+        .unwrap();
+    t.move_slots(slot, slot, to);
+    d.apply(t, None);
+    let mut moved = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if *c.table().shard(slot).unwrap().master == *d.addrs()[to] {
+            moved = true;
+            break;
+        }
+    }
+    assert!(moved, "the periodic refresh never picked up the new owner");
+    let s = c.refresh_stats();
+    assert!(s.checks >= 1);
+    assert!(
+        s.full_refreshes >= 2,
+        "initial plus one after the check: {s:?}"
+    );
+    assert_eq!(s.adaptive, 0);
+}
+
+#[tokio::test]
+async fn an_unchanged_cluster_costs_only_checks() {
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .refresh_period(Some(Duration::from_millis(20)))
+        .build()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let s = c.refresh_stats();
+    assert!(s.checks >= 3, "{s:?}");
+    assert_eq!(s.full_refreshes, 1, "only the initial refresh: {s:?}");
+    assert_eq!(s.swaps, 1);
+}
+
+#[tokio::test]
+async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let acc = accepted.clone();
+    let server = tokio::spawn(async move {
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    let n = match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let req = String::from_utf8_lossy(&buf[..n]).to_ascii_uppercase();
+                    let reply = if req.contains("NODES") {
+                        let text = format!(
+                            "{:040x} 127.0.0.1:{port}@{} myself,master - 0 0 1 connected 0-16383\n",
+                            1,
+                            u32::from(port) + 10000
+                        );
+                        format!("${}\r\n{text}\r\n", text.len())
+                    } else {
+                        "?this is not RESP\r\n".to_owned()
+                    };
+                    if s.write_all(reply.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let c = ClusterClient::builder([format!("127.0.0.1:{port}")])
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let before = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    let err = c.get("k").await.unwrap_err();
+    assert!(matches!(err, RedisError::Protocol { .. }), "{err:?}");
+    // The connection was closed and is re-opened for the next command.
+    let err = c.get("k").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RedisError::Protocol { .. } | RedisError::Disconnected { .. }
+        ),
+        "{err:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = c.get("k").await;
+    assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) > before);
+    server.abort();
+}
+
+#[tokio::test]
+async fn bad_configuration_is_a_typed_error() {
+    let err = ClusterClient::builder(["127.0.0.1:1"])
+        .sample_size(0)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RedisError::Config(_)));
+    let err = ClusterClient::builder(["127.0.0.1:1"])
+        .connect_timeout(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RedisError::NoSeed { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn the_seed_service_sets_and_gets_through_the_cluster() {
+    use railyard_redis::service::TestService;
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs()).build().await.unwrap();
+    let svc = TestService::new(c, "test");
+    let r = svc.app(&hyper::Method::GET, "/test").await;
+    assert_eq!(r.status(), 200);
+    use http_body_util::BodyExt;
+    let body = r.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"ok");
+    let r = svc.app(&hyper::Method::GET, "/stats").await;
+    assert_eq!(r.status(), 200);
+    let stats: serde_json::Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(stats["shards"], 3);
+    assert_eq!(stats["refresh"]["full_refreshes"], 1);
+    assert_eq!(svc.app(&hyper::Method::GET, "/nope").await.status(), 404);
+    assert_eq!(svc.app(&hyper::Method::POST, "/test").await.status(), 405);
+}
+
+#[tokio::test]
+async fn replica_reads_go_to_replicas_and_writes_to_masters() {
+    use railyard_redis::ReadFrom;
+    // 3 masters (nodes 0-2), replicas 3-5 (replica of master i is node 3 + i).
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .read_from(ReadFrom::Replica)
+        .build()
+        .await
+        .unwrap();
+    for i in 0..30 {
+        c.set(format!("r{i}"), "v").await.unwrap();
+    }
+    let masters: u64 = (0..3).map(|i| d.served(i)).sum();
+    assert_eq!(masters, 30);
+    for i in 0..30 {
+        assert_eq!(
+            c.get(format!("r{i}")).await.unwrap().as_deref(),
+            Some(&b"v"[..])
+        );
+    }
+    // Every GET was served by a replica (READONLY was sent), none redirected.
+    let replicas: u64 = (3..6).map(|i| d.served(i)).sum();
+    assert_eq!(replicas, 30);
+    assert_eq!((0..3).map(|i| d.served(i)).sum::<u64>(), 30);
+}
+
+/// A node that answers CLUSTER NODES and nothing else.
+async fn silent_node() -> (u16, tokio::task::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    let n = match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if String::from_utf8_lossy(&buf[..n])
+                        .to_ascii_uppercase()
+                        .contains("NODES")
+                    {
+                        let text = format!(
+                            "{:040x} 127.0.0.1:{port}@1 myself,master - 0 0 1 connected 0-16383\n",
+                            1
+                        );
+                        let reply = format!("${}\r\n{text}\r\n", text.len());
+                        if s.write_all(reply.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (port, h)
+}
+
+#[tokio::test]
+async fn a_full_queue_is_a_typed_error_and_a_silent_node_a_timeout() {
+    let (port, server) = silent_node().await;
+    let c = ClusterClient::builder([format!("127.0.0.1:{port}")])
+        .queue_capacity(1)
+        .max_in_flight(1)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let results = futures::future::join_all((0..4).map(|i| {
+        let c = c.clone();
+        async move { c.get(format!("k{i}")).await }
+    }))
+    .await;
+    let full = results
+        .iter()
+        .filter(|r| matches!(r, Err(RedisError::QueueFull { capacity: 1, .. })))
+        .count();
+    let timeouts = results
+        .iter()
+        .filter(|r| matches!(r, Err(RedisError::Timeout { .. })))
+        .count();
+    assert!(full >= 1, "{results:?}");
+    assert!(timeouts >= 1, "{results:?}");
+    assert_eq!(full + timeouts, 4, "{results:?}");
+    server.abort();
+}
