@@ -383,17 +383,21 @@ impl NodeInner {
 /// Follows the manager's view for the node's lifetime.
 async fn follow_view(inner: Arc<NodeInner>) {
     let mut rx = inner.manager.view();
-    let mut connected = true;
+    // `None` until the store was first reached: the manager's initial view
+    // (before its first read) is not an outage.
+    let mut connected: Option<bool> = None;
     loop {
         let view = rx.borrow_and_update().clone();
-        if view.connected != connected {
-            connected = view.connected;
-            if connected {
-                tracing::info!("cluster store reachable again");
-            } else {
+        match (connected, view.connected) {
+            (Some(true), false) => {
                 inner.counters.store_outages.add(1);
                 tracing::warn!("cluster store unreachable: keeping the last known routes");
             }
+            (Some(false), true) => tracing::info!("cluster store reachable again"),
+            _ => {}
+        }
+        if view.connected || connected.is_some() {
+            connected = Some(view.connected);
         }
         inner.apply(&view);
         if rx.changed().await.is_err() {
