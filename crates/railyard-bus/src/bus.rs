@@ -307,6 +307,19 @@ impl EventBus {
             return Err(SendError::new(e, env.body));
         }
         self.inner.shared.counters.sent.add(1);
+        self.route_waiting(address, env, options)
+            .await
+            .map_err(|(e, env)| SendError::new(e, env.body))
+    }
+
+    /// Routes `env`, waiting for room (in a local buffer or a node's link)
+    /// whenever every target is full.
+    async fn route_waiting(
+        &self,
+        address: &str,
+        mut env: Envelope,
+        options: &DeliveryOptions,
+    ) -> Result<(), (BusError, Envelope)> {
         loop {
             match self.route(address, env, options) {
                 Ok(()) => return Ok(()),
@@ -322,7 +335,7 @@ impl EventBus {
                     std::future::poll_fn(|cx| node.poll_room(cx)).await;
                     env = back;
                 }
-                Err((e, back, _)) => return Err(SendError::new(e, back.body)),
+                Err((e, back, _)) => return Err((e, back)),
             }
         }
     }
@@ -851,10 +864,11 @@ impl EventBus {
         sink: Arc<dyn ReplySink>,
         id: u64,
     ) -> Result<(), SendError> {
-        match self.route_remote_request(address, body, options, sink, id) {
-            Ok(()) => Ok(()),
-            Err((e, env, _)) => Err(SendError::new(e, Self::disarm(env))),
-        }
+        let (env, local) = self
+            .remote_request(address, body, options, sink, id)
+            .map_err(|(e, env)| SendError::new(e, Self::disarm(env)))?;
+        self.route(address, env, &local)
+            .map_err(|(e, env, _)| SendError::new(e, Self::disarm(env)))
     }
 
     /// [`request_remote`](Self::request_remote), waiting for room when every
@@ -870,41 +884,25 @@ impl EventBus {
         sink: Arc<dyn ReplySink>,
         id: u64,
     ) -> Result<(), SendError> {
-        let mut env = match self.route_remote_request(address, body, options, sink, id) {
-            Ok(()) => return Ok(()),
-            Err((BusError::Full { .. }, env, Some(Room::Local(q)))) => {
-                let mut slot = Some(env);
-                match std::future::poll_fn(|cx| q.poll_push(&mut slot, cx)).await {
-                    Ok(()) => return Ok(()),
-                    Err(_) => slot.take().expect("a refused push leaves the envelope"),
-                }
-            }
-            Err((e, env, _)) => return Err(SendError::new(e, Self::disarm(env))),
-        };
-        loop {
-            match self.route(address, env, options) {
-                Ok(()) => return Ok(()),
-                Err((BusError::Full { .. }, back, Some(Room::Local(q)))) => {
-                    let mut slot = Some(back);
-                    match std::future::poll_fn(|cx| q.poll_push(&mut slot, cx)).await {
-                        Ok(()) => return Ok(()),
-                        Err(_) => env = slot.take().expect("a refused push leaves the envelope"),
-                    }
-                }
-                Err((e, back, _)) => return Err(SendError::new(e, Self::disarm(back))),
-            }
-        }
+        let (env, local) = self
+            .remote_request(address, body, options, sink, id)
+            .map_err(|(e, env)| SendError::new(e, Self::disarm(env)))?;
+        self.route_waiting(address, env, &local)
+            .await
+            .map_err(|(e, env)| SendError::new(e, Self::disarm(env)))
     }
 
+    /// The envelope of a request from another node, checked, and the options
+    /// that keep it on this node.
     #[allow(clippy::result_large_err)] // as `route`
-    fn route_remote_request(
+    fn remote_request(
         &self,
         address: &str,
         body: Body,
         options: &DeliveryOptions,
         sink: Arc<dyn ReplySink>,
         id: u64,
-    ) -> Result<(), (BusError, Envelope, Option<Room>)> {
+    ) -> Result<(Envelope, DeliveryOptions), (BusError, Envelope)> {
         let mut env = Envelope {
             headers: options.headers.clone(),
             body,
@@ -912,13 +910,13 @@ impl EventBus {
             send: true,
         };
         if let Err(e) = self.prepare(address, MessageKind::Request, &mut env, options) {
-            return Err((e, env, None));
+            return Err((e, env));
         }
         let local = DeliveryOptions {
             local_only: true,
             ..options.clone()
         };
-        self.route(address, env, &local)
+        Ok((env, local))
     }
 
     /// Takes the body back from a refused envelope, without answering its
