@@ -259,12 +259,9 @@ impl EventBus {
         self.send_body(address, Body::new(body), options)
     }
 
-    /// [`send_with`](Self::send_with) for a body that is already a [`Body`]
-    /// (a transport delivering what came off the wire).
-    ///
-    /// # Errors
-    /// As [`send`](Self::send).
-    pub fn send_body(
+    /// The non-generic body of [`send_with`](Self::send_with) (a [`Body`]
+    /// passed to `send_with` is used as is, so transports call that).
+    fn send_body(
         &self,
         address: &str,
         body: Body,
@@ -357,8 +354,8 @@ impl EventBus {
         self.request_body(address, Body::new(body), options)
     }
 
-    /// [`request_with`](Self::request_with) for a body that is already a [`Body`].
-    pub fn request_body(
+    /// The non-generic body of [`request_with`](Self::request_with).
+    fn request_body(
         &self,
         address: &str,
         body: Body,
@@ -415,11 +412,8 @@ impl EventBus {
         self.publish_body(address, Body::new(body), options)
     }
 
-    /// [`publish_with`](Self::publish_with) for a body that is already a [`Body`].
-    ///
-    /// # Errors
-    /// As [`publish`](Self::publish).
-    pub fn publish_body(
+    /// The non-generic body of [`publish_with`](Self::publish_with).
+    fn publish_body(
         &self,
         address: &str,
         body: Body,

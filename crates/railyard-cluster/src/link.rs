@@ -625,7 +625,7 @@ async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
             let mut opts = DeliveryOptions::new().local_only(true);
             opts.headers = headers_from(headers);
             match mode {
-                Mode::Send => match bus.send_body(&address, body, &opts) {
+                Mode::Send => match bus.send_with(&address, body, &opts) {
                     Ok(()) => {}
                     Err(e) if matches!(e.error, BusError::Full { .. }) => {
                         let (l, bus) = (link.clone(), bus.clone());
@@ -643,7 +643,7 @@ async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
                     }
                 },
                 Mode::Publish => {
-                    let _ = bus.publish_body(&address, body, &opts);
+                    let _ = bus.publish_with(&address, body, &opts);
                 }
                 Mode::Request => {
                     opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
