@@ -92,7 +92,8 @@ pub(crate) struct Link {
     /// Senders waiting for room in a full queue (woken after each batch).
     room_waiters: Mutex<Vec<Waker>>,
     /// For `Side::Accept`: connections the acceptor hands over.
-    accepted: Mutex<Option<mpsc::Sender<TcpStream>>>,
+    /// Each comes with the bytes read after its HELLO.
+    accepted: Mutex<Option<mpsc::Sender<(TcpStream, BytesMut)>>>,
     counters: Arc<ClusterCounters>,
 }
 
@@ -221,11 +222,12 @@ impl Link {
         *self.addr.lock() = addr;
     }
 
-    /// Hands an accepted connection (after its HELLO) to this link.
-    pub(crate) fn hand_over(&self, stream: TcpStream) {
+    /// Hands an accepted connection (after its HELLO) to this link, with
+    /// whatever was read past the HELLO.
+    pub(crate) fn hand_over(&self, stream: TcpStream, rest: BytesMut) {
         let tx = self.accepted.lock().clone();
         if let Some(tx) = tx {
-            if tx.try_send(stream).is_err() {
+            if tx.try_send((stream, rest)).is_err() {
                 tracing::warn!(peer = %self.peer, "dropping a surplus connection from a peer");
             }
         }
@@ -284,14 +286,14 @@ async fn run(
     bus: EventBus,
     mut rx: mpsc::Receiver<Out>,
     mut replies: mpsc::UnboundedReceiver<Out>,
-    mut accepted: mpsc::Receiver<TcpStream>,
+    mut accepted: mpsc::Receiver<(TcpStream, BytesMut)>,
 ) {
     let mut backoff = Duration::from_millis(20);
     loop {
         if link.closed.load(Ordering::Acquire) {
             break;
         }
-        let stream = match link.side {
+        let (stream, rest) = match link.side {
             Side::Dial => {
                 let addr = *link.addr.lock();
                 let attempt = tokio::select! {
@@ -301,7 +303,7 @@ async fn run(
                 match attempt {
                     Ok(s) => {
                         backoff = Duration::from_millis(20);
-                        s
+                        (s, BytesMut::new())
                     }
                     Err(e) => {
                         tracing::debug!(peer = %link.peer, %addr, error = %e, "dial failed; retrying");
@@ -324,7 +326,7 @@ async fn run(
         };
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
         link.counters.connects.add(1);
-        let why = serve(&link, &cfg, &bus, &mut rx, &mut replies, stream).await;
+        let why = serve(&link, &cfg, &bus, &mut rx, &mut replies, stream, rest).await;
         link.fail_pending("was disconnected");
         if link.closed.load(Ordering::Acquire) {
             break;
@@ -373,9 +375,15 @@ async fn serve(
     rx: &mut mpsc::Receiver<Out>,
     replies: &mut mpsc::UnboundedReceiver<Out>,
     stream: TcpStream,
+    rest: BytesMut,
 ) -> String {
     let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
+    inbuf.extend_from_slice(&rest);
+    // Frames that came with the HELLO are handled before the first read.
+    if let Err(why) = handle_buffered(link, bus, &mut inbuf, cfg.max_frame).await {
+        return why;
+    }
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
     let mut batch = Vec::with_capacity(BATCH);
     let mut reply_batch = Vec::with_capacity(BATCH);
@@ -433,15 +441,8 @@ async fn serve(
                     }
                     Err(e) => return format!("read failed: {e}"),
                 }
-                loop {
-                    match Frame::decode(&mut inbuf, cfg.max_frame) {
-                        Ok(Some(f)) => handle(link, bus, f).await,
-                        Ok(None) => break,
-                        Err(e) => {
-                            link.counters.malformed.add(1);
-                            return format!("malformed frame from the peer: {e}");
-                        }
-                    }
+                if let Err(why) = handle_buffered(link, bus, &mut inbuf, cfg.max_frame).await {
+                    return why;
                 }
             }
             () = link.close_signal.notified() => return "closed".into(),
@@ -453,6 +454,26 @@ async fn serve(
                 nonce += 1;
                 // Through the queue, so a ping never overtakes a batch.
                 let _ = link.tx.try_send(Out::Frame(Frame::Ping(nonce)));
+            }
+        }
+    }
+}
+
+/// Handles every complete frame in `inbuf`; a malformed one ends the
+/// connection (the error says why).
+async fn handle_buffered(
+    link: &Arc<Link>,
+    bus: &EventBus,
+    inbuf: &mut BytesMut,
+    max_frame: usize,
+) -> Result<(), String> {
+    loop {
+        match Frame::decode(inbuf, max_frame) {
+            Ok(Some(f)) => handle(link, bus, f).await,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                link.counters.malformed.add(1);
+                return Err(format!("malformed frame from the peer: {e}"));
             }
         }
     }

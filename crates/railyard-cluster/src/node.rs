@@ -259,7 +259,7 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
             match tokio::time::timeout(Duration::from_secs(5), read_hello(stream, inner.max_frame))
                 .await
             {
-                Ok(Ok((stream, node, cluster))) => {
+                Ok(Ok((stream, rest, node, cluster))) => {
                     if cluster != inner.cfg.cluster {
                         tracing::warn!(%from, %node, %cluster, "refusing a node of another cluster");
                         return;
@@ -269,7 +269,7 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
                         tracing::warn!(%from, %node, "refusing a connection from a node we dial");
                         return;
                     }
-                    link.hand_over(stream);
+                    link.hand_over(stream, rest);
                 }
                 Ok(Err(e)) => {
                     inner.counters.malformed.add(1);
@@ -286,7 +286,7 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
 async fn read_hello(
     mut stream: TcpStream,
     max_frame: usize,
-) -> Result<(TcpStream, String, String), String> {
+) -> Result<(TcpStream, BytesMut, String, String), String> {
     let mut buf = BytesMut::with_capacity(256);
     loop {
         match Frame::decode(&mut buf, max_frame.min(64 * 1024)) {
@@ -298,11 +298,10 @@ async fn read_hello(
                 if version != VERSION {
                     return Err(format!("protocol version {version}, expected {VERSION}"));
                 }
-                if !buf.is_empty() {
-                    return Err("data after HELLO before the link was set up".into());
-                }
+                // Frames the dialer wrote right after its HELLO (its first
+                // PING, a batch) may share this read: the link parses them.
                 stream.set_nodelay(true).map_err(|e| e.to_string())?;
-                return Ok((stream, node, cluster));
+                return Ok((stream, buf, node, cluster));
             }
             Ok(Some(other)) => return Err(format!("expected HELLO, got {other:?}")),
             Ok(None) => {}

@@ -244,6 +244,45 @@ async fn a_malformed_frame_closes_only_that_connection() {
     assert!(na.counters().malformed.get() >= 3);
 }
 
+/// A dialer may write its first frames in the same segment as its HELLO
+/// (the link pings as soon as it is up): the acceptor must keep them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_sent_with_the_hello_are_not_lost() {
+    use railyard_cluster::{Frame, VERSION};
+    let reg = InProcessRegistry::new();
+    let (_z, nz) = start(&reg, "z").await;
+    let mut out = bytes::BytesMut::new();
+    Frame::Hello {
+        version: VERSION,
+        node: "a-dialer".into(),
+        cluster: "railyard".into(),
+    }
+    .encode(&mut out);
+    Frame::Ping(7).encode(&mut out);
+    let mut s = tokio::net::TcpStream::connect(nz.addr()).await.unwrap();
+    s.write_all(&out).await.unwrap();
+    let mut inbuf = bytes::BytesMut::new();
+    let pong = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(f) = Frame::decode(&mut inbuf, 1 << 20).unwrap() {
+                if let Frame::Pong(n) = f {
+                    return n;
+                }
+                continue;
+            }
+            let n = s.read_buf(&mut inbuf).await.unwrap();
+            assert!(
+                n > 0,
+                "the node closed a connection whose HELLO came with a PING"
+            );
+        }
+    })
+    .await
+    .expect("a PONG for the PING that came with the HELLO");
+    assert_eq!(pong, 7);
+    assert_eq!(nz.counters().malformed.get(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregistering_withdraws_the_route_everywhere() {
     let reg = InProcessRegistry::new();
