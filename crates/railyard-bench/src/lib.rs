@@ -11,6 +11,8 @@
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
 //! - [`redis_refresh`]: seed 002, a Redis-backed `GET /test` under vegeta
 //!   with topology refresh on and off, against Lettuce.
+//! - [`saga`]: seed 003, the alpha-benchmark profile against a saga
+//!   coordinator, over Omega's unary gRPC or the native batched stream.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
 //!
@@ -26,3 +28,4 @@ pub mod peer;
 pub mod pingpong;
 pub mod redis_refresh;
 pub mod report;
+pub mod saga;

@@ -1,0 +1,248 @@
+//! `railyard bench saga`: seed 003's alpha-benchmark profile against the saga
+//! coordinator, over Omega's unary gRPC or the native batched stream.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use railyard_bench::report::{median, table, thousands, write_json};
+use railyard_bench::saga::{self, Progress, Protocol, SagaBenchConfig, SagaResult};
+
+/// Options for `railyard bench saga`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct SagaArgs {
+    /// Global transactions, 8 events each.
+    #[arg(long, default_value_t = 50_000)]
+    transactions: u64,
+    /// Workers, each running its share of the transactions one after another.
+    #[arg(long, default_value_t = 500)]
+    concurrency: usize,
+    /// `omega`: one blocking unary OnTxEvent call per event (ServiceComb
+    /// Pack's protocol); `native`: Railyard's SDK over the batched stream.
+    #[arg(long, value_enum, default_value_t = ProtocolArg::Omega)]
+    protocol: ProtocolArg,
+    /// The coordinator's durable store.
+    #[arg(long, value_enum, default_value_t = StoreArg::Embedded)]
+    store: StoreArg,
+    /// Share of transactions that fail on their third step and must be
+    /// compensated end to end (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
+    abort_ratio: f64,
+    /// Simulated participant processes: HTTP/2 connections (omega) or
+    /// sessions per service (native); workers are spread over them.
+    #[arg(long, default_value_t = 4)]
+    channels: usize,
+    /// Threads of the load generator's own runtime (apart from the coordinator's).
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
+    /// After the load, how long to wait for outstanding compensations.
+    #[arg(long, default_value = "30s", value_parser = crate::bench_cmd::parse_duration)]
+    drain: Duration,
+    /// Drive an already running coordinator (e.g. `http://127.0.0.1:8090`)
+    /// instead of starting one in-process.
+    #[arg(long, value_name = "URL")]
+    endpoint: Option<String>,
+    /// Also run DTM (peers/dtm) with its equivalent saga in the same run.
+    #[arg(long, value_enum)]
+    vs: Option<Peer>,
+    /// Runs per system; the table shows the median.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// Write every run as a JSON array to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ProtocolArg {
+    /// ServiceComb Pack's TxEventService, as Omega calls it.
+    Omega,
+    /// Railyard's batched session stream (railyard-saga-client).
+    Native,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StoreArg {
+    /// The embedded store in a throwaway data directory.
+    Embedded,
+    /// A throwaway PostgreSQL started for the run.
+    Postgres,
+}
+
+impl StoreArg {
+    fn as_str(self) -> &'static str {
+        match self {
+            StoreArg::Embedded => "embedded",
+            StoreArg::Postgres => "postgres",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Peer {
+    /// DTM with its durable store (peers/dtm).
+    Dtm,
+}
+
+/// A coordinator the bench drives: where it listens, and what keeps it
+/// running (dropped after the run).
+struct Target {
+    endpoint: String,
+    _keep: Option<Box<dyn std::any::Any + Send>>,
+}
+
+async fn start_coordinator(a: &SagaArgs) -> anyhow::Result<Target> {
+    if let Some(url) = &a.endpoint {
+        return Ok(Target {
+            endpoint: url.clone(),
+            _keep: None,
+        });
+    }
+    bail!(
+        "this build has no in-process saga coordinator to start yet (store `{}`); \
+         run one with `railyard node` and pass --endpoint http://127.0.0.1:PORT",
+        a.store.as_str()
+    )
+}
+
+fn progress_bar(label: String, total: u64) -> ProgressBar {
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos}/{len} tx {elapsed:>3} {msg}")
+            .expect("the template is valid")
+            .progress_chars("=> "),
+    );
+    pb.set_prefix(label);
+    pb
+}
+
+pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
+    if a.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    if a.vs == Some(Peer::Dtm) {
+        bail!(
+            "--vs dtm: the DTM peer (peers/dtm) is not available in this build yet; \
+             run without --vs to measure Railyard alone"
+        );
+    }
+    let protocol = match a.protocol {
+        ProtocolArg::Omega => Protocol::Omega,
+        ProtocolArg::Native => Protocol::Native,
+    };
+    let cfg = SagaBenchConfig {
+        transactions: a.transactions,
+        concurrency: a.concurrency,
+        protocol,
+        store: if a.endpoint.is_some() {
+            "external".to_owned()
+        } else {
+            a.store.as_str().to_owned()
+        },
+        abort_ratio: a.abort_ratio,
+        channels: a.channels,
+        client_threads: a.client_threads,
+        drain_timeout: a.drain,
+    };
+    let mut ours: Vec<SagaResult> = Vec::new();
+    for run in 1..=a.runs {
+        eprintln!(
+            "== saga run {run}/{}: railyard, {} protocol, {} store ==",
+            a.runs,
+            protocol.as_str(),
+            cfg.store
+        );
+        let target = start_coordinator(&a).await?;
+        let progress = Arc::new(Progress::default());
+        let pb = progress_bar(format!("railyard run {run}"), a.transactions);
+        let ticker = {
+            let (pb, progress) = (pb.clone(), progress.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    pb.set_position(progress.done.load(Ordering::Relaxed));
+                    let c = progress.compensated.load(Ordering::Relaxed);
+                    if c > 0 {
+                        pb.set_message(format!("{} compensated", thousands(c)));
+                    }
+                }
+            })
+        };
+        let result = saga::run(&target.endpoint, &cfg, progress).await;
+        ticker.abort();
+        pb.finish_and_clear();
+        drop(target);
+        let r = result?;
+        eprintln!(
+            "railyard: {} tx/s, {} events/s, p50 {:.1} ms, p99 {:.1} ms, {} compensated, {} lost, {} errors",
+            thousands(r.tx_per_s as u64),
+            thousands(r.events_per_s as u64),
+            r.latency_ms.p50,
+            r.latency_ms.p99,
+            r.compensated,
+            r.lost,
+            r.errors
+        );
+        ours.push(r);
+    }
+    let med = |f: fn(&SagaResult) -> f64| median(&ours.iter().map(f).collect::<Vec<_>>());
+    let rows = vec![vec![
+        "railyard".to_owned(),
+        protocol.as_str().to_owned(),
+        cfg.store.clone(),
+        thousands(a.transactions),
+        a.concurrency.to_string(),
+        thousands(med(|r| r.tx_per_s).unwrap_or(0.0) as u64),
+        thousands(med(|r| r.events_per_s).unwrap_or(0.0) as u64),
+        format!("{:.1}", med(|r| r.latency_ms.p50).unwrap_or(0.0)),
+        format!("{:.1}", med(|r| r.latency_ms.p99).unwrap_or(0.0)),
+        format!("{:.1}", med(|r| r.latency_ms.p999).unwrap_or(0.0)),
+        format!("{:.1}", med(|r| r.latency_ms.max).unwrap_or(0.0)),
+        format!("{:.1}", med(|r| r.terminal_ms.p99).unwrap_or(0.0)),
+        thousands(med(|r| r.compensated as f64).unwrap_or(0.0) as u64),
+        thousands(ours.iter().map(|r| r.lost).max().unwrap_or(0)),
+        if protocol == Protocol::Native {
+            format!("{:.1}", med(|r| r.mean_batch_events).unwrap_or(0.0))
+        } else {
+            "-".to_owned()
+        },
+    ]];
+    println!(
+        "\nsaga (alpha-benchmark profile, 8 events per transaction), abort ratio {}, {} channels, median of {} run(s)\n{}",
+        a.abort_ratio,
+        a.channels,
+        a.runs,
+        table(
+            &[
+                "system",
+                "protocol",
+                "store",
+                "transactions",
+                "concurrency",
+                "tx/s",
+                "events/s",
+                "p50 ms",
+                "p99 ms",
+                "p99.9 ms",
+                "max ms",
+                "terminal p99 ms",
+                "compensated",
+                "lost (max)",
+                "events/batch",
+            ],
+            rows
+        )
+    );
+    if let Some(path) = &a.json {
+        let json: Vec<serde_json::Value> = ours
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<_, _>>()?;
+        write_json(path, &json).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {} result rows to {}", json.len(), path.display());
+    }
+    Ok(())
+}
