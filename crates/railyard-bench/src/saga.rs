@@ -168,8 +168,13 @@ pub struct SagaResult {
     pub compensated: u64,
     /// Compensation commands received (retries and duplicates included).
     pub compensation_commands: u64,
-    /// Transactions that never reached their terminal state.
+    /// Transactions that never reached their terminal state, plus (native)
+    /// events still unacknowledged at the end, each counted as one lost
+    /// transaction (an upper bound).
     pub lost: u64,
+    /// Native only: events reported and never acknowledged by the end of the
+    /// drain (compensation answers included).
+    pub unacked_events: u64,
     /// Calls that failed or got an unexpected answer.
     pub errors: u64,
     /// Native only: mean events per batch frame (0 for Omega).
@@ -406,6 +411,7 @@ fn finish(
     elapsed: Duration,
     cpu: Option<f64>,
     mean_batch_events: f64,
+    unacked_events: u64,
 ) -> SagaResult {
     let mut latency = histogram();
     let mut terminal = histogram();
@@ -451,7 +457,8 @@ fn finish(
         aborted,
         compensated,
         compensation_commands: comps.commands.load(Ordering::Relaxed),
-        lost: cfg.transactions.saturating_sub(committed + compensated),
+        lost: cfg.transactions.saturating_sub(committed + compensated) + unacked_events,
+        unacked_events,
         errors,
         mean_batch_events,
         process_cpu_s_per_1k_tx: cpu.map_or(0.0, |c| c * 1000.0 / cfg.transactions as f64),
@@ -610,7 +617,7 @@ async fn run_omega(
     drain(&comps, cfg.drain_timeout, &progress).await;
     let cpu = cpu0.zip(cpu_seconds_self()).map(|(a, b)| b - a);
     drop(streams);
-    let mut r = finish(cfg, totals, &comps, elapsed, cpu, 0.0);
+    let mut r = finish(cfg, totals, &comps, elapsed, cpu, 0.0, 0);
     r.errors += comp_errors.load(Ordering::Relaxed);
     Ok(r)
 }
@@ -807,7 +814,14 @@ async fn run_native(
         }
     }
     let elapsed = t0.elapsed();
+    let deadline = Instant::now() + cfg.drain_timeout;
     drain(&comps, cfg.drain_timeout, &progress).await;
+    // Compensation answers are acknowledged after their handler ran.
+    let unacked = || -> u64 { clients.iter().flatten().map(|c| c.stats().in_flight).sum() };
+    while unacked() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let unacked_events = unacked();
     let cpu = cpu0.zip(cpu_seconds_self()).map(|(a, b)| b - a);
     let (batches, events) = clients.iter().flatten().fold((0, 0), |(b, e), c| {
         let s = c.stats();
@@ -821,7 +835,15 @@ async fn run_native(
     } else {
         0.0
     };
-    Ok(finish(cfg, totals, &comps, elapsed, cpu, mean_batch))
+    Ok(finish(
+        cfg,
+        totals,
+        &comps,
+        elapsed,
+        cpu,
+        mean_batch,
+        unacked_events,
+    ))
 }
 
 #[derive(Debug)]

@@ -304,6 +304,8 @@ pub struct ClientStats {
     pub sessions: u64,
     /// Compensation commands received.
     pub compensations: u64,
+    /// Events reported and not yet answered (queued, sent or being resent).
+    pub in_flight: u64,
 }
 
 /// One event on its way: the event, who waits for its ack, and its share of
@@ -449,6 +451,12 @@ impl SagaClient {
             resent: s.resent.load(Ordering::Relaxed),
             sessions: s.sessions.load(Ordering::Relaxed),
             compensations: s.compensations.load(Ordering::Relaxed),
+            in_flight: self
+                .shared
+                .settings
+                .max_in_flight_events
+                .saturating_sub(self.shared.reporter.in_flight.available_permits())
+                as u64,
         }
     }
 

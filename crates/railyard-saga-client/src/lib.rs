@@ -46,10 +46,11 @@
 //! session's queue is bounded by the same number, so it is never full.
 //!
 //! # Reconnection, and what the client assumes of the coordinator
-//! When the stream breaks (anything but a refusal: `UNAUTHENTICATED`,
-//! `PERMISSION_DENIED`, `UNIMPLEMENTED` close the client), the session task
+//! When the stream breaks (anything but a refusal: `INVALID_ARGUMENT`,
+//! `UNAUTHENTICATED`, `PERMISSION_DENIED`, `UNIMPLEMENTED` close the
+//! client, since sending the same frames again cannot help), the session task
 //! reconnects with exponential backoff (with jitter, capped), sends `Hello`
-//! with the same instance id, then sends again every batch that was not
+//! with the same instance id, waits for `Welcome`, then sends again every batch that was not
 //! acknowledged, in the original order, under new `seq` numbers, before any
 //! newer event. Waiting callers notice nothing but the delay. So the client
 //! assumes of the coordinator:

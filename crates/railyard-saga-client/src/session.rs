@@ -195,11 +195,32 @@ impl Session {
             };
             // Cannot fail: the receiver is alive and the channel is empty.
             let _ = out.try_send(hello);
-            let response = client
+            let mut inbound = client
                 .session(ReceiverStream::new(rx))
                 .await
-                .map_err(classify)?;
-            Ok((out, response.into_inner()))
+                .map_err(classify)?
+                .into_inner();
+            // The coordinator answers Hello with Welcome, or ends the stream
+            // with the reason it refuses the session.
+            match inbound.message().await {
+                Ok(Some(ServerFrame {
+                    kind: Some(server_frame::Kind::Welcome(w)),
+                })) => {
+                    *self
+                        .meta
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = w.meta;
+                }
+                Ok(Some(other)) => {
+                    return Err(End::Fatal(SagaError::Protocol(format!(
+                        "expected Welcome as the first frame, got {:?}",
+                        other.kind
+                    ))))
+                }
+                Ok(None) => return Err(End::Lost("the coordinator ended the stream".into())),
+                Err(status) => return Err(classify(status)),
+            }
+            Ok((out, inbound))
         };
         tokio::select! {
             r = tokio::time::timeout(self.settings.connect_timeout, attempt) => match r {
@@ -408,12 +429,15 @@ impl Session {
 fn classify(status: tonic::Status) -> End {
     use tonic::Code;
     match status.code() {
-        Code::Unauthenticated | Code::PermissionDenied | Code::Unimplemented => {
-            End::Fatal(SagaError::Refused {
-                code: status.code(),
-                message: status.message().to_owned(),
-            })
-        }
+        // Our frames broke the protocol (e.g. a batch above the
+        // coordinator's limit): sending them again would fail again.
+        Code::InvalidArgument
+        | Code::Unauthenticated
+        | Code::PermissionDenied
+        | Code::Unimplemented => End::Fatal(SagaError::Refused {
+            code: status.code(),
+            message: status.message().to_owned(),
+        }),
         _ => End::Lost(format!("{}: {}", status.code(), status.message())),
     }
 }
@@ -437,6 +461,10 @@ mod tests {
     fn refusals_are_fatal_and_outages_are_retried() {
         assert!(matches!(
             classify(tonic::Status::unauthenticated("bad token")),
+            End::Fatal(SagaError::Refused { .. })
+        ));
+        assert!(matches!(
+            classify(tonic::Status::invalid_argument("batch too large")),
             End::Fatal(SagaError::Refused { .. })
         ));
         assert!(matches!(
