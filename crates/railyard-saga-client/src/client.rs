@@ -28,6 +28,7 @@ pub(crate) struct Settings {
     pub(crate) token: String,
     pub(crate) max_batch_events: usize,
     pub(crate) max_in_flight_events: usize,
+    pub(crate) max_batches_in_flight: usize,
     pub(crate) max_concurrent_compensations: usize,
     pub(crate) backoff_initial: Duration,
     pub(crate) backoff_max: Duration,
@@ -56,6 +57,7 @@ pub struct ClientBuilder {
     token: String,
     max_batch_events: usize,
     max_in_flight_events: usize,
+    max_batches_in_flight: usize,
     max_concurrent_compensations: usize,
     backoff_initial: Duration,
     backoff_max: Duration,
@@ -87,6 +89,7 @@ impl ClientBuilder {
             token: String::new(),
             max_batch_events: 1024,
             max_in_flight_events: 16_384,
+            max_batches_in_flight: usize::MAX,
             max_concurrent_compensations: 256,
             backoff_initial: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
@@ -121,6 +124,16 @@ impl ClientBuilder {
     /// reached, reporting an event waits (back-pressure) until acks free room.
     pub fn max_in_flight_events(mut self, n: usize) -> Self {
         self.max_in_flight_events = n;
+        self
+    }
+
+    /// Most batches sent and not yet acknowledged (default: no limit beyond
+    /// [`max_in_flight_events`](Self::max_in_flight_events)). A small number
+    /// (1 or 2) makes events wait for an ack before the next batch leaves:
+    /// larger batches, fewer appends at the coordinator, one round trip more
+    /// of latency.
+    pub fn max_batches_in_flight(mut self, n: usize) -> Self {
+        self.max_batches_in_flight = n;
         self
     }
 
@@ -183,10 +196,11 @@ impl ClientBuilder {
         }
         if self.max_batch_events == 0
             || self.max_in_flight_events == 0
+            || self.max_batches_in_flight == 0
             || self.max_concurrent_compensations == 0
         {
             return Err(SagaError::InvalidConfig(
-                "max_batch_events, max_in_flight_events and max_concurrent_compensations must be at least 1"
+                "max_batch_events, max_in_flight_events, max_batches_in_flight and max_concurrent_compensations must be at least 1"
                     .into(),
             ));
         }
@@ -213,6 +227,7 @@ impl ClientBuilder {
             token: self.token,
             max_batch_events: self.max_batch_events,
             max_in_flight_events: self.max_in_flight_events,
+            max_batches_in_flight: self.max_batches_in_flight,
             max_concurrent_compensations: self.max_concurrent_compensations,
             backoff_initial: self.backoff_initial,
             backoff_max: self.backoff_max,

@@ -29,8 +29,10 @@
 //! - `session`: the task that owns the stream. It coalesces the events of
 //!   all concurrent sagas of the client into `EventBatch` frames (a batch
 //!   leaves as soon as the transport took the previous one, with everything
-//!   queued by then, at most [`ClientBuilder::max_batch_events`]; no timer
-//!   ever holds an event back), matches each `Ack` to its batch by `seq` and
+//!   queued by then, at most [`ClientBuilder::max_batch_events`]; before
+//!   building it the task yields once to the scheduler so that sagas woken
+//!   by the last ack can queue their next events; no timer ever holds an
+//!   event back), matches each `Ack` to its batch by `seq` and
 //!   wakes each event's waiter, runs `Compensate` commands, and reconnects.
 //! - [`Saga`] and [`Step`]: start, step (reports `TX_STARTED`, runs the
 //!   work, reports `TX_ENDED` or `TX_ABORTED`), end, abort.

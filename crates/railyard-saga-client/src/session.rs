@@ -296,8 +296,24 @@ impl Session {
                     None => self.accepting = false,
                 },
                 // ...and send it once the transport took the previous batch.
-                permit = out.reserve(), if !self.pending.is_empty() => match permit {
-                    Ok(permit) => permit.send(self.next_batch()),
+                permit = out.reserve(), if !self.pending.is_empty()
+                    && self.unacked.len() < self.settings.max_batches_in_flight => match permit {
+                    Ok(permit) => {
+                        // Let every task that is already runnable (typically
+                        // the sagas the last ack woke) queue its next event
+                        // first: one pass of the scheduler, not a timer.
+                        tokio::task::yield_now().await;
+                        while self.accepting && self.pending.len() < max_batch {
+                            match self.submit_rx.try_recv() {
+                                Ok(s) => self.pending.push_back(s),
+                                Err(mpsc::error::TryRecvError::Empty) => break,
+                                Err(mpsc::error::TryRecvError::Disconnected) => {
+                                    self.accepting = false;
+                                }
+                            }
+                        }
+                        permit.send(self.next_batch());
+                    }
                     Err(_) => return End::Lost("the request stream closed".into()),
                 },
             }
@@ -354,16 +370,23 @@ impl Session {
             return;
         }
         for (s, r) in subs.into_iter().zip(ack.results) {
+            let Submit {
+                event,
+                reply,
+                _permit,
+            } = s;
+            // Room first, so a caller woken by the answer sees it.
+            drop(_permit);
             let answer = if r.error.is_empty() {
                 Ok(Outcome { aborted: r.aborted })
             } else {
                 Err(SagaError::Rejected {
-                    kind: kind_name(s.event.r#type),
-                    global_tx_id: s.event.global_tx_id.clone(),
+                    kind: kind_name(event.r#type),
+                    global_tx_id: event.global_tx_id,
                     message: r.error,
                 })
             };
-            let _ = s.reply.send(answer);
+            let _ = reply.send(answer);
         }
     }
 
