@@ -277,6 +277,9 @@ impl Engine {
         let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(events.len());
         let mut to_append = Vec::with_capacity(events.len());
         let mut slots = Vec::with_capacity(events.len());
+        // Sagas an earlier event of this call will create (a batch may
+        // carry a saga's whole life).
+        let mut batch_sagas: std::collections::HashSet<String> = std::collections::HashSet::new();
         for ev in events {
             if let Err(e) = validate(&ev) {
                 self.metrics
@@ -286,9 +289,13 @@ impl Engine {
                 outcomes.push(Some(Outcome::Invalid(e)));
                 continue;
             }
-            match self.classify(&ev) {
+            let in_batch = batch_sagas.contains(&ev.global_tx_id);
+            match self.classify(&ev, in_batch) {
                 Some(answer) => outcomes.push(Some(answer)),
                 None => {
+                    if !in_batch {
+                        batch_sagas.insert(ev.global_tx_id.clone());
+                    }
                     slots.push(outcomes.len());
                     outcomes.push(None);
                     to_append.push(ev);
@@ -330,8 +337,11 @@ impl Engine {
     }
 
     /// Answers without recording when the event cannot change anything.
-    fn classify(&self, ev: &EventRecord) -> Option<Outcome> {
+    fn classify(&self, ev: &EventRecord, in_batch: bool) -> Option<Outcome> {
         let kind = ev.kind?;
+        if in_batch {
+            return None;
+        }
         let shard = self.shard_of(&ev.global_tx_id).lock();
         if shard.live.contains_key(ev.global_tx_id.as_str()) {
             return None;
