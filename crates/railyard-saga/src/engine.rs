@@ -266,9 +266,9 @@ impl Engine {
     /// may be acknowledged.
     ///
     /// # Cancel safety
-    /// If dropped while appending, the events may or may not be durable and
-    /// are not applied until a restart replays them; callers do not drop it
-    /// (the gRPC handlers run it to completion).
+    /// Not cancel safe: if dropped while appending, the events may be
+    /// durable but are not applied until a restart replays them. The gRPC
+    /// handlers therefore run it on a task of its own.
     pub(crate) async fn handle(
         &self,
         events: Vec<EventRecord>,
@@ -280,6 +280,7 @@ impl Engine {
         // Sagas an earlier event of this call will create (a batch may
         // carry a saga's whole life).
         let mut batch_sagas: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let track_batch = events.len() > 1;
         for ev in events {
             if let Err(e) = validate(&ev) {
                 self.metrics
@@ -289,11 +290,11 @@ impl Engine {
                 outcomes.push(Some(Outcome::Invalid(e)));
                 continue;
             }
-            let in_batch = batch_sagas.contains(&ev.global_tx_id);
+            let in_batch = !batch_sagas.is_empty() && batch_sagas.contains(&ev.global_tx_id);
             match self.classify(&ev, in_batch) {
                 Some(answer) => outcomes.push(Some(answer)),
                 None => {
-                    if !in_batch {
+                    if !in_batch && track_batch {
                         batch_sagas.insert(ev.global_tx_id.clone());
                     }
                     slots.push(outcomes.len());

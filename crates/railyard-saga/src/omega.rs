@@ -140,10 +140,13 @@ impl TxEventService for OmegaService {
                 .inc();
             invalid(&e)
         })?;
-        let outcomes = self
-            .engine
-            .handle(vec![ev], "omega")
+        // Run to completion on its own task: if Omega gives up on the call,
+        // an append already under way is still applied (never durable but
+        // unapplied until a restart).
+        let engine = self.engine.clone();
+        let outcomes = tokio::spawn(async move { engine.handle(vec![ev], "omega").await })
             .await
+            .map_err(|_| Status::internal("the event's task failed"))?
             .map_err(|e| Status::unavailable(e.to_string()))?;
         match outcomes.into_iter().next() {
             Some(Outcome::Done { aborted }) => {
