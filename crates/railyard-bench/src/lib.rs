@@ -13,6 +13,8 @@
 //!   with topology refresh on and off, against Lettuce.
 //! - [`saga`]: seed 003, the alpha-benchmark profile against a saga
 //!   coordinator, over Omega's unary gRPC or the native batched stream.
+//! - [`saga_server`]: the coordinator under test, in-process on its own
+//!   runtime, with the store a run asks for.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`report`]: tables, medians, the JSON results file.
 //!
@@ -29,3 +31,4 @@ pub mod pingpong;
 pub mod redis_refresh;
 pub mod report;
 pub mod saga;
+pub mod saga_server;

@@ -92,6 +92,8 @@ pub struct SagaBenchConfig {
     pub client_threads: usize,
     /// After the load, how long to wait for outstanding compensations.
     pub drain_timeout: Duration,
+    /// Native only: unacknowledged batches per session (`None`: no limit).
+    pub batches_in_flight: Option<usize>,
 }
 
 /// Latency percentiles, milliseconds.
@@ -767,6 +769,7 @@ async fn run_native(
     progress: Arc<Progress>,
 ) -> Result<SagaResult, SagaBenchError> {
     let comps = Arc::new(Compensations::default());
+    let bif = cfg.batches_in_flight.unwrap_or(usize::MAX);
     // clients[k][0] is the starter, clients[k][1..] the three services.
     let mut clients: Vec<Vec<SagaClient>> = Vec::with_capacity(cfg.channels);
     for k in 0..cfg.channels {
@@ -774,6 +777,7 @@ async fn run_native(
         row.push(
             SagaClient::builder(endpoint, STARTER)
                 .instance_id(instance_id(STARTER, k))
+                .max_batches_in_flight(bif)
                 .connect()
                 .await?,
         );
@@ -783,6 +787,7 @@ async fn run_native(
             row.push(
                 SagaClient::builder(endpoint, name.clone())
                     .instance_id(instance_id(&name, k))
+                    .max_batches_in_flight(bif)
                     .compensation(compensation_method(s), move |cmd| {
                         c.commands.fetch_add(1, Ordering::Relaxed);
                         c.done(&cmd.global_tx_id, &cmd.local_tx_id);

@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use railyard_bench::report::{median, table, thousands, write_json};
 use railyard_bench::saga::{self, Progress, Protocol, SagaBenchConfig, SagaResult};
+use railyard_bench::saga_server::{CoordinatorUnderTest, StoreKind};
 
 /// Options for `railyard bench saga`.
 #[derive(Debug, clap::Args)]
@@ -38,6 +39,14 @@ pub(crate) struct SagaArgs {
     /// Threads of the load generator's own runtime (apart from the coordinator's).
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
+    /// Worker threads of the in-process coordinator's runtime (default: the
+    /// number of cores).
+    #[arg(long)]
+    server_threads: Option<usize>,
+    /// Native only: batches each session may have unacknowledged (default:
+    /// no limit; 1 or 2 make fewer, larger batches).
+    #[arg(long)]
+    batches_in_flight: Option<usize>,
     /// After the load, how long to wait for outstanding compensations.
     #[arg(long, default_value = "30s", value_parser = crate::bench_cmd::parse_duration)]
     drain: Duration,
@@ -70,13 +79,16 @@ enum StoreArg {
     Embedded,
     /// A throwaway PostgreSQL started for the run.
     Postgres,
+    /// The in-memory reference store: NOT durable, to isolate the protocol's cost.
+    Memory,
 }
 
 impl StoreArg {
-    fn as_str(self) -> &'static str {
+    fn kind(self) -> StoreKind {
         match self {
-            StoreArg::Embedded => "embedded",
-            StoreArg::Postgres => "postgres",
+            StoreArg::Embedded => StoreKind::Embedded,
+            StoreArg::Postgres => StoreKind::Postgres,
+            StoreArg::Memory => StoreKind::Memory,
         }
     }
 }
@@ -87,25 +99,38 @@ enum Peer {
     Dtm,
 }
 
-/// A coordinator the bench drives: where it listens, and what keeps it
-/// running (dropped after the run).
-struct Target {
-    endpoint: String,
-    _keep: Option<Box<dyn std::any::Any + Send>>,
+/// A coordinator the bench drives: one started in-process, or one already
+/// running at `--endpoint`.
+enum Target {
+    InProcess(CoordinatorUnderTest),
+    External(String),
+}
+
+impl Target {
+    fn endpoint(&self) -> &str {
+        match self {
+            Target::InProcess(c) => c.endpoint(),
+            Target::External(url) => url,
+        }
+    }
+
+    async fn stop(self) {
+        if let Target::InProcess(c) = self {
+            c.stop().await;
+        }
+    }
 }
 
 async fn start_coordinator(a: &SagaArgs) -> anyhow::Result<Target> {
     if let Some(url) = &a.endpoint {
-        return Ok(Target {
-            endpoint: url.clone(),
-            _keep: None,
-        });
+        return Ok(Target::External(url.clone()));
     }
-    bail!(
-        "this build has no in-process saga coordinator to start yet (store `{}`); \
-         run one with `railyard node` and pass --endpoint http://127.0.0.1:PORT",
-        a.store.as_str()
-    )
+    let threads = a
+        .server_threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    Ok(Target::InProcess(
+        CoordinatorUnderTest::start(a.store.kind(), threads).await?,
+    ))
 }
 
 fn progress_bar(label: String, total: u64) -> ProgressBar {
@@ -140,12 +165,13 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
         store: if a.endpoint.is_some() {
             "external".to_owned()
         } else {
-            a.store.as_str().to_owned()
+            a.store.kind().as_str().to_owned()
         },
         abort_ratio: a.abort_ratio,
         channels: a.channels,
         client_threads: a.client_threads,
         drain_timeout: a.drain,
+        batches_in_flight: a.batches_in_flight,
     };
     let mut ours: Vec<SagaResult> = Vec::new();
     for run in 1..=a.runs {
@@ -171,10 +197,10 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
                 }
             })
         };
-        let result = saga::run(&target.endpoint, &cfg, progress).await;
+        let result = saga::run(target.endpoint(), &cfg, progress).await;
         ticker.abort();
         pb.finish_and_clear();
-        drop(target);
+        target.stop().await;
         let r = result?;
         eprintln!(
             "railyard: {} tx/s, {} events/s, p50 {:.1} ms, p99 {:.1} ms, {} compensated, {} lost, {} errors",
