@@ -45,7 +45,6 @@ use railyard_saga_proto::omega::tx_event_service_client::TxEventServiceClient;
 use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
 
 /// Participant services per transaction (the starter is a fourth).
 pub const SERVICES: usize = 3;
@@ -315,11 +314,15 @@ impl Compensations {
 }
 
 /// What one worker measured.
+///
+/// Latencies are kept as plain microsecond lists and put into histograms
+/// once at the end: a histogram per worker would be hundreds of kilobytes
+/// to allocate and zero, times `concurrency`.
 struct WorkerTotals {
-    /// Every completed transaction, committed or aborted.
-    latency: Histogram<u64>,
+    /// Every completed transaction, committed or aborted, in µs.
+    latency: Vec<u64>,
     /// Committed ones only: their latency is their time to the terminal state.
-    committed_latency: Histogram<u64>,
+    committed_latency: Vec<u64>,
     events: u64,
     committed: u64,
     completed: u64,
@@ -330,8 +333,8 @@ struct WorkerTotals {
 impl WorkerTotals {
     fn new() -> Self {
         Self {
-            latency: histogram(),
-            committed_latency: histogram(),
+            latency: Vec::new(),
+            committed_latency: Vec::new(),
             events: 0,
             committed: 0,
             completed: 0,
@@ -419,7 +422,9 @@ fn finish(
     let mut terminal = histogram();
     let (mut events, mut committed, mut completed, mut aborted, mut errors) = (0, 0, 0, 0, 0);
     for t in &totals {
-        let _ = latency.add(&t.latency);
+        for &us in &t.latency {
+            latency.saturating_record(us);
+        }
         events += t.events;
         committed += t.committed;
         completed += t.completed;
@@ -429,7 +434,9 @@ fn finish(
     // Committed transactions are terminal when their SagaEnded is acked:
     // their latency is their time to the terminal durable state.
     for t in &totals {
-        let _ = terminal.add(&t.committed_latency);
+        for &us in &t.committed_latency {
+            terminal.saturating_record(us);
+        }
     }
     {
         let st = comps.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -483,18 +490,78 @@ async fn drain(comps: &Compensations, timeout: Duration, progress: &Progress) {
 
 // ---------------------------------------------------------------- Omega --
 
-async fn omega_channel(endpoint: &str) -> Result<Channel, SagaBenchError> {
+/// One HTTP/2 connection driven straight through hyper, as the Omega load's
+/// transport: tonic's `Channel` adds a buffer task (one more task hop per
+/// call) and reconnection the bench does not need, and every CPU cycle the
+/// load generator saves goes to the coordinator on this 2-core machine.
+#[derive(Clone)]
+struct H2Conn(hyper::client::conn::http2::SendRequest<tonic::body::Body>);
+
+impl tower::Service<http::Request<tonic::body::Body>> for H2Conn {
+    type Response = http::Response<hyper::body::Incoming>;
+    type Error = hyper::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, hyper::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), hyper::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        Box::pin(self.0.send_request(req))
+    }
+}
+
+type OmegaClient = TxEventServiceClient<H2Conn>;
+
+/// Connects one HTTP/2 connection to `endpoint` (`http://host:port`).
+async fn omega_channel(endpoint: &str) -> Result<OmegaConn, SagaBenchError> {
     let err = |reason: String| SagaBenchError::Connect {
         endpoint: endpoint.to_owned(),
         reason,
     };
-    Endpoint::from_shared(endpoint.to_owned())
-        .map_err(|e| err(e.to_string()))?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .map_err(|e| err(format!("{e:?}")))
+    let origin: http::Uri = endpoint.parse().map_err(|e| err(format!("{e}")))?;
+    let authority = origin
+        .authority()
+        .ok_or_else(|| err("the endpoint has no host:port".into()))?
+        .to_string();
+    let tcp = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::net::TcpStream::connect(authority.as_str()),
+    )
+    .await
+    .map_err(|_| err("connect timed out".into()))?
+    .map_err(|e| err(e.to_string()))?;
+    let _ = tcp.set_nodelay(true);
+    let (send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .map_err(|e| err(format!("HTTP/2 handshake: {e}")))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "bench HTTP/2 connection ended");
+        }
+    });
+    Ok(OmegaConn {
+        send: H2Conn(send),
+        origin,
+    })
+}
+
+/// A connection and the origin its requests name.
+#[derive(Clone)]
+struct OmegaConn {
+    send: H2Conn,
+    origin: http::Uri,
+}
+
+impl OmegaConn {
+    fn client(&self) -> OmegaClient {
+        TxEventServiceClient::with_origin(self.send.clone(), self.origin.clone())
+    }
 }
 
 fn instance_id(service: &str, k: usize) -> String {
@@ -505,7 +572,7 @@ fn instance_id(service: &str, k: usize) -> String {
 /// its `OnConnected` stream open and answers every compensation command with
 /// `TxCompensatedEvent`. Returns the config sender, whose drop ends the stream.
 async fn omega_instance(
-    channel: Channel,
+    channel: OmegaConn,
     service: String,
     instance: String,
     comps: Arc<Compensations>,
@@ -518,7 +585,7 @@ async fn omega_instance(
     };
     // Cannot fail: fresh channel with room for one.
     let _ = tx.try_send(config);
-    let mut client = TxEventServiceClient::new(channel.clone());
+    let mut client = channel.client();
     let mut commands = client
         .on_connected(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
@@ -530,7 +597,7 @@ async fn omega_instance(
     tokio::spawn(async move {
         while let Ok(Some(cmd)) = commands.message().await {
             comps.commands.fetch_add(1, Ordering::Relaxed);
-            let mut client = TxEventServiceClient::new(channel.clone());
+            let mut client = channel.client();
             let (service, instance, comps, errors) = (
                 service.clone(),
                 instance.clone(),
@@ -600,7 +667,7 @@ async fn run_omega(
     let mut workers = Vec::with_capacity(cfg.concurrency);
     for w in 0..cfg.concurrency {
         let k = w % cfg.channels;
-        let client = TxEventServiceClient::new(channels[k].clone());
+        let client = channels[k].client();
         let range = share(cfg.transactions, cfg.concurrency, w);
         let (prefix, comps, progress) = (prefix.clone(), comps.clone(), progress.clone());
         let ratio = cfg.abort_ratio;
@@ -625,7 +692,7 @@ async fn run_omega(
 }
 
 struct OmegaTx<'a> {
-    client: &'a mut TxEventServiceClient<Channel>,
+    client: &'a mut OmegaClient,
     global: &'a str,
     k: usize,
 }
@@ -660,7 +727,7 @@ impl OmegaTx<'_> {
 }
 
 async fn omega_worker(
-    mut client: TxEventServiceClient<Channel>,
+    mut client: OmegaClient,
     k: usize,
     range: std::ops::Range<u64>,
     ratio: f64,
@@ -749,9 +816,9 @@ async fn omega_worker(
         if ok {
             t.completed += 1;
             let us = micros(started.elapsed());
-            t.latency.saturating_record(us);
+            t.latency.push(us);
             if !abort {
-                t.committed_latency.saturating_record(us);
+                t.committed_latency.push(us);
             }
         } else {
             t.errors += 1;
@@ -921,9 +988,9 @@ async fn native_worker(
         if ok {
             t.completed += 1;
             let us = micros(started.elapsed());
-            t.latency.saturating_record(us);
+            t.latency.push(us);
             if !abort {
-                t.committed_latency.saturating_record(us);
+                t.committed_latency.push(us);
             }
         } else {
             t.errors += 1;
