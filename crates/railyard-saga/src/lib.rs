@@ -18,5 +18,6 @@ pub mod store;
 
 pub use event::{EventKind, EventRecord};
 pub use store::{
-    MemoryStore, SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats,
+    MemoryStore, PgServer, PgServerError, PostgresConfig, PostgresStore, Retention, SagaQuery,
+    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreError, StoreStats,
 };

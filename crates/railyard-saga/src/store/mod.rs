@@ -17,10 +17,18 @@
 //!   own thread or an async driver.
 
 mod memory;
+mod pg_server;
+mod postgres;
+mod queue;
+mod sqlite;
 
 use futures::future::BoxFuture;
 
 pub use memory::MemoryStore;
+pub use pg_server::{PgServer, PgServerError};
+pub use postgres::{PostgresConfig, PostgresStore};
+pub use queue::Retention;
+pub use sqlite::{SqliteConfig, SqliteStore};
 
 use crate::event::EventRecord;
 
