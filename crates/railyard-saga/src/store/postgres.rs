@@ -432,69 +432,85 @@ impl Writer {
             st.delete.clone(),
             st.keep.clone(),
         );
-        let result = async {
-            c.batch_execute("BEGIN").await?;
+        // Every column as an array parameter; built before the pipeline.
+        let col_s =
+            |f: fn(&EventRecord) -> &str| -> Vec<&str> { events.iter().map(|e| f(e)).collect() };
+        let col_i =
+            |f: fn(&EventRecord) -> i32| -> Vec<i32> { events.iter().map(|e| f(e)).collect() };
+        let (g, l, p, svc, inst, comp, rm) = (
+            col_s(|e| &e.global_tx_id),
+            col_s(|e| &e.local_tx_id),
+            col_s(|e| &e.parent_tx_id),
+            col_s(|e| &e.service_name),
+            col_s(|e| &e.instance_id),
+            col_s(|e| &e.compensation_method),
+            col_s(|e| &e.retry_method),
+        );
+        let kinds: Vec<i16> = events
+            .iter()
+            .map(|e| e.kind.map_or(-1, |k| i16::from(k.code())))
+            .collect();
+        let payloads: Vec<&[u8]> = events.iter().map(|e| &e.payloads[..]).collect();
+        let ts: Vec<i64> = events.iter().map(|e| e.timestamp_ms).collect();
+        let (t1, t2, t3, t4, t5, t6) = (
+            col_i(|e| e.timeout_s),
+            col_i(|e| e.forward_timeout_s),
+            col_i(|e| e.forward_retries),
+            col_i(|e| e.reverse_retries),
+            col_i(|e| e.reverse_timeout_s),
+            col_i(|e| e.retry_delay_ms),
+        );
+        let ids: Vec<&str> = done.iter().map(|s| s.global_tx_id.as_str()).collect();
+        let col = |f: fn(&SagaSummary) -> i64| -> Vec<i64> { done.iter().map(f).collect() };
+        let services: Vec<&str> = done.iter().map(|s| s.service_name.as_str()).collect();
+        let states: Vec<&str> = done.iter().map(|s| s.state.as_str()).collect();
+        let (started, ended, subs, comps, counts) = (
+            col(|s| s.started_ms),
+            col(|s| s.finished_ms),
+            col(|s| i64::from(s.sub_transactions)),
+            col(|s| i64::from(s.compensated)),
+            col(|s| i64::from(s.events)),
+        );
+        // Pipelined: tokio-postgres sends each request when its future is
+        // first polled, and `try_join!` polls them in order, so BEGIN,
+        // INSERT, DELETE, upsert and COMMIT leave in one burst and the batch
+        // costs one round trip plus the WAL flush. If a statement fails, the
+        // server aborts the transaction and the COMMIT rolls it back.
+        let begin = c.batch_execute("BEGIN");
+        let append = async {
             if !events.is_empty() {
-                let col_s = |f: fn(&EventRecord) -> &str| -> Vec<&str> {
-                    events.iter().map(|e| f(e)).collect()
-                };
-                let col_i = |f: fn(&EventRecord) -> i32| -> Vec<i32> {
-                    events.iter().map(|e| f(e)).collect()
-                };
-                let kinds: Vec<i16> = events
-                    .iter()
-                    .map(|e| e.kind.map_or(-1, |k| i16::from(k.code())))
-                    .collect();
-                let payloads: Vec<&[u8]> = events.iter().map(|e| &e.payloads[..]).collect();
-                let ts: Vec<i64> = events.iter().map(|e| e.timestamp_ms).collect();
                 c.execute(
                     &insert,
                     &[
-                        &col_s(|e| &e.global_tx_id),
-                        &col_s(|e| &e.local_tx_id),
-                        &col_s(|e| &e.parent_tx_id),
-                        &kinds,
-                        &col_s(|e| &e.service_name),
-                        &col_s(|e| &e.instance_id),
-                        &col_s(|e| &e.compensation_method),
-                        &payloads,
-                        &ts,
-                        &col_i(|e| e.timeout_s),
-                        &col_i(|e| e.forward_timeout_s),
-                        &col_i(|e| e.forward_retries),
-                        &col_i(|e| e.reverse_retries),
-                        &col_i(|e| e.reverse_timeout_s),
-                        &col_i(|e| e.retry_delay_ms),
-                        &col_s(|e| &e.retry_method),
+                        &g, &l, &p, &kinds, &svc, &inst, &comp, &payloads, &ts, &t1, &t2, &t3, &t4,
+                        &t5, &t6, &rm,
                     ],
                 )
                 .await?;
             }
+            Ok(())
+        };
+        let drop_events = async {
             if !done.is_empty() {
-                let ids: Vec<&str> = done.iter().map(|s| s.global_tx_id.as_str()).collect();
                 c.execute(&delete, &[&ids]).await?;
-                let col = |f: fn(&SagaSummary) -> i64| -> Vec<i64> { done.iter().map(f).collect() };
-                let services: Vec<&str> = done.iter().map(|s| s.service_name.as_str()).collect();
-                let states: Vec<&str> = done.iter().map(|s| s.state.as_str()).collect();
+            }
+            Ok(())
+        };
+        let keep_summaries = async {
+            if !done.is_empty() {
                 c.execute(
                     &keep,
                     &[
-                        &ids,
-                        &services,
-                        &states,
-                        &col(|s| s.started_ms),
-                        &col(|s| s.finished_ms),
-                        &col(|s| i64::from(s.sub_transactions)),
-                        &col(|s| i64::from(s.compensated)),
-                        &col(|s| i64::from(s.events)),
+                        &ids, &services, &states, &started, &ended, &subs, &comps, &counts,
                     ],
                 )
                 .await?;
             }
-            // synchronous_commit = on: returns once the WAL is flushed.
-            c.batch_execute("COMMIT").await
-        }
-        .await;
+            Ok(())
+        };
+        // synchronous_commit = on: COMMIT returns once the WAL is flushed.
+        let commit = c.batch_execute("COMMIT");
+        let result = futures::try_join!(begin, append, drop_events, keep_summaries, commit);
         if let Err(e) = result {
             if !c.is_closed() {
                 let _ = c.batch_execute("ROLLBACK").await;
@@ -602,6 +618,21 @@ impl PostgresStore {
     }
 }
 
+/// Whether a text field holds `\0` (PostgreSQL's `text` cannot).
+fn has_nul(e: &EventRecord) -> bool {
+    [
+        &e.global_tx_id,
+        &e.local_tx_id,
+        &e.parent_tx_id,
+        &e.service_name,
+        &e.instance_id,
+        &e.compensation_method,
+        &e.retry_method,
+    ]
+    .iter()
+    .any(|s| s.contains('\0'))
+}
+
 impl SagaStore for PostgresStore {
     fn name(&self) -> &'static str {
         "postgres"
@@ -612,6 +643,15 @@ impl SagaStore for PostgresStore {
             if events.is_empty() {
                 return Ok(());
             }
+            // Rejected here, alone, rather than failing the whole group
+            // commit it would join.
+            if let Some(e) = events.iter().find(|e| has_nul(e)) {
+                return Err(StoreError::Engine(format!(
+                    "an event of saga {:?} has a NUL character in a text field, which \
+                     PostgreSQL cannot store; nothing of this append was written",
+                    e.global_tx_id
+                )));
+            }
             submit(&self.queue, WriteOp::Append(events)).await
         })
     }
@@ -620,6 +660,16 @@ impl SagaStore for PostgresStore {
         Box::pin(async move {
             if done.is_empty() {
                 return Ok(());
+            }
+            if let Some(s) = done
+                .iter()
+                .find(|s| s.global_tx_id.contains('\0') || s.service_name.contains('\0'))
+            {
+                return Err(StoreError::Engine(format!(
+                    "the summary of saga {:?} has a NUL character, which PostgreSQL cannot \
+                     store",
+                    s.global_tx_id
+                )));
             }
             submit(&self.queue, WriteOp::Finish(done)).await
         })
