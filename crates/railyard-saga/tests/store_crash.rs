@@ -11,7 +11,7 @@ use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use railyard_saga::Retention;
+use railyard_saga::{PgServer, Retention};
 use store_support::{saga_events, Fresh, Target};
 
 /// Set in the child: `sqlite:<dir>` or `postgres:<url>`.
@@ -64,7 +64,13 @@ fn crash_child_appends_until_killed() {
                         break;
                     }
                     let g = format!("crash-{task}-{n}");
-                    store.append(saga_events(&g)).await.unwrap();
+                    if let Err(e) = store.append(saga_events(&g)).await {
+                        // The database died (server-crash test): no ack;
+                        // wait for the parent's kill (bounded by the deadline).
+                        eprintln!("append failed: {e}");
+                        tokio::time::sleep_until(deadline.into()).await;
+                        break;
+                    }
                     // Straight to the file descriptor (not libtest's capture),
                     // one line per acknowledged saga.
                     let mut out = std::io::stdout().lock();
@@ -79,7 +85,16 @@ fn crash_child_appends_until_killed() {
     });
 }
 
-async fn kill_under_load_loses_nothing(target: Target) {
+/// What is killed mid-load besides the appending child.
+#[derive(Clone, Copy, PartialEq)]
+enum Crash {
+    /// Only the child (a coordinator crash).
+    Child,
+    /// The PostgreSQL server first (all its processes), then the child.
+    DatabaseToo,
+}
+
+async fn kill_under_load_loses_nothing(target: Target, crash: Crash, mut server: Option<PgServer>) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -128,6 +143,17 @@ async fn kill_under_load_loses_nothing(target: Target) {
         acked.len()
     );
     // SIGKILL mid-load: appends are in flight right now.
+    if crash == Crash::DatabaseToo {
+        let mut pg = server.take().expect("a server to kill");
+        server = Some(
+            tokio::task::spawn_blocking(move || {
+                pg.kill();
+                pg
+            })
+            .await
+            .unwrap(),
+        );
+    }
     child.kill().unwrap();
     let status = child.wait().unwrap();
     assert!(!status.success(), "the child was killed, not finished");
@@ -135,6 +161,17 @@ async fn kill_under_load_loses_nothing(target: Target) {
     reader.join().unwrap();
     acked.extend(rx.try_iter());
 
+    if let (Crash::DatabaseToo, Some(mut pg)) = (crash, server.take()) {
+        // Crash recovery replays PostgreSQL's WAL.
+        server = Some(
+            tokio::task::spawn_blocking(move || {
+                pg.restart().expect("restart PostgreSQL after the kill");
+                pg
+            })
+            .await
+            .unwrap(),
+        );
+    }
     let store = target.open(Retention::keep_all()).await;
     let mut stored: HashMap<String, Vec<_>> = HashMap::new();
     for e in store.unfinished().await.unwrap() {
@@ -158,16 +195,29 @@ async fn kill_under_load_loses_nothing(target: Target) {
         acked.len(),
         stored.len()
     );
+    drop(store);
+    drop(server);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_kill_under_load_loses_nothing_acknowledged() {
     let mut fresh = Fresh::sqlite();
-    kill_under_load_loses_nothing(fresh.next().await).await;
+    kill_under_load_loses_nothing(fresh.next().await, Crash::Child, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_kill_under_load_loses_nothing_acknowledged() {
     let mut fresh = Fresh::postgres().await;
-    kill_under_load_loses_nothing(fresh.next().await).await;
+    let target = fresh.next().await;
+    kill_under_load_loses_nothing(target, Crash::Child, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_server_kill_under_load_loses_nothing_acknowledged() {
+    let mut fresh = Fresh::postgres().await;
+    let target = fresh.next().await;
+    let Fresh::Postgres { server, .. } = fresh else {
+        unreachable!("postgres() makes a Postgres");
+    };
+    kill_under_load_loses_nothing(target, Crash::DatabaseToo, Some(server)).await;
 }

@@ -232,6 +232,8 @@ impl PgServer {
             ])
             .stdout(log.try_clone()?)
             .stderr(log)
+            // Its own process group, so `kill` reaches every backend too.
+            .process_group(0)
             .spawn()
             .map_err(|_| PgServerError::Missing)?;
         self.child = Some(child);
@@ -272,6 +274,28 @@ impl PgServer {
         }
         let _ = c.kill();
         let _ = c.wait();
+    }
+
+    /// Kills the server and all its backends at once (SIGKILL to its
+    /// process group), as a machine crash would; the data stays, and
+    /// [`restart`](Self::restart) runs PostgreSQL's crash recovery.
+    pub fn kill(&mut self) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        if let Ok(pid) = i32::try_from(c.id()) {
+            // Safety: signalling the process group our child leads
+            // (`process_group(0)` at spawn).
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+        }
+        let _ = c.wait();
+        // Backends are gone with the group; wait until the port is free.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Starts it again on the same port and data.
