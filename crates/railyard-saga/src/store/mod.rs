@@ -16,6 +16,7 @@
 //! - No call blocks an async worker: implementations do their I/O on their
 //!   own thread or an async driver.
 
+mod codec;
 mod memory;
 mod pg_server;
 mod postgres;

@@ -36,9 +36,11 @@ pub enum PgServerError {
     /// `initdb` failed.
     #[error("initdb failed ({0}); its output is in {1}")]
     Initdb(std::process::ExitStatus, PathBuf),
-    /// It did not start accepting connections in time.
-    #[error("PostgreSQL did not accept connections on 127.0.0.1:{0} within 30 s (its log: {1})")]
-    NotReady(u16, PathBuf),
+    /// It did not start accepting connections in time (or exited).
+    #[error(
+        "PostgreSQL did not accept connections on 127.0.0.1:{0} within 30 s; the end of its log:\n{1}"
+    )]
+    NotReady(u16, String),
 }
 
 /// A running PostgreSQL cluster of its own.
@@ -232,8 +234,6 @@ impl PgServer {
             ])
             .stdout(log.try_clone()?)
             .stderr(log)
-            // Its own process group, so `kill` reaches every backend too.
-            .process_group(0)
             .spawn()
             .map_err(|_| PgServerError::Missing)?;
         self.child = Some(child);
@@ -252,7 +252,7 @@ impl PgServer {
             std::thread::sleep(Duration::from_millis(50));
         }
         self.stop();
-        Err(PgServerError::NotReady(self.port, log_path))
+        Err(PgServerError::NotReady(self.port, log_tail(&log_path)))
     }
 
     /// Stops the server (fast shutdown: SIGINT, then SIGKILL after 10 s);
@@ -276,25 +276,40 @@ impl PgServer {
         let _ = c.wait();
     }
 
-    /// Kills the server and all its backends at once (SIGKILL to its
-    /// process group), as a machine crash would; the data stays, and
-    /// [`restart`](Self::restart) runs PostgreSQL's crash recovery.
+    /// Kills the server and all its processes at once with SIGKILL, as a
+    /// machine crash would; the data stays, and [`restart`](Self::restart)
+    /// runs PostgreSQL's crash recovery.
+    ///
+    /// Backends leave the postmaster's process group (they call `setsid`),
+    /// so they are found by parent pid: the postmaster is stopped first
+    /// (no new children), its children are killed, then it is.
     pub fn kill(&mut self) {
         let Some(mut c) = self.child.take() else {
             return;
         };
-        if let Ok(pid) = i32::try_from(c.id()) {
-            // Safety: signalling the process group our child leads
-            // (`process_group(0)` at spawn).
-            unsafe { libc::kill(-pid, libc::SIGKILL) };
+        let Ok(pid) = i32::try_from(c.id()) else {
+            let _ = c.kill();
+            let _ = c.wait();
+            return;
+        };
+        // Safety (all three calls): signals to our own child and to its
+        // children, by pid; no memory is passed.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let children = children_of(pid);
+        for &k in &children {
+            unsafe { libc::kill(k, libc::SIGKILL) };
         }
+        unsafe { libc::kill(pid, libc::SIGKILL) };
         let _ = c.wait();
-        // Backends are gone with the group; wait until the port is free.
+        // The killed backends are reaped by init; wait until they are gone
+        // so a restart finds the shared memory free.
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline
-            && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            && children
+                .iter()
+                .any(|k| Path::new(&format!("/proc/{k}")).exists())
         {
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -306,6 +321,35 @@ impl PgServer {
         self.stop();
         self.spawn()
     }
+}
+
+/// Pids whose parent is `parent` (from `/proc/<pid>/stat`).
+fn children_of(parent: i32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                // `pid (comm) state ppid ...`; comm may hold spaces.
+                .and_then(|st| {
+                    let rest = &st[st.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<i32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// The last lines of a log, for error messages (the directory goes away
+/// with the server).
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
 fn ready_lines(log: &Path) -> usize {

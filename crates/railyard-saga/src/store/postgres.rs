@@ -37,18 +37,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
+
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
+use super::codec::{self, group_by_saga};
 use super::queue::{
     answer, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
 };
 use super::sqlite::parse_state;
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
-use crate::event::{EventKind, EventRecord};
+use crate::event::EventRecord;
 
 /// The schema this code writes, kept in `railyard_saga_meta`.
 const SCHEMA_VERSION: i32 = 1;
@@ -194,10 +195,6 @@ impl Connector {
     }
 }
 
-const EVENT_COLUMNS: &str = "global_tx_id, local_tx_id, parent_tx_id, kind, service_name, \
-    instance_id, compensation_method, payloads, timestamp_ms, timeout_s, forward_timeout_s, \
-    forward_retries, reverse_retries, reverse_timeout_s, retry_delay_ms, retry_method";
-
 const SUMMARY_COLUMNS: &str = "global_tx_id, service_name, state, started_ms, finished_ms, \
     sub_transactions, compensated, events";
 
@@ -206,21 +203,8 @@ CREATE TABLE IF NOT EXISTS railyard_saga_meta (version INT NOT NULL);
 CREATE TABLE IF NOT EXISTS railyard_saga_events (
     seq BIGSERIAL PRIMARY KEY,
     global_tx_id TEXT NOT NULL,
-    local_tx_id TEXT NOT NULL,
-    parent_tx_id TEXT NOT NULL,
-    kind SMALLINT NOT NULL,
-    service_name TEXT NOT NULL,
-    instance_id TEXT NOT NULL,
-    compensation_method TEXT NOT NULL,
-    payloads BYTEA NOT NULL,
-    timestamp_ms BIGINT NOT NULL,
-    timeout_s INT NOT NULL,
-    forward_timeout_s INT NOT NULL,
-    forward_retries INT NOT NULL,
-    reverse_retries INT NOT NULL,
-    reverse_timeout_s INT NOT NULL,
-    retry_delay_ms INT NOT NULL,
-    retry_method TEXT NOT NULL
+    n INT NOT NULL,
+    data BYTEA NOT NULL
 );
 CREATE INDEX IF NOT EXISTS railyard_saga_events_by_saga
     ON railyard_saga_events (global_tx_id, seq);
@@ -312,6 +296,9 @@ impl PostgresStore {
     }
 }
 
+/// One multi-row insert: saga ids, event counts, packed events.
+type InsertColumns<'a> = (Vec<&'a str>, Vec<i32>, Vec<Vec<u8>>);
+
 /// Prepared statements of the writer's current connection.
 struct Statements {
     client: Arc<Client>,
@@ -361,17 +348,12 @@ impl Writer {
             let client = self.conn.get().await?;
             let err = |e: tokio_postgres::Error| self.conn.error(&e);
             let insert = client
-                .prepare(&format!(
-                    "INSERT INTO railyard_saga_events ({EVENT_COLUMNS})
-                     SELECT c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16
-                     FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int2[], $5::text[],
-                        $6::text[], $7::text[], $8::bytea[], $9::int8[], $10::int4[],
-                        $11::int4[], $12::int4[], $13::int4[], $14::int4[], $15::int4[],
-                        $16::text[])
-                     WITH ORDINALITY AS t(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12,
-                        c13, c14, c15, c16, ord)
-                     ORDER BY ord"
-                ))
+                .prepare(
+                    "INSERT INTO railyard_saga_events (global_tx_id, n, data)
+                     SELECT g, n, d FROM UNNEST($1::text[], $2::int4[], $3::bytea[])
+                     WITH ORDINALITY AS t(g, n, d, ord)
+                     ORDER BY ord",
+                )
                 .await
                 .map_err(err)?;
             let delete = client
@@ -405,26 +387,75 @@ impl Writer {
         self.statements.as_ref().ok_or(StoreError::Closed)
     }
 
+    /// One transaction for the whole batch, in queue order; the events of
+    /// consecutive appends are stored one row per saga (see
+    /// [`codec`](super::codec)).
     async fn write(&mut self, batch: &[WriteRequest]) -> Result<(), StoreError> {
-        let events: Vec<&EventRecord> = batch
-            .iter()
-            .filter_map(|r| match &r.op {
-                WriteOp::Append(e) => Some(e.iter()),
-                WriteOp::Finish(_) => None,
-            })
-            .flatten()
-            .collect();
-        let done = dedup_summaries(
-            batch
+        // Parameters first (they must outlive the pipelined statements).
+        let mut inserts: Vec<InsertColumns<'_>> = Vec::new();
+        let mut finishes: Vec<Vec<SagaSummary>> = Vec::new();
+        // Per step: `Some(i)` = inserts[i], `None` = the next finish.
+        let mut steps: Vec<Option<usize>> = Vec::new();
+        let mut i = 0;
+        while i < batch.len() {
+            let run_end = batch[i..]
                 .iter()
-                .filter_map(|r| match &r.op {
-                    WriteOp::Finish(s) => Some(s.iter().cloned()),
-                    WriteOp::Append(_) => None,
-                })
-                .flatten()
-                .collect(),
-        );
-        let finished = done.len() as u64;
+                .position(|r| matches!(r.op, WriteOp::Finish(_)))
+                .map_or(batch.len(), |p| i + p);
+            let events = batch[i..run_end].iter().flat_map(|r| match &r.op {
+                WriteOp::Append(e) => e.iter(),
+                WriteOp::Finish(_) => [].iter(),
+            });
+            let groups = group_by_saga(events);
+            if !groups.is_empty() {
+                let mut cols = (
+                    Vec::with_capacity(groups.len()),
+                    Vec::with_capacity(groups.len()),
+                    Vec::with_capacity(groups.len()),
+                );
+                for (g, evs) in groups {
+                    cols.0.push(g);
+                    cols.1.push(i32::try_from(evs.len()).unwrap_or(i32::MAX));
+                    cols.2.push(codec::encode(evs.into_iter()));
+                }
+                steps.push(Some(inserts.len()));
+                inserts.push(cols);
+            }
+            if let Some(WriteRequest {
+                op: WriteOp::Finish(done),
+                ..
+            }) = batch.get(run_end)
+            {
+                steps.push(None);
+                finishes.push(dedup_summaries(done.clone()));
+            }
+            i = run_end + 1;
+        }
+        let finished: u64 = finishes.iter().map(|f| f.len() as u64).sum();
+        let ids: Vec<Vec<&str>> = finishes
+            .iter()
+            .map(|d| d.iter().map(|s| s.global_tx_id.as_str()).collect())
+            .collect();
+        let summary_cols: Vec<_> = finishes
+            .iter()
+            .map(|d| {
+                let col = |f: fn(&SagaSummary) -> i64| -> Vec<i64> { d.iter().map(f).collect() };
+                (
+                    d.iter()
+                        .map(|s| s.service_name.as_str())
+                        .collect::<Vec<_>>(),
+                    d.iter().map(|s| s.state.as_str()).collect::<Vec<_>>(),
+                    [
+                        col(|s| s.started_ms),
+                        col(|s| s.finished_ms),
+                        col(|s| i64::from(s.sub_transactions)),
+                        col(|s| i64::from(s.compensated)),
+                        col(|s| i64::from(s.events)),
+                    ],
+                )
+            })
+            .collect();
+
         let st = self.statements().await?;
         let (c, insert, delete, keep) = (
             st.client.clone(),
@@ -432,85 +463,44 @@ impl Writer {
             st.delete.clone(),
             st.keep.clone(),
         );
-        // Every column as an array parameter; built before the pipeline.
-        let col_s =
-            |f: fn(&EventRecord) -> &str| -> Vec<&str> { events.iter().map(|e| f(e)).collect() };
-        let col_i =
-            |f: fn(&EventRecord) -> i32| -> Vec<i32> { events.iter().map(|e| f(e)).collect() };
-        let (g, l, p, svc, inst, comp, rm) = (
-            col_s(|e| &e.global_tx_id),
-            col_s(|e| &e.local_tx_id),
-            col_s(|e| &e.parent_tx_id),
-            col_s(|e| &e.service_name),
-            col_s(|e| &e.instance_id),
-            col_s(|e| &e.compensation_method),
-            col_s(|e| &e.retry_method),
-        );
-        let kinds: Vec<i16> = events
-            .iter()
-            .map(|e| e.kind.map_or(-1, |k| i16::from(k.code())))
-            .collect();
-        let payloads: Vec<&[u8]> = events.iter().map(|e| &e.payloads[..]).collect();
-        let ts: Vec<i64> = events.iter().map(|e| e.timestamp_ms).collect();
-        let (t1, t2, t3, t4, t5, t6) = (
-            col_i(|e| e.timeout_s),
-            col_i(|e| e.forward_timeout_s),
-            col_i(|e| e.forward_retries),
-            col_i(|e| e.reverse_retries),
-            col_i(|e| e.reverse_timeout_s),
-            col_i(|e| e.retry_delay_ms),
-        );
-        let ids: Vec<&str> = done.iter().map(|s| s.global_tx_id.as_str()).collect();
-        let col = |f: fn(&SagaSummary) -> i64| -> Vec<i64> { done.iter().map(f).collect() };
-        let services: Vec<&str> = done.iter().map(|s| s.service_name.as_str()).collect();
-        let states: Vec<&str> = done.iter().map(|s| s.state.as_str()).collect();
-        let (started, ended, subs, comps, counts) = (
-            col(|s| s.started_ms),
-            col(|s| s.finished_ms),
-            col(|s| i64::from(s.sub_transactions)),
-            col(|s| i64::from(s.compensated)),
-            col(|s| i64::from(s.events)),
-        );
-        // Pipelined: tokio-postgres sends each request when its future is
-        // first polled, and `try_join!` polls them in order, so BEGIN,
-        // INSERT, DELETE, upsert and COMMIT leave in one burst and the batch
-        // costs one round trip plus the WAL flush. If a statement fails, the
-        // server aborts the transaction and the COMMIT rolls it back.
-        let begin = c.batch_execute("BEGIN");
-        let append = async {
-            if !events.is_empty() {
-                c.execute(
-                    &insert,
-                    &[
-                        &g, &l, &p, &kinds, &svc, &inst, &comp, &payloads, &ts, &t1, &t2, &t3, &t4,
-                        &t5, &t6, &rm,
-                    ],
-                )
-                .await?;
+        let mut pipeline: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>> = Vec::new();
+        pipeline.push(Box::pin(c.batch_execute("BEGIN")));
+        let mut next_finish = 0;
+        for step in &steps {
+            match step {
+                Some(n) => {
+                    let (g, counts, data) = &inserts[*n];
+                    let (c, insert) = (&c, &insert);
+                    pipeline.push(Box::pin(async move {
+                        c.execute(insert, &[g, counts, data]).await.map(drop)
+                    }));
+                }
+                None => {
+                    let n = next_finish;
+                    next_finish += 1;
+                    let ids = &ids[n];
+                    let (services, states, nums) = &summary_cols[n];
+                    let (c, delete, keep) = (&c, &delete, &keep);
+                    pipeline.push(Box::pin(async move {
+                        c.execute(delete, &[ids]).await.map(drop)
+                    }));
+                    pipeline.push(Box::pin(async move {
+                        c.execute(
+                            keep,
+                            &[
+                                ids, services, states, &nums[0], &nums[1], &nums[2], &nums[3],
+                                &nums[4],
+                            ],
+                        )
+                        .await
+                        .map(drop)
+                    }));
+                }
             }
-            Ok(())
-        };
-        let drop_events = async {
-            if !done.is_empty() {
-                c.execute(&delete, &[&ids]).await?;
-            }
-            Ok(())
-        };
-        let keep_summaries = async {
-            if !done.is_empty() {
-                c.execute(
-                    &keep,
-                    &[
-                        &ids, &services, &states, &started, &ended, &subs, &comps, &counts,
-                    ],
-                )
-                .await?;
-            }
-            Ok(())
-        };
+        }
         // synchronous_commit = on: COMMIT returns once the WAL is flushed.
-        let commit = c.batch_execute("COMMIT");
-        let result = futures::try_join!(begin, append, drop_events, keep_summaries, commit);
+        pipeline.push(Box::pin(c.batch_execute("COMMIT")));
+        let result = in_order(pipeline).await;
         if let Err(e) = result {
             if !c.is_closed() {
                 let _ = c.batch_execute("ROLLBACK").await;
@@ -561,31 +551,45 @@ impl Writer {
     }
 }
 
-fn event_from_row(r: &Row) -> Result<EventRecord, StoreError> {
-    let code: i16 = r.get(3);
-    let kind = u8::try_from(code)
-        .ok()
-        .and_then(EventKind::from_code)
-        .ok_or_else(|| StoreError::Corrupt(format!("unknown event kind code {code}")))?;
-    let payloads: Vec<u8> = r.get(7);
-    Ok(EventRecord {
-        global_tx_id: r.get(0),
-        local_tx_id: r.get(1),
-        parent_tx_id: r.get(2),
-        kind: Some(kind),
-        service_name: r.get(4),
-        instance_id: r.get(5),
-        compensation_method: r.get(6),
-        payloads: Bytes::from(payloads),
-        timestamp_ms: r.get(8),
-        timeout_s: r.get(9),
-        forward_timeout_s: r.get(10),
-        forward_retries: r.get(11),
-        reverse_retries: r.get(12),
-        reverse_timeout_s: r.get(13),
-        retry_delay_ms: r.get(14),
-        retry_method: r.get(15),
+/// Runs statements pipelined: tokio-postgres sends a request when its
+/// future is first polled, and this polls them in order every time, so the
+/// whole transaction leaves in one burst and costs one round trip plus the
+/// WAL flush. The first error (in order) wins; after it the server has
+/// aborted the transaction and the final COMMIT rolls it back.
+async fn in_order(
+    mut futs: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>>,
+) -> Result<(), tokio_postgres::Error> {
+    let mut done = vec![false; futs.len()];
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, d) in futs.iter_mut().zip(done.iter_mut()) {
+            if *d {
+                continue;
+            }
+            match f.as_mut().poll(cx) {
+                std::task::Poll::Ready(Ok(())) => *d = true,
+                std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
+                std::task::Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(Ok(()))
+        }
     })
+    .await
+}
+
+fn events_from_rows(rows: &[Row]) -> Result<Vec<EventRecord>, StoreError> {
+    let mut out = Vec::with_capacity(rows.len() * 8);
+    for r in rows {
+        let g: &str = r.get(0);
+        let data: &[u8] = r.get(1);
+        codec::decode(g, data, &mut out)
+            .map_err(|e| StoreError::Corrupt(format!("events of saga {g}: {e}")))?;
+    }
+    Ok(out)
 }
 
 fn summary_from_row(r: &Row) -> Result<SagaSummary, StoreError> {
@@ -679,11 +683,11 @@ impl SagaStore for PostgresStore {
         Box::pin(async move {
             let rows = self
                 .query(
-                    &format!("SELECT {EVENT_COLUMNS} FROM railyard_saga_events ORDER BY seq"),
+                    "SELECT global_tx_id, data FROM railyard_saga_events ORDER BY seq",
                     &[],
                 )
                 .await?;
-            rows.iter().map(event_from_row).collect()
+            events_from_rows(&rows)
         })
     }
 
@@ -726,21 +730,22 @@ impl SagaStore for PostgresStore {
         Box::pin(async move {
             let rows = self
                 .query(
-                    &format!(
-                        "SELECT {EVENT_COLUMNS} FROM railyard_saga_events
-                         WHERE global_tx_id = $1 ORDER BY seq"
-                    ),
+                    "SELECT global_tx_id, data FROM railyard_saga_events
+                     WHERE global_tx_id = $1 ORDER BY seq",
                     &[&global_tx_id],
                 )
                 .await?;
-            rows.iter().map(event_from_row).collect()
+            events_from_rows(&rows)
         })
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
         Box::pin(async move {
             let events = self
-                .query("SELECT count(*) FROM railyard_saga_events", &[])
+                .query(
+                    "SELECT coalesce(sum(n), 0)::int8 FROM railyard_saga_events",
+                    &[],
+                )
                 .await?;
             let events: i64 = events.first().map_or(0, |r| r.get(0));
             let finished = self

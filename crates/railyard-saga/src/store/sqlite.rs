@@ -42,17 +42,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row};
 use tokio::sync::mpsc;
 
+use super::codec::{self, group_by_saga};
 use super::queue::{
     answer, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
 };
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
-use crate::event::{EventKind, EventRecord};
+use crate::event::EventRecord;
 
 /// The schema this code writes; stored in `PRAGMA user_version`.
 const SCHEMA_VERSION: i64 = 1;
@@ -263,27 +263,14 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
         let tx = conn.transaction().map_err(engine)?;
         tx.execute_batch(
             "CREATE TABLE events (
-                seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                seq INTEGER PRIMARY KEY,
                 global_tx_id TEXT NOT NULL,
-                local_tx_id TEXT NOT NULL,
-                parent_tx_id TEXT NOT NULL,
-                kind INTEGER NOT NULL,
-                service_name TEXT NOT NULL,
-                instance_id TEXT NOT NULL,
-                compensation_method TEXT NOT NULL,
-                payloads BLOB NOT NULL,
-                timestamp_ms INTEGER NOT NULL,
-                timeout_s INTEGER NOT NULL,
-                forward_timeout_s INTEGER NOT NULL,
-                forward_retries INTEGER NOT NULL,
-                reverse_retries INTEGER NOT NULL,
-                reverse_timeout_s INTEGER NOT NULL,
-                retry_delay_ms INTEGER NOT NULL,
-                retry_method TEXT NOT NULL
+                n INTEGER NOT NULL,
+                data BLOB NOT NULL
              );
              CREATE INDEX events_by_saga ON events (global_tx_id, seq);
              CREATE TABLE summaries (
-                ord INTEGER PRIMARY KEY AUTOINCREMENT,
+                ord INTEGER PRIMARY KEY,
                 global_tx_id TEXT NOT NULL UNIQUE,
                 service_name TEXT NOT NULL,
                 state TEXT NOT NULL,
@@ -337,64 +324,56 @@ impl Writer {
     }
 
     /// One transaction for the whole batch; `commit` syncs the WAL.
+    ///
+    /// Requests are applied in queue order; the events of consecutive
+    /// appends are stored one row per saga (see [`codec`](super::codec)).
     fn write(&mut self, batch: &[WriteRequest]) -> rusqlite::Result<()> {
         let mut finished = 0u64;
         let tx = self.conn.transaction()?;
         {
-            let mut insert = tx.prepare_cached(
-                "INSERT INTO events (global_tx_id, local_tx_id, parent_tx_id, kind, service_name,
-                    instance_id, compensation_method, payloads, timestamp_ms, timeout_s,
-                    forward_timeout_s, forward_retries, reverse_retries, reverse_timeout_s,
-                    retry_delay_ms, retry_method)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
-            )?;
+            let mut insert = tx
+                .prepare_cached("INSERT INTO events (global_tx_id, n, data) VALUES (?1, ?2, ?3)")?;
             let mut delete = tx.prepare_cached("DELETE FROM events WHERE global_tx_id = ?1")?;
             let mut keep = tx.prepare_cached(
                 "INSERT OR REPLACE INTO summaries (global_tx_id, service_name, state, started_ms,
                     finished_ms, sub_transactions, compensated, events)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
-            for req in batch {
-                match &req.op {
-                    WriteOp::Append(events) => {
-                        for e in events {
-                            insert.execute(params![
-                                e.global_tx_id,
-                                e.local_tx_id,
-                                e.parent_tx_id,
-                                e.kind.map_or(-1, |k| i64::from(k.code())),
-                                e.service_name,
-                                e.instance_id,
-                                e.compensation_method,
-                                &e.payloads[..],
-                                e.timestamp_ms,
-                                e.timeout_s,
-                                e.forward_timeout_s,
-                                e.forward_retries,
-                                e.reverse_retries,
-                                e.reverse_timeout_s,
-                                e.retry_delay_ms,
-                                e.retry_method,
-                            ])?;
-                        }
-                    }
-                    WriteOp::Finish(done) => {
-                        for s in dedup_summaries(done.clone()) {
-                            delete.execute([&s.global_tx_id])?;
-                            keep.execute(params![
-                                s.global_tx_id,
-                                s.service_name,
-                                s.state.as_str(),
-                                s.started_ms,
-                                s.finished_ms,
-                                s.sub_transactions,
-                                s.compensated,
-                                s.events,
-                            ])?;
-                            finished += 1;
-                        }
+            let mut i = 0;
+            while i < batch.len() {
+                // A run of appends, then at most one finish.
+                let run_end = batch[i..]
+                    .iter()
+                    .position(|r| matches!(r.op, WriteOp::Finish(_)))
+                    .map_or(batch.len(), |p| i + p);
+                let events = batch[i..run_end].iter().flat_map(|r| match &r.op {
+                    WriteOp::Append(e) => e.iter(),
+                    WriteOp::Finish(_) => [].iter(),
+                });
+                for (g, evs) in group_by_saga(events) {
+                    insert.execute(params![g, evs.len() as i64, codec::encode(evs.into_iter())])?;
+                }
+                if let Some(WriteRequest {
+                    op: WriteOp::Finish(done),
+                    ..
+                }) = batch.get(run_end)
+                {
+                    for s in dedup_summaries(done.clone()) {
+                        delete.execute([&s.global_tx_id])?;
+                        keep.execute(params![
+                            s.global_tx_id,
+                            s.service_name,
+                            s.state.as_str(),
+                            s.started_ms,
+                            s.finished_ms,
+                            s.sub_transactions,
+                            s.compensated,
+                            s.events,
+                        ])?;
+                        finished += 1;
                     }
                 }
+                i = run_end + 1;
             }
         }
         tx.commit()?;
@@ -451,44 +430,24 @@ impl Writer {
     }
 }
 
-const EVENT_COLUMNS: &str = "global_tx_id, local_tx_id, parent_tx_id, kind, service_name,
-    instance_id, compensation_method, payloads, timestamp_ms, timeout_s, forward_timeout_s,
-    forward_retries, reverse_retries, reverse_timeout_s, retry_delay_ms, retry_method";
-
 const SUMMARY_COLUMNS: &str = "global_tx_id, service_name, state, started_ms, finished_ms,
     sub_transactions, compensated, events";
 
-fn event_from_row(r: &Row<'_>) -> rusqlite::Result<EventRecord> {
-    let code: i64 = r.get(3)?;
-    let kind = u8::try_from(code)
-        .ok()
-        .and_then(EventKind::from_code)
-        .ok_or_else(|| {
+/// Unpacks rows of `(global_tx_id, data)`, in order.
+fn events_from_rows(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Vec<EventRecord>> {
+    let mut out = Vec::new();
+    while let Some(r) = rows.next()? {
+        let g: String = r.get(0)?;
+        let data = r.get_ref(1)?.as_blob()?;
+        codec::decode(&g, data, &mut out).map_err(|e| {
             rusqlite::Error::FromSqlConversionFailure(
-                3,
-                rusqlite::types::Type::Integer,
-                format!("unknown event kind code {code}").into(),
+                1,
+                rusqlite::types::Type::Blob,
+                format!("events of saga {g}: {e}").into(),
             )
         })?;
-    let payloads: Vec<u8> = r.get(7)?;
-    Ok(EventRecord {
-        global_tx_id: r.get(0)?,
-        local_tx_id: r.get(1)?,
-        parent_tx_id: r.get(2)?,
-        kind: Some(kind),
-        service_name: r.get(4)?,
-        instance_id: r.get(5)?,
-        compensation_method: r.get(6)?,
-        payloads: Bytes::from(payloads),
-        timestamp_ms: r.get(8)?,
-        timeout_s: r.get(9)?,
-        forward_timeout_s: r.get(10)?,
-        forward_retries: r.get(11)?,
-        reverse_retries: r.get(12)?,
-        reverse_timeout_s: r.get(13)?,
-        retry_delay_ms: r.get(14)?,
-        retry_method: r.get(15)?,
-    })
+    }
+    Ok(out)
 }
 
 pub(crate) fn parse_state(s: &str) -> Option<SagaState> {
@@ -526,7 +485,7 @@ fn summary_from_row(r: &Row<'_>) -> rusqlite::Result<SagaSummary> {
 
 fn corrupt_or_engine(e: StoreError) -> StoreError {
     match e {
-        StoreError::Engine(m) if m.contains("Conversion error") || m.contains("unknown") => {
+        StoreError::Engine(m) if m.contains("Conversion error") || m.contains("events of saga") => {
             StoreError::Corrupt(m)
         }
         other => other,
@@ -564,9 +523,9 @@ impl SagaStore for SqliteStore {
         Box::pin(async move {
             self.read(|c| {
                 let mut st =
-                    c.prepare_cached(&format!("SELECT {EVENT_COLUMNS} FROM events ORDER BY seq"))?;
-                let rows = st.query_map([], event_from_row)?;
-                rows.collect()
+                    c.prepare_cached("SELECT global_tx_id, data FROM events ORDER BY seq")?;
+                let mut rows = st.query([])?;
+                events_from_rows(&mut rows)
             })
             .await
             .map_err(corrupt_or_engine)
@@ -613,11 +572,11 @@ impl SagaStore for SqliteStore {
     ) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
         Box::pin(async move {
             self.read(move |c| {
-                let mut st = c.prepare_cached(&format!(
-                    "SELECT {EVENT_COLUMNS} FROM events WHERE global_tx_id = ?1 ORDER BY seq"
-                ))?;
-                let rows = st.query_map([global_tx_id], event_from_row)?;
-                rows.collect()
+                let mut st = c.prepare_cached(
+                    "SELECT global_tx_id, data FROM events WHERE global_tx_id = ?1 ORDER BY seq",
+                )?;
+                let mut rows = st.query([global_tx_id])?;
+                events_from_rows(&mut rows)
             })
             .await
             .map_err(corrupt_or_engine)
@@ -631,7 +590,7 @@ impl SagaStore for SqliteStore {
             let (events, finished) = self
                 .read(|c| {
                     let events: i64 =
-                        c.query_row("SELECT count(*) FROM events", [], |r| r.get(0))?;
+                        c.query_row("SELECT coalesce(sum(n), 0) FROM events", [], |r| r.get(0))?;
                     let mut st = c.prepare_cached(
                         "SELECT state, count(*) FROM summaries GROUP BY state ORDER BY state",
                     )?;
