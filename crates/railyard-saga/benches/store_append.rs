@@ -1,15 +1,16 @@
-//! Durable append throughput of the saga log: many concurrent callers each
-//! appending 8-event batches (one alpha-benchmark saga), group-committed
-//! with a real sync per commit.
+//! Durable append throughput of the saga log: many concurrent callers
+//! appending the 8 events of alpha-benchmark sagas (UUID-shaped ids), all 8
+//! at once (native batches) or one per call (Omega), group-committed with a
+//! real sync per commit.
 //!
 //! Engines measured, each behind the same shape (a bounded queue, one
 //! writer draining everything waiting into one transaction, one sync, then
 //! every waiter answered):
 //! - `sqlite`: the real [`SqliteStore`] (WAL, `synchronous=FULL`: fsync);
-//! - `fjall`: an LSM log written here for the comparison (an events
-//!   partition keyed by sequence plus a by-saga index partition, like the
-//!   SQLite schema), each batch committed with `PersistMode::SyncAll`
-//!   (fsync, as SQLite's bundled build uses);
+//! - `fjall`: an LSM log written here for the comparison, laid out like the
+//!   stores (one value per saga per commit in a partition keyed by sequence,
+//!   plus a by-saga index partition), each batch committed with
+//!   `PersistMode::SyncAll` (fsync, as SQLite's bundled build uses);
 //! - `postgres`: the real [`PostgresStore`] on a throwaway server
 //!   (`synchronous_commit=on`), skipped when PostgreSQL is not installed.
 //!
@@ -31,8 +32,10 @@ use railyard_saga::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-/// Concurrent callers, as in-flight sagas of a coordinator.
-const CONCURRENCY: [usize; 2] = [64, 512];
+/// (concurrent callers, events per append): a native client appending a
+/// whole saga at once with 64 and 512 sagas in flight, and Omega's shape
+/// (one event per call, 512 sagas in flight).
+const LOADS: [(usize, usize); 3] = [(64, 8), (512, 8), (512, 1)];
 
 /// What the bench needs of a log.
 trait Log: Send + Sync + 'static {
@@ -43,6 +46,26 @@ impl<S: railyard_saga::SagaStore> Log for S {
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
         railyard_saga::SagaStore::append(self, events)
     }
+}
+
+/// A UUID-shaped global id (Omega's are random UUIDs), so the by-saga
+/// index sees random inserts as in production.
+fn saga_id(n: u64) -> String {
+    // splitmix64: cheap, well spread.
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let (a, b) = (mix(n.wrapping_add(0x9e37_79b9_7f4a_7c15)), mix(n ^ 0x5555));
+    format!(
+        "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xffff,
+        b >> 48,
+        b & 0xffff_ffff_ffff
+    )
 }
 
 fn saga(g: &str) -> Vec<EventRecord> {
@@ -137,15 +160,25 @@ impl FjallLog {
                     let mut b = keyspace
                         .batch()
                         .durability(Some(fjall::PersistMode::SyncAll));
+                    // One value per saga per commit, as the stores do.
+                    let mut per_saga: Vec<(&str, Vec<u8>)> = Vec::new();
+                    let mut at = std::collections::HashMap::new();
                     for (evs, _) in &batch {
                         for e in evs {
-                            seq += 1;
-                            b.insert(&events, seq.to_be_bytes(), encode(e));
-                            let mut k = e.global_tx_id.as_bytes().to_vec();
-                            k.push(0);
-                            k.extend_from_slice(&seq.to_be_bytes());
-                            b.insert(&by_saga, k, []);
+                            let i = *at.entry(e.global_tx_id.as_str()).or_insert_with(|| {
+                                per_saga.push((e.global_tx_id.as_str(), Vec::new()));
+                                per_saga.len() - 1
+                            });
+                            per_saga[i].1.extend_from_slice(&encode(e));
                         }
+                    }
+                    for (g, value) in per_saga {
+                        seq += 1;
+                        b.insert(&events, seq.to_be_bytes(), value);
+                        let mut k = g.as_bytes().to_vec();
+                        k.push(0);
+                        k.extend_from_slice(&seq.to_be_bytes());
+                        b.insert(&by_saga, k, []);
                     }
                     let r = b.commit().map_err(|e| StoreError::Engine(e.to_string()));
                     for (_, done) in batch {
@@ -176,16 +209,16 @@ impl Log for FjallLog {
 
 // ---- the load ----
 
-/// `iters` appends of 8 events spread over `callers` tasks; returns the
-/// wall time, and records each append's latency (µs) in `lat`.
+/// `iters` appends spread over `callers` tasks, each appending its sagas'
+/// 8 events `per_append` at a time; returns the wall time, and records each
+/// append's latency (µs) in `lat`.
 async fn load(
     log: Arc<dyn Log>,
-    callers: usize,
+    (callers, per_append): (usize, usize),
     iters: u64,
     lat: Arc<Mutex<Vec<u32>>>,
 ) -> Duration {
     static SAGA: AtomicU64 = AtomicU64::new(0);
-    let per = iters.div_ceil(callers as u64);
     let left = Arc::new(AtomicU64::new(iters));
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(callers);
@@ -194,14 +227,20 @@ async fn load(
         let left = left.clone();
         let lat = lat.clone();
         tasks.push(tokio::spawn(async move {
-            let mut mine = Vec::with_capacity(per as usize);
+            let mut mine = Vec::new();
+            let mut pending: Vec<EventRecord> = Vec::new();
             // Bounded: at most `iters` appends in all.
             while left
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
                 .is_ok()
             {
-                let g = format!("bench-{}", SAGA.fetch_add(1, Ordering::Relaxed));
-                let events = saga(&g);
+                if pending.is_empty() {
+                    pending = saga(&saga_id(SAGA.fetch_add(1, Ordering::Relaxed)));
+                    pending.reverse();
+                }
+                let n = per_append.min(pending.len());
+                let events: Vec<EventRecord> = pending.split_off(pending.len() - n);
+                let events: Vec<EventRecord> = events.into_iter().rev().collect();
                 let t = Instant::now();
                 log.append(events).await.expect("durable append");
                 mine.push(u32::try_from(t.elapsed().as_micros()).unwrap_or(u32::MAX));
@@ -233,31 +272,28 @@ fn report(name: &str, lat: &Mutex<Vec<u32>>, events_per_s: f64) {
 
 fn bench_engine(c: &mut Criterion, rt: &tokio::runtime::Runtime, engine: &str, log: Arc<dyn Log>) {
     let mut group = c.benchmark_group(format!("store_append/{engine}"));
-    group.throughput(Throughput::Elements(8));
     group.sample_size(10);
     group.warm_up_time(Duration::from_secs(2));
     group.measurement_time(Duration::from_secs(10));
-    for callers in CONCURRENCY {
+    for (callers, per_append) in LOADS {
+        group.throughput(Throughput::Elements(per_append as u64));
         let lat = Arc::new(Mutex::new(Vec::new()));
         let total = Arc::new(Mutex::new((0u64, Duration::ZERO)));
-        group.bench_with_input(
-            BenchmarkId::new("callers", callers),
-            &callers,
-            |b, &callers| {
-                b.iter_custom(|iters| {
-                    let d = rt.block_on(load(log.clone(), callers, iters, lat.clone()));
-                    let mut t = total.lock();
-                    t.0 += iters;
-                    t.1 += d;
-                    d
-                });
-            },
-        );
+        let id = BenchmarkId::new(format!("{per_append}ev"), callers);
+        group.bench_with_input(id, &(callers, per_append), |b, &shape| {
+            b.iter_custom(|iters| {
+                let d = rt.block_on(load(log.clone(), shape, iters, lat.clone()));
+                let mut t = total.lock();
+                t.0 += iters;
+                t.1 += d;
+                d
+            });
+        });
         let (n, d) = *total.lock();
         report(
-            &format!("store_append/{engine}/callers/{callers}"),
+            &format!("store_append/{engine}/{per_append}ev/{callers}"),
             &lat,
-            (n * 8) as f64 / d.as_secs_f64().max(1e-9),
+            (n * per_append as u64) as f64 / d.as_secs_f64().max(1e-9),
         );
     }
     group.finish();
