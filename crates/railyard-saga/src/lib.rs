@@ -19,5 +19,6 @@ pub mod store;
 pub use event::{EventKind, EventRecord};
 pub use store::{
     MemoryStore, PgServer, PgServerError, PostgresConfig, PostgresStore, Retention, SagaQuery,
-    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreError, StoreStats,
+    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreChoice, StoreError,
+    StoreStats,
 };
