@@ -60,6 +60,7 @@ impl Node {
             }
         }
         let _ = child.kill();
+        let _ = child.wait();
         panic!("the node never said its coordinator listens: {seen:?}");
     }
 
