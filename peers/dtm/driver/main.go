@@ -7,9 +7,11 @@
 // empty HTTP handler served by this driver on loopback. A share
 // --abort-ratio of the sagas fails in its last branch, so DTM compensates it.
 // Sagas are submitted with WaitResult, so Submit returns when DTM has driven
-// the saga to its final state (succeeded, or failed after compensation); a
-// saga whose submit did not report that final state is then queried until it
-// reaches it or --settle-timeout passes, and counted as lost if it does not.
+// the saga to its final state (succeeded, or failed after compensation), or
+// when DTM's own wait ran out; a saga whose submit did not answer success is
+// queried until its state is final or --settle-timeout (from its submit)
+// passes. Its latency runs to that moment; one that ends anywhere but in its
+// expected final state counts as lost.
 package main
 
 import (
@@ -21,7 +23,6 @@ import (
 	"net/http"
 	"os"
 	"sort"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -61,7 +62,7 @@ func main() {
 	flag.IntVar(&o.concurrency, "concurrency", 500, "sagas in flight at once (one worker each)")
 	flag.IntVar(&o.branches, "branches", 3, "branches per saga (action + compensation each)")
 	flag.Float64Var(&o.abortRatio, "abort-ratio", 0, "share of sagas whose last branch fails, 0..1")
-	flag.DurationVar(&o.settleTimeout, "settle-timeout", 60*time.Second, "bound on waiting for sagas to reach their final state after the run")
+	flag.DurationVar(&o.settleTimeout, "settle-timeout", 60*time.Second, "bound on waiting for one saga to reach its final state, from its submit")
 	flag.StringVar(&o.store, "store", "", "the DTM store driver under test, echoed in RESULT")
 	flag.StringVar(&o.version, "version", "", "the DTM release under test, echoed in RESULT")
 	flag.Parse()
@@ -170,15 +171,17 @@ func run(o options) error {
 				t0 := time.Now()
 				err := saga.Submit()
 				out := outcome{latency: time.Since(t0), abort: abort}
-				switch {
-				case err == nil:
+				if err == nil {
+					// WaitResult: a nil answer means DTM drove it to succeed.
 					out.final = "succeed"
-				case strings.Contains(err.Error(), dtmcli.ResultFailure):
-					// WaitResult: DTM answers FAILURE once the saga is failed,
-					// that is after every compensation succeeded.
-					out.final = "failed"
-				default:
+				} else {
+					// FAILURE comes both when the saga failed after its
+					// compensations and when DTM's wait (RequestTimeout+2 s)
+					// ran out while it is still running: ask DTM until the
+					// state is final.
 					out.err = err.Error()
+					out.final = settle(o.dtm, saga.Gid, t0.Add(o.settleTimeout))
+					out.latency = time.Since(t0)
 				}
 				outcomes[i] = out
 			}
@@ -187,36 +190,15 @@ func run(o options) error {
 	wg.Wait()
 	elapsed := time.Since(start)
 
-	// Sagas whose submit did not report a final state: ask DTM until they
-	// reach one, within the settle bound.
-	deadline := time.Now().Add(o.settleTimeout)
-	var unknown []int
-	for i := range outcomes {
-		if outcomes[i].final == "" {
-			unknown = append(unknown, i)
-		}
-	}
-	for len(unknown) > 0 && time.Now().Before(deadline) {
-		var still []int
-		for _, i := range unknown {
-			st, err := query(o.dtm, fmt.Sprintf("ry-%s-%d", run, i))
-			if err == nil && (st == "succeed" || st == "failed") {
-				outcomes[i].final = st
-			} else {
-				still = append(still, i)
-			}
-		}
-		unknown = still
-		if len(unknown) > 0 {
-			time.Sleep(200 * time.Millisecond)
-		}
-	}
-
 	var lats []time.Duration
 	var committed, compensated, lost, errs int
 	firstErr := ""
 	for _, out := range outcomes {
-		if out.err != "" {
+		// An error answer for a saga that then reached its expected final
+		// state is DTM's normal answer (an abort, or a slow saga); count only
+		// the others.
+		expected := (!out.abort && out.final == "succeed") || (out.abort && out.final == "failed")
+		if out.err != "" && !expected {
 			errs++
 			if firstErr == "" {
 				firstErr = out.err
@@ -284,6 +266,21 @@ func run(o options) error {
 	}
 	fmt.Printf("RESULT %s\n", line)
 	return nil
+}
+
+// settle polls DTM until gid's state is final (succeed or failed), or until
+// deadline; it returns the final state, or "" if none was reached.
+func settle(dtm, gid string, deadline time.Time) string {
+	for {
+		st, err := query(dtm, gid)
+		if err == nil && (st == "succeed" || st == "failed") {
+			return st
+		}
+		if time.Now().After(deadline) {
+			return ""
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // query asks DTM for a global transaction's status.
