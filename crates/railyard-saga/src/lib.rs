@@ -11,12 +11,204 @@
 //! Modules:
 //! - [`event`]: the event record every layer shares, and its kinds;
 //! - [`store`]: the [`SagaStore`] trait (append durably, recover, compact,
-//!   query) and its implementations.
+//!   query) and its implementations;
+//! - `saga`: one saga's state machine (pure; the table is in `docs/saga.md`);
+//! - `engine`: the sharded saga table, append-then-apply-then-answer,
+//!   timers, recovery, batched `finish`;
+//! - `dispatch`: connected participants and their bounded command queues;
+//! - `omega`: the `TxEventService` gRPC service;
+//! - `native`: the `SagaCoordinator.Session` gRPC service;
+//! - [`api`]: the REST query API (axum router);
+//! - `metrics`: Prometheus metrics;
+//! - [`config`]: the coordinator's settings, [`CoordinatorConfig`].
+//!
+//! The entry point is [`Coordinator::start`]; [`serve`] runs both gRPC
+//! services (and the REST API) on one listener.
 
+pub mod api;
+pub mod config;
+mod dispatch;
+mod engine;
 pub mod event;
+mod metrics;
+mod native;
+mod omega;
+mod saga;
 pub mod store;
 
+use std::future::Future;
+use std::sync::Arc;
+
+pub use config::CoordinatorConfig;
+pub use dispatch::InstanceInfo;
+pub use engine::{validate, InvalidEvent, Outcome, SagaView, SubView};
 pub use event::{EventKind, EventRecord};
+pub use metrics::{encode as encode_metrics, MetricsRegistry};
+pub use native::{from_native, NativeService};
+pub use omega::{from_grpc, OmegaService};
+pub use saga::{Command, SubState};
 pub use store::{
-    MemoryStore, SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats,
+    MemoryStore, PgServer, PgServerError, PostgresConfig, PostgresStore, Retention, SagaQuery,
+    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreError, StoreStats,
 };
+
+use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinatorServer;
+use railyard_saga_proto::omega::tx_event_service_server::TxEventServiceServer;
+
+/// The default gRPC port of the coordinator (8080 is HTTP, 8081 admin,
+/// 7000 the bridge).
+pub const DEFAULT_GRPC_PORT: u16 = 8090;
+
+/// The saga coordinator: a cheap handle (an `Arc`). Background tasks (the
+/// deadline timer and the batched `finish`) stop when the last handle, and
+/// every service built from it, is dropped.
+#[derive(Debug, Clone)]
+pub struct Coordinator {
+    engine: Arc<engine::Engine>,
+}
+
+impl Coordinator {
+    /// Starts a coordinator on `store`: replays `store.unfinished()`
+    /// (in-flight sagas come back, pending compensations and saga timeouts
+    /// resume) and starts its background tasks on the current runtime.
+    ///
+    /// # Errors
+    /// [`StoreError`] if the unfinished events cannot be read.
+    pub async fn start(
+        store: Arc<dyn SagaStore>,
+        config: CoordinatorConfig,
+    ) -> Result<Self, StoreError> {
+        Ok(Self {
+            engine: engine::Engine::start(store, config).await?,
+        })
+    }
+
+    /// Registers the coordinator's metrics in a shared registry (the node's,
+    /// served on the admin port). Call once per registry.
+    pub fn register_metrics(&self, registry: &MetricsRegistry) {
+        self.engine.metrics.register(registry);
+    }
+
+    /// The Omega `TxEventService` as a tonic service.
+    pub fn omega_service(&self) -> TxEventServiceServer<OmegaService> {
+        TxEventServiceServer::new(OmegaService {
+            engine: self.engine.clone(),
+        })
+        .max_decoding_message_size(16 * 1024 * 1024)
+    }
+
+    /// The native `SagaCoordinator` as a tonic service.
+    pub fn native_service(&self) -> SagaCoordinatorServer<NativeService> {
+        SagaCoordinatorServer::new(NativeService {
+            engine: self.engine.clone(),
+        })
+        .max_decoding_message_size(64 * 1024 * 1024)
+    }
+
+    /// Records events and answers each (the path both gRPC services use);
+    /// for embedding the coordinator without gRPC.
+    ///
+    /// # Errors
+    /// [`StoreError`] if the append failed: nothing was applied, nothing
+    /// may be acknowledged.
+    pub async fn submit(&self, events: Vec<EventRecord>) -> Result<Vec<Outcome>, StoreError> {
+        self.engine.handle(events, "embedded").await
+    }
+
+    /// Registers a participant reached through a channel instead of gRPC
+    /// (embedding, tests): commands for `service` arrive on the returned
+    /// receiver (capacity `capacity`). Dropping the receiver unregisters it
+    /// at the next command.
+    pub fn connect_local(
+        &self,
+        service: &str,
+        instance: &str,
+        capacity: usize,
+    ) -> tokio::sync::mpsc::Receiver<Result<railyard_saga_proto::native::ServerFrame, tonic::Status>>
+    {
+        let (tx, rx) = tokio::sync::mpsc::channel(capacity.max(1));
+        self.engine
+            .registry
+            .register(service, instance, dispatch::Outbound::Native(tx));
+        self.engine
+            .metrics
+            .instances
+            .set(self.engine.registry.len() as i64);
+        self.engine.on_instance(service);
+        rx
+    }
+
+    /// A live saga (in memory), with its sub-transactions.
+    pub fn saga(&self, global_tx_id: &str) -> Option<SagaView> {
+        self.engine.live_view(global_tx_id)
+    }
+
+    /// The state of a saga: live, or recently finished (remembered in
+    /// memory). `None` if neither (ask the store's `finished` query).
+    pub fn state(&self, global_tx_id: &str) -> Option<SagaState> {
+        self.engine
+            .live_view(global_tx_id)
+            .map(|v| v.summary.state)
+            .or_else(|| self.engine.finished_summary(global_tx_id).map(|s| s.state))
+    }
+
+    /// Connected participant instances.
+    pub fn instances(&self) -> Vec<InstanceInfo> {
+        self.engine.registry.instances()
+    }
+
+    /// The store behind the coordinator.
+    pub fn store(&self) -> &Arc<dyn SagaStore> {
+        &self.engine.store
+    }
+
+    /// Hands every terminal saga queued so far to `store.finish` now
+    /// (normally batched in the background). For tests and shutdown.
+    ///
+    /// # Errors
+    /// [`StoreError`] from `finish`.
+    pub async fn flush(&self) -> Result<(), StoreError> {
+        self.engine.flush().await
+    }
+}
+
+/// Why [`serve`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The gRPC server failed (e.g. the listener broke).
+    #[error("saga gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves Omega's `TxEventService`, the native `SagaCoordinator` and, over
+/// HTTP/1.1 on the same port, the REST query API ([`api::router`]) on
+/// `listener` until `shutdown` resolves. Then participant streams
+/// (`OnConnected`, `Session`) are closed, in-flight calls finish, and the
+/// function returns; the coordinator stays usable (e.g. to `flush`).
+///
+/// # Errors
+/// [`ServeError`] if the server fails.
+pub async fn serve(
+    coordinator: Coordinator,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let rest = api::router(coordinator.clone());
+    let engine = coordinator.engine.clone();
+    let shutdown = async move {
+        shutdown.await;
+        // Participant streams never end on their own: close them so the
+        // graceful shutdown can complete.
+        engine.close_streams();
+    };
+    tonic::transport::Server::builder()
+        .accept_http1(true)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .add_routes(tonic::service::Routes::from(rest))
+        .add_service(coordinator.omega_service())
+        .add_service(coordinator.native_service())
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    Ok(())
+}

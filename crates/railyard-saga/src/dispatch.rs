@@ -1,0 +1,216 @@
+//! The participant registry: which instances of which services are
+//! connected, and the bounded outbound queue of each.
+//!
+//! Omega's `OnConnected` stream and the native `Session` each register one
+//! [`Link`]. A compensation command goes to the instance that ran the
+//! sub-transaction if it is connected, else to another live instance of the
+//! same service (round-robin). Commands are queued with `try_send`, never
+//! awaited: if an instance's queue is full the next instance is tried, and if
+//! none can take it the saga polls again later (see `saga.rs`), so a slow
+//! participant never blocks the engine. Many commands may be outstanding per
+//! instance (up to its queue capacity plus what it is running).
+//!
+//! Lock order: an engine shard lock may be held while this registry's lock
+//! is taken, never the other way round.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::RwLock;
+use railyard_saga_proto::native::{server_frame, Compensate, ServerFrame};
+use railyard_saga_proto::omega::GrpcCompensateCommand;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tonic::Status;
+
+use crate::saga::{Command, Route, RouteResult};
+
+/// The outbound queue of one participant connection.
+#[derive(Debug, Clone)]
+pub(crate) enum Outbound {
+    /// An Omega `OnConnected` response stream.
+    Omega(mpsc::Sender<Result<GrpcCompensateCommand, Status>>),
+    /// A native session's response stream (shared with its acks).
+    Native(mpsc::Sender<Result<ServerFrame, Status>>),
+}
+
+enum Sent {
+    Ok,
+    Full,
+    Closed,
+}
+
+impl Outbound {
+    fn try_send(&self, cmd: Command) -> Sent {
+        let r = match self {
+            Outbound::Omega(tx) => tx
+                .try_send(Ok(GrpcCompensateCommand {
+                    global_tx_id: cmd.global_tx_id,
+                    local_tx_id: cmd.local_tx_id,
+                    parent_tx_id: cmd.parent_tx_id,
+                    compensation_method: cmd.compensation_method,
+                    payloads: cmd.payloads.to_vec(),
+                }))
+                .map_err(|e| matches!(e, TrySendError::Full(_))),
+            Outbound::Native(tx) => tx
+                .try_send(Ok(ServerFrame {
+                    kind: Some(server_frame::Kind::Compensate(Compensate {
+                        global_tx_id: cmd.global_tx_id,
+                        local_tx_id: cmd.local_tx_id,
+                        parent_tx_id: cmd.parent_tx_id,
+                        compensation_method: cmd.compensation_method,
+                        payloads: cmd.payloads.to_vec(),
+                        attempt: cmd.attempt,
+                    })),
+                }))
+                .map_err(|e| matches!(e, TrySendError::Full(_))),
+        };
+        match r {
+            Ok(()) => Sent::Ok,
+            Err(true) => Sent::Full,
+            Err(false) => Sent::Closed,
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        match self {
+            Outbound::Omega(tx) => tx.is_closed(),
+            Outbound::Native(tx) => tx.is_closed(),
+        }
+    }
+}
+
+/// One registered participant connection.
+#[derive(Debug, Clone)]
+struct Link {
+    id: u64,
+    instance: String,
+    out: Outbound,
+}
+
+/// A connected instance, for the query API.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct InstanceInfo {
+    /// Its service.
+    pub service_name: String,
+    /// Its instance id.
+    pub instance_id: String,
+    /// `omega` or `native`.
+    pub protocol: &'static str,
+}
+
+/// Every connected participant, by service.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    /// Links in registration order; the newest link of an instance wins.
+    services: RwLock<HashMap<String, Vec<Link>>>,
+    next_id: AtomicU64,
+    /// Round-robin cursor for "another instance of the service".
+    rr: AtomicUsize,
+}
+
+impl Registry {
+    /// Registers a connection; returns its id for [`unregister`](Self::unregister).
+    pub(crate) fn register(&self, service: &str, instance: &str, out: Outbound) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut g = self.services.write();
+        let links = g.entry(service.to_owned()).or_default();
+        links.retain(|l| !l.out.is_closed());
+        links.push(Link {
+            id,
+            instance: instance.to_owned(),
+            out,
+        });
+        id
+    }
+
+    /// Removes one connection (its stream ended).
+    pub(crate) fn unregister(&self, id: u64) {
+        let mut g = self.services.write();
+        g.retain(|_, links| {
+            links.retain(|l| l.id != id);
+            !links.is_empty()
+        });
+    }
+
+    /// Removes every connection of one instance (`OnDisconnected`).
+    pub(crate) fn unregister_instance(&self, service: &str, instance: &str) {
+        let mut g = self.services.write();
+        if let Some(links) = g.get_mut(service) {
+            links.retain(|l| l.instance != instance);
+            if links.is_empty() {
+                g.remove(service);
+            }
+        }
+    }
+
+    /// Drops every link (server shutdown).
+    pub(crate) fn clear(&self) {
+        self.services.write().clear();
+    }
+
+    /// Connected instances, for the query API.
+    pub(crate) fn instances(&self) -> Vec<InstanceInfo> {
+        let g = self.services.read();
+        let mut out: Vec<InstanceInfo> = g
+            .iter()
+            .flat_map(|(svc, links)| {
+                links.iter().map(move |l| InstanceInfo {
+                    service_name: svc.clone(),
+                    instance_id: l.instance.clone(),
+                    protocol: match l.out {
+                        Outbound::Omega(_) => "omega",
+                        Outbound::Native(_) => "native",
+                    },
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            (&a.service_name, &a.instance_id).cmp(&(&b.service_name, &b.instance_id))
+        });
+        out
+    }
+
+    /// Number of registered connections.
+    pub(crate) fn len(&self) -> usize {
+        self.services.read().values().map(Vec::len).sum()
+    }
+}
+
+impl Route for Registry {
+    fn send(&self, service: &str, preferred: &str, cmd: Command) -> RouteResult {
+        let mut closed = Vec::new();
+        let result = {
+            let g = self.services.read();
+            let Some(links) = g.get(service).filter(|l| !l.is_empty()) else {
+                return RouteResult::NoInstance;
+            };
+            // The instance that ran it first (its newest link), then the
+            // others starting at the round-robin cursor.
+            let start = self.rr.fetch_add(1, Ordering::Relaxed);
+            let n = links.len();
+            let preferred_idx = links.iter().rposition(|l| l.instance == preferred);
+            let order = preferred_idx.into_iter().chain(
+                (0..n)
+                    .map(|k| (start + k) % n)
+                    .filter(|i| Some(*i) != preferred_idx),
+            );
+            let mut result = RouteResult::NoInstance;
+            for i in order {
+                match links[i].out.try_send(cmd.clone()) {
+                    Sent::Ok => {
+                        result = RouteResult::Sent;
+                        break;
+                    }
+                    Sent::Full => {}
+                    Sent::Closed => closed.push(links[i].id),
+                }
+            }
+            result
+        };
+        for id in closed {
+            self.unregister(id);
+        }
+        result
+    }
+}

@@ -1,0 +1,752 @@
+//! The engine: sharded saga table, append-then-apply-then-answer, timers,
+//! recovery and the batched `finish` of terminal sagas.
+//!
+//! # Order of work per event
+//! 1. validate (malformed events are rejected, never appended);
+//! 2. classify under the saga's shard lock: events for a saga that already
+//!    finished, and compensation reports about a saga never seen, are
+//!    answered from memory without being recorded (`docs/saga.md`);
+//! 3. `store.append` every remaining event of the call at once, with no lock
+//!    held, so concurrent calls overlap and the store group-commits them;
+//! 4. apply each event under its shard lock and drive compensation;
+//! 5. return the answers; the caller acknowledges. If `append` failed,
+//!    nothing is applied and the caller answers with an error.
+//!
+//! # Locks
+//! `shards[i]` (a `parking_lot::Mutex`, held for microseconds, never across
+//! an await) may be held while the participant registry's lock is taken
+//! (to queue a command); never the reverse. `finish_queue` is taken alone.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use crate::config::CoordinatorConfig;
+use crate::dispatch::Registry;
+use crate::event::{EventKind, EventRecord};
+use crate::metrics::{EventLabels, ReasonLabels, SagaMetrics};
+use crate::saga::{self, DeadlineKind, DriveStats, Policy, Saga};
+use crate::store::{SagaState, SagaStore, SagaSummary, StoreError};
+
+/// Longest id accepted (global, local, parent, service, instance), bytes.
+const MAX_ID_BYTES: usize = 512;
+
+/// Why an event was refused before being recorded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidEvent {
+    /// The `type` string names no known event.
+    #[error("unknown event type {0:?}; expected one of SagaStartedEvent, TxStartedEvent, TxEndedEvent, TxAbortedEvent, TxCompensatedEvent, SagaEndedEvent, SagaAbortedEvent, TxCompensateAckSucceedEvent, TxCompensateAckFailedEvent")]
+    UnknownType(String),
+    /// `globalTxId` is empty.
+    #[error("globalTxId is empty; every event needs its saga's global transaction id")]
+    NoGlobalId,
+    /// A sub-transaction event without `localTxId`.
+    #[error("localTxId is empty; {0} needs the sub-transaction's id")]
+    NoLocalId(&'static str),
+    /// An id longer than the coordinator accepts.
+    #[error("{0} is longer than {MAX_ID_BYTES} bytes")]
+    TooLong(&'static str),
+    /// Events the coordinator records itself, not accepted from participants.
+    #[error("{0} is recorded by the coordinator and cannot be reported by a participant")]
+    Reserved(&'static str),
+}
+
+/// Checks one event before anything is recorded.
+///
+/// # Errors
+/// [`InvalidEvent`] saying what is wrong.
+pub fn validate(ev: &EventRecord) -> Result<(), InvalidEvent> {
+    let Some(kind) = ev.kind else {
+        return Err(InvalidEvent::UnknownType(String::new()));
+    };
+    if ev.global_tx_id.is_empty() {
+        return Err(InvalidEvent::NoGlobalId);
+    }
+    if saga::is_sub_event(kind) && ev.local_tx_id.is_empty() {
+        return Err(InvalidEvent::NoLocalId(kind.as_str()));
+    }
+    if matches!(
+        kind,
+        EventKind::SagaTimeout | EventKind::TxCompensate | EventKind::CompensateAckTimeout
+    ) {
+        return Err(InvalidEvent::Reserved(kind.as_str()));
+    }
+    for (name, v) in [
+        ("globalTxId", &ev.global_tx_id),
+        ("localTxId", &ev.local_tx_id),
+        ("parentTxId", &ev.parent_tx_id),
+        ("serviceName", &ev.service_name),
+        ("instanceId", &ev.instance_id),
+    ] {
+        if v.len() > MAX_ID_BYTES {
+            return Err(InvalidEvent::TooLong(name));
+        }
+    }
+    Ok(())
+}
+
+/// The answer to one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Recorded (or answered from a finished saga's state); `aborted` tells
+    /// the participant whether the saga is aborted.
+    Done {
+        /// The saga is aborted.
+        aborted: bool,
+    },
+    /// Refused; nothing was recorded.
+    Invalid(InvalidEvent),
+}
+
+/// Terminal sagas remembered per shard (bounded FIFO).
+#[derive(Debug, Default)]
+struct FinishedCache {
+    map: HashMap<Arc<str>, SagaSummary>,
+    order: VecDeque<Arc<str>>,
+}
+
+impl FinishedCache {
+    fn insert(&mut self, id: Arc<str>, s: SagaSummary, cap: usize) {
+        if self.map.insert(id.clone(), s).is_none() {
+            self.order.push_back(id);
+        }
+        while self.order.len() > cap.max(1) {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    live: HashMap<Arc<str>, Saga>,
+    /// Every live saga's deadline, earliest first; kept equal to
+    /// `saga.deadline` by `settle`.
+    timers: BTreeSet<(Instant, Arc<str>)>,
+    finished: FinishedCache,
+}
+
+/// Summaries waiting for one batched `store.finish`.
+#[derive(Debug, Default)]
+struct FinishQueue {
+    pending: Mutex<Vec<SagaSummary>>,
+    notify: Notify,
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub(crate) fn wall_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// A live saga's view for queries.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SagaView {
+    /// The summary (state, counts).
+    #[serde(flatten)]
+    pub summary: SagaSummary,
+    /// Its sub-transactions in start order.
+    pub sub_transactions: Vec<SubView>,
+}
+
+/// A sub-transaction's view for queries.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SubView {
+    /// Its id.
+    pub local_tx_id: String,
+    /// Its parent, or `""`.
+    pub parent_tx_id: String,
+    /// The service that ran it.
+    pub service_name: String,
+    /// The instance that ran it.
+    pub instance_id: String,
+    /// Its state.
+    pub state: saga::SubState,
+    /// Compensation attempts so far.
+    pub attempts: u32,
+    /// Its compensation method.
+    pub compensation_method: String,
+}
+
+/// The coordinator's core. Shared by the gRPC services, the timer and the
+/// finisher tasks (which hold it weakly, so dropping the last
+/// [`Coordinator`](crate::Coordinator) stops them).
+pub(crate) struct Engine {
+    pub(crate) store: Arc<dyn SagaStore>,
+    shards: Box<[Mutex<Shard>]>,
+    hasher: foldhash::fast::FixedState,
+    pub(crate) registry: Registry,
+    policy: Policy,
+    pub(crate) config: CoordinatorConfig,
+    pub(crate) metrics: SagaMetrics,
+    finish_queue: Arc<FinishQueue>,
+    tasks: Mutex<Vec<AbortHandle>>,
+    /// Set once the server stops: participant streams end.
+    closing: tokio::sync::watch::Sender<bool>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        for t in self.tasks.get_mut().drain(..) {
+            t.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("store", &self.store.name())
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Builds the engine, replays `store.unfinished()` and starts the timer
+    /// and finisher tasks (on the current runtime).
+    pub(crate) async fn start(
+        store: Arc<dyn SagaStore>,
+        config: CoordinatorConfig,
+    ) -> Result<Arc<Self>, StoreError> {
+        let n = config.shards.max(1);
+        let policy = Policy {
+            default_reverse_retries: config.default_reverse_retries,
+            default_reverse_timeout: config.default_reverse_timeout,
+            default_retry_delay: config.default_retry_delay,
+            instance_wait: config.instance_wait,
+            straggler_wait: config.straggler_wait,
+        };
+        let engine = Arc::new(Self {
+            store,
+            shards: (0..n).map(|_| Mutex::new(Shard::default())).collect(),
+            hasher: foldhash::fast::FixedState::with_seed(0x5a6a),
+            registry: Registry::default(),
+            policy,
+            config,
+            metrics: SagaMetrics::new(),
+            finish_queue: Arc::new(FinishQueue::default()),
+            tasks: Mutex::new(Vec::new()),
+            closing: tokio::sync::watch::channel(false).0,
+        });
+        engine.recover().await?;
+        let timer = tokio::spawn(timer_loop(
+            Arc::downgrade(&engine),
+            engine.config.timer_tick,
+        ));
+        let finisher = tokio::spawn(finish_loop(
+            engine.store.clone(),
+            engine.finish_queue.clone(),
+        ));
+        engine
+            .tasks
+            .lock()
+            .extend([timer.abort_handle(), finisher.abort_handle()]);
+        Ok(engine)
+    }
+
+    fn shard_of(&self, gid: &str) -> &Mutex<Shard> {
+        let h = self.hasher.hash_one(gid);
+        // The modulo keeps the index below `shards.len()`.
+        &self.shards[usize::try_from(h % self.shards.len() as u64).unwrap_or(0)]
+    }
+
+    /// Records `events` and answers each, in order: see the module docs.
+    ///
+    /// # Errors
+    /// [`StoreError`] if the append failed: nothing was applied and nothing
+    /// may be acknowledged.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: if dropped while appending, the events may be
+    /// durable but are not applied until a restart replays them. The gRPC
+    /// handlers therefore run it on a task of its own.
+    pub(crate) async fn handle(
+        &self,
+        events: Vec<EventRecord>,
+        protocol: &'static str,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(events.len());
+        let mut to_append = Vec::with_capacity(events.len());
+        let mut slots = Vec::with_capacity(events.len());
+        // Sagas an earlier event of this call will create (a batch may
+        // carry a saga's whole life).
+        let mut batch_sagas: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let track_batch = events.len() > 1;
+        for ev in events {
+            if let Err(e) = validate(&ev) {
+                self.metrics
+                    .rejected
+                    .get_or_create(&ReasonLabels { reason: "invalid" })
+                    .inc();
+                outcomes.push(Some(Outcome::Invalid(e)));
+                continue;
+            }
+            let in_batch = !batch_sagas.is_empty() && batch_sagas.contains(&ev.global_tx_id);
+            match self.classify(&ev, in_batch) {
+                Some(answer) => outcomes.push(Some(answer)),
+                None => {
+                    if !in_batch && track_batch {
+                        batch_sagas.insert(ev.global_tx_id.clone());
+                    }
+                    slots.push(outcomes.len());
+                    outcomes.push(None);
+                    to_append.push(ev);
+                }
+            }
+        }
+        if !to_append.is_empty() {
+            let t0 = std::time::Instant::now();
+            let n = to_append.len();
+            if let Err(e) = self.store.append(to_append.clone()).await {
+                self.metrics
+                    .rejected
+                    .get_or_create(&ReasonLabels { reason: "store" })
+                    .inc_by(n as u64);
+                return Err(e);
+            }
+            self.metrics
+                .append_seconds
+                .observe(t0.elapsed().as_secs_f64());
+            self.metrics.append_events.observe(n as f64);
+            let now = Instant::now();
+            for (ev, slot) in to_append.iter().zip(slots) {
+                if let Some(kind) = ev.kind {
+                    self.metrics
+                        .events
+                        .get_or_create(&EventLabels {
+                            kind: kind.as_str(),
+                            protocol,
+                        })
+                        .inc();
+                }
+                outcomes[slot] = Some(self.apply(ev, now));
+            }
+        }
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::Done { aborted: false }))
+            .collect())
+    }
+
+    /// Answers without recording when the event cannot change anything.
+    fn classify(&self, ev: &EventRecord, in_batch: bool) -> Option<Outcome> {
+        let kind = ev.kind?;
+        if in_batch {
+            return None;
+        }
+        let shard = self.shard_of(&ev.global_tx_id).lock();
+        if shard.live.contains_key(ev.global_tx_id.as_str()) {
+            return None;
+        }
+        if let Some(s) = shard.finished.map.get(ev.global_tx_id.as_str()) {
+            // Row "event after a terminal state".
+            return Some(Outcome::Done {
+                aborted: s.state != SagaState::Committed,
+            });
+        }
+        if saga::creates_saga(kind) {
+            None
+        } else {
+            // Row "compensation report for an unknown saga".
+            Some(Outcome::Done { aborted: false })
+        }
+    }
+
+    /// Applies one recorded event (live path or replay).
+    fn apply(&self, ev: &EventRecord, now: Instant) -> Outcome {
+        let Some(kind) = ev.kind else {
+            return Outcome::Done { aborted: false };
+        };
+        let mut shard = self.shard_of(&ev.global_tx_id).lock();
+        let shard = &mut *shard;
+        if !shard.live.contains_key(ev.global_tx_id.as_str()) {
+            if let Some(s) = shard.finished.map.get(ev.global_tx_id.as_str()) {
+                // Finished between classify and apply: the event is in the
+                // log, so finish again (idempotent) to compact it.
+                let aborted = s.state != SagaState::Committed;
+                self.finish_queue.pending.lock().push(s.clone());
+                self.finish_queue.notify.notify_one();
+                return Outcome::Done { aborted };
+            }
+            if !saga::creates_saga(kind) {
+                return Outcome::Done { aborted: false };
+            }
+            let id: Arc<str> = Arc::from(ev.global_tx_id.as_str());
+            shard.live.insert(id.clone(), Saga::new(id, ev));
+            self.metrics.transition(None, SagaState::Running);
+        }
+        let Some(id) = shard
+            .live
+            .get_key_value(ev.global_tx_id.as_str())
+            .map(|(k, _)| k.clone())
+        else {
+            return Outcome::Done { aborted: false };
+        };
+        let Some(saga) = shard.live.get_mut(&id) else {
+            return Outcome::Done { aborted: false };
+        };
+        let before = (saga.deadline, saga.state);
+        let applied = saga.apply(ev, now);
+        let mut stats = DriveStats::default();
+        saga.drive(now, &self.registry, &self.policy, &mut stats);
+        let aborted = applied.aborted;
+        self.settle(shard, &id, before, stats);
+        Outcome::Done { aborted }
+    }
+
+    /// After a saga changed: keep the timer index, metrics and the finished
+    /// cache in step; forget it and queue its summary if terminal.
+    fn settle(
+        &self,
+        shard: &mut Shard,
+        id: &Arc<str>,
+        before: (Option<(Instant, DeadlineKind)>, SagaState),
+        stats: DriveStats,
+    ) {
+        self.metrics
+            .compensations_sent
+            .inc_by(u64::from(stats.sent));
+        self.metrics
+            .compensations_retried
+            .inc_by(u64::from(stats.retried));
+        self.metrics
+            .compensations_failed
+            .inc_by(u64::from(stats.failed));
+        let Some(saga) = shard.live.get(id) else {
+            return;
+        };
+        let after = saga.deadline;
+        if before.0.map(|d| d.0) != after.map(|d| d.0) {
+            if let Some((t, _)) = before.0 {
+                shard.timers.remove(&(t, id.clone()));
+            }
+            if let Some((t, _)) = after {
+                shard.timers.insert((t, id.clone()));
+            }
+        }
+        let state = saga.state;
+        self.metrics.transition(Some(before.1), state);
+        if state.is_terminal() {
+            if let Some((t, _)) = after {
+                shard.timers.remove(&(t, id.clone()));
+            }
+            if let Some(saga) = shard.live.remove(id) {
+                let summary = saga.summary(wall_ms());
+                shard.finished.insert(
+                    id.clone(),
+                    summary.clone(),
+                    self.config.finished_cache_per_shard,
+                );
+                self.finish_queue.pending.lock().push(summary);
+                self.finish_queue.notify.notify_one();
+            }
+        }
+    }
+
+    /// Runs expired deadlines; returns the sagas whose own timeout expired
+    /// (their `SagaTimeout` must be recorded before it is applied).
+    fn expire(&self, now: Instant) -> Vec<EventRecord> {
+        let mut timeouts = Vec::new();
+        for m in self.shards.iter() {
+            let mut shard = m.lock();
+            let shard = &mut *shard;
+            // Bounded by the number of expired entries.
+            while let Some((t, id)) = shard.timers.first().cloned() {
+                if t > now {
+                    break;
+                }
+                shard.timers.pop_first();
+                let Some(saga) = shard.live.get_mut(&id) else {
+                    continue;
+                };
+                let before = (saga.deadline, saga.state);
+                match saga.deadline {
+                    Some((at, DeadlineKind::SagaTimeout)) if at <= now => {
+                        saga.deadline = None;
+                        timeouts.push(EventRecord {
+                            global_tx_id: id.to_string(),
+                            local_tx_id: id.to_string(),
+                            kind: Some(EventKind::SagaTimeout),
+                            service_name: saga.service_name.clone(),
+                            instance_id: saga.instance_id.clone(),
+                            timestamp_ms: wall_ms(),
+                            ..EventRecord::default()
+                        });
+                        // The entry was popped already; `before` must not
+                        // name it again.
+                        continue;
+                    }
+                    _ => {}
+                }
+                let mut stats = DriveStats::default();
+                saga.on_timer(now, &self.registry, &self.policy, &mut stats);
+                // The popped entry is gone: settle from "no deadline".
+                self.settle(shard, &id, (None, before.1), stats);
+            }
+        }
+        timeouts
+    }
+
+    /// Records and applies `SagaTimeout` for sagas whose timeout expired; on
+    /// a store error they are tried again a second later.
+    async fn record_timeouts(&self, timeouts: Vec<EventRecord>) {
+        if timeouts.is_empty() {
+            return;
+        }
+        match self.store.append(timeouts.clone()).await {
+            Ok(()) => {
+                let now = Instant::now();
+                for ev in &timeouts {
+                    self.metrics
+                        .events
+                        .get_or_create(&EventLabels {
+                            kind: EventKind::SagaTimeout.as_str(),
+                            protocol: "coordinator",
+                        })
+                        .inc();
+                    self.apply(ev, now);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, sagas = timeouts.len(), "could not record saga timeouts; retrying");
+                let at = Instant::now() + Duration::from_secs(1);
+                for ev in timeouts {
+                    let mut shard = self.shard_of(&ev.global_tx_id).lock();
+                    let shard = &mut *shard;
+                    let id = shard
+                        .live
+                        .get_key_value(ev.global_tx_id.as_str())
+                        .map(|(k, _)| k.clone());
+                    if let Some(id) = id {
+                        if let Some(saga) = shard.live.get_mut(&id) {
+                            if saga.state == SagaState::Running && saga.deadline.is_none() {
+                                saga.deadline = Some((at, DeadlineKind::SagaTimeout));
+                                shard.timers.insert((at, id));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// An instance of `service` registered: commands waiting for one go now.
+    pub(crate) fn on_instance(&self, service: &str) {
+        let now = Instant::now();
+        for m in self.shards.iter() {
+            let mut shard = m.lock();
+            let shard = &mut *shard;
+            let waiting: Vec<Arc<str>> = shard
+                .live
+                .iter()
+                .filter(|(_, s)| s.waiting_for_instance())
+                .map(|(k, _)| k.clone())
+                .collect();
+            for id in waiting {
+                let Some(saga) = shard.live.get_mut(&id) else {
+                    continue;
+                };
+                let before = (saga.deadline, saga.state);
+                let mut stats = DriveStats::default();
+                saga.on_instance(service, now, &self.registry, &self.policy, &mut stats);
+                self.settle(shard, &id, before, stats);
+            }
+        }
+    }
+
+    /// Rebuilds state from the store's unfinished events and resumes
+    /// timeouts and compensations.
+    async fn recover(&self) -> Result<(), StoreError> {
+        let events = self.store.unfinished().await?;
+        let now = Instant::now();
+        let count = events.len();
+        for ev in &events {
+            let Some(kind) = ev.kind else { continue };
+            let mut shard = self.shard_of(&ev.global_tx_id).lock();
+            if !shard.live.contains_key(ev.global_tx_id.as_str()) {
+                if !saga::creates_saga(kind) {
+                    continue;
+                }
+                let id: Arc<str> = Arc::from(ev.global_tx_id.as_str());
+                shard.live.insert(id.clone(), Saga::new(id, ev));
+            }
+            if let Some(saga) = shard.live.get_mut(ev.global_tx_id.as_str()) {
+                saga.apply(ev, now);
+            }
+        }
+        let wall = wall_ms();
+        let mut sagas = 0usize;
+        for m in self.shards.iter() {
+            let mut shard = m.lock();
+            let shard = &mut *shard;
+            let ids: Vec<Arc<str>> = shard.live.keys().cloned().collect();
+            sagas += ids.len();
+            for id in ids {
+                let Some(saga) = shard.live.get_mut(&id) else {
+                    continue;
+                };
+                self.metrics.transition(None, SagaState::Running);
+                let before = (None, SagaState::Running);
+                saga.deadline = None;
+                if saga.state == SagaState::Running && saga.saga_started && saga.timeout_s > 0 {
+                    // The timeout runs on the starter's clock: what is left
+                    // of it now (expired ones fire on the first tick).
+                    let end = saga
+                        .started_ms
+                        .saturating_add(i64::from(saga.timeout_s) * 1000);
+                    let left = u64::try_from(end.saturating_sub(wall)).unwrap_or(0);
+                    saga.deadline =
+                        Some((now + Duration::from_millis(left), DeadlineKind::SagaTimeout));
+                }
+                saga.reset_after_recovery();
+                let mut stats = DriveStats::default();
+                saga.drive(now, &self.registry, &self.policy, &mut stats);
+                self.settle(shard, &id, before, stats);
+            }
+        }
+        if count > 0 {
+            tracing::info!(
+                events = count,
+                sagas,
+                store = self.store.name(),
+                "recovered unfinished sagas"
+            );
+        }
+        Ok(())
+    }
+
+    /// Ends every participant stream (server shutdown): open streams would
+    /// otherwise keep a graceful shutdown waiting forever.
+    pub(crate) fn close_streams(&self) {
+        self.closing.send_replace(true);
+        self.registry.clear();
+        self.metrics.instances.set(0);
+    }
+
+    /// Resolves once [`close_streams`](Self::close_streams) was called.
+    pub(crate) fn closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closing.subscribe();
+        async move {
+            let _ = rx.wait_for(|c| *c).await;
+        }
+    }
+
+    /// A live saga's view, if it is in memory.
+    pub(crate) fn live_view(&self, gid: &str) -> Option<SagaView> {
+        let shard = self.shard_of(gid).lock();
+        let saga = shard.live.get(gid)?;
+        Some(view_of(saga))
+    }
+
+    /// A recently finished saga's summary, if remembered.
+    pub(crate) fn finished_summary(&self, gid: &str) -> Option<SagaSummary> {
+        self.shard_of(gid).lock().finished.map.get(gid).cloned()
+    }
+
+    /// Summaries of live sagas matching `filter` (at most `limit`).
+    pub(crate) fn live_summaries(
+        &self,
+        filter: &dyn Fn(&SagaSummary) -> bool,
+        limit: usize,
+    ) -> Vec<SagaSummary> {
+        let mut out = Vec::new();
+        for m in self.shards.iter() {
+            let shard = m.lock();
+            for s in shard.live.values() {
+                let sum = s.summary(0);
+                if filter(&sum) {
+                    out.push(sum);
+                }
+            }
+        }
+        out.sort_by_key(|s| std::cmp::Reverse(s.started_ms));
+        out.truncate(limit);
+        out
+    }
+
+    /// Live sagas by state.
+    pub(crate) fn live_counts(&self) -> (u64, u64) {
+        let (mut running, mut compensating) = (0, 0);
+        for m in self.shards.iter() {
+            for s in m.lock().live.values() {
+                match s.state {
+                    SagaState::Running => running += 1,
+                    SagaState::Compensating => compensating += 1,
+                    _ => {}
+                }
+            }
+        }
+        (running, compensating)
+    }
+
+    /// Waits until every queued `finish` reached the store (tests, shutdown).
+    pub(crate) async fn flush(&self) -> Result<(), StoreError> {
+        let batch = std::mem::take(&mut *self.finish_queue.pending.lock());
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.store.finish(batch).await
+    }
+}
+
+fn view_of(saga: &Saga) -> SagaView {
+    SagaView {
+        summary: saga.summary(0),
+        sub_transactions: saga
+            .subs
+            .iter()
+            .map(|s| SubView {
+                local_tx_id: s.local_tx_id.clone(),
+                parent_tx_id: s.parent_tx_id.clone(),
+                service_name: s.service_name.clone(),
+                instance_id: s.instance_id.clone(),
+                state: s.state,
+                attempts: s.attempts,
+                compensation_method: s.compensation_method.clone(),
+            })
+            .collect(),
+    }
+}
+
+async fn timer_loop(engine: Weak<Engine>, tick: Duration) {
+    let mut interval = tokio::time::interval(tick.max(Duration::from_millis(1)));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(engine) = engine.upgrade() else {
+            return;
+        };
+        let timeouts = engine.expire(Instant::now());
+        engine.record_timeouts(timeouts).await;
+    }
+}
+
+/// Hands terminal sagas to `store.finish` in batches: everything queued
+/// while the previous call ran goes in the next one.
+async fn finish_loop(store: Arc<dyn SagaStore>, queue: Arc<FinishQueue>) {
+    loop {
+        queue.notify.notified().await;
+        loop {
+            let batch = std::mem::take(&mut *queue.pending.lock());
+            if batch.is_empty() {
+                break;
+            }
+            if let Err(e) = store.finish(batch.clone()).await {
+                // They stay unfinished in the store and would be recovered
+                // (idempotently) after a restart; try again shortly.
+                tracing::warn!(error = %e, sagas = batch.len(), "could not finish sagas; retrying");
+                queue.pending.lock().extend(batch);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Prometheus metrics of the coordinator (prometheus-client).
+//!
+//! | name | type | labels |
+//! |---|---|---|
+//! | `railyard_saga_events_total` | counter | `kind` (wire name), `protocol` (`omega`, `native`, `coordinator`) |
+//! | `railyard_saga_acks_total` | counter | `protocol` |
+//! | `railyard_saga_rejected_total` | counter | `reason` (`invalid`, `store`) |
+//! | `railyard_saga_append_seconds` | histogram (50 us .. 10 s) | |
+//! | `railyard_saga_append_events` | histogram | (events per `append` call) |
+//! | `railyard_saga_sagas` | gauge | `state` (`RUNNING`, `COMPENSATING`: live sagas in memory) |
+//! | `railyard_saga_finished_total` | counter | `state` (terminal states) |
+//! | `railyard_saga_compensations_sent_total` | counter | (first attempts) |
+//! | `railyard_saga_compensations_retried_total` | counter | (later attempts) |
+//! | `railyard_saga_compensations_failed_total` | counter | (sub-transactions given up) |
+//! | `railyard_saga_instances` | gauge | (participant connections registered) |
+//!
+//! Label values are fixed sets, so cardinality is bounded.
+
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::store::SagaState;
+
+/// A metric registry shared by a node's subsystems (the same type as
+/// `railyard_http::MetricsRegistry`). Locked only to register and encode.
+pub type MetricsRegistry = Arc<Mutex<Registry>>;
+
+/// Latency buckets in seconds, 50 us .. 10 s.
+const LATENCY_BUCKETS: [f64; 17] = [
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+];
+
+const BATCH_BUCKETS: [f64; 10] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0,
+];
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct EventLabels {
+    pub(crate) kind: &'static str,
+    pub(crate) protocol: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ProtocolLabels {
+    pub(crate) protocol: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ReasonLabels {
+    pub(crate) reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct StateLabels {
+    pub(crate) state: &'static str,
+}
+
+/// The coordinator's metrics: cheap handles (atomics behind `Arc`s).
+#[derive(Debug, Clone)]
+pub(crate) struct SagaMetrics {
+    pub(crate) events: Family<EventLabels, Counter>,
+    pub(crate) acks: Family<ProtocolLabels, Counter>,
+    pub(crate) rejected: Family<ReasonLabels, Counter>,
+    pub(crate) append_seconds: Histogram,
+    pub(crate) append_events: Histogram,
+    pub(crate) sagas: Family<StateLabels, Gauge>,
+    pub(crate) finished: Family<StateLabels, Counter>,
+    pub(crate) compensations_sent: Counter,
+    pub(crate) compensations_retried: Counter,
+    pub(crate) compensations_failed: Counter,
+    pub(crate) instances: Gauge,
+}
+
+impl SagaMetrics {
+    pub(crate) fn new() -> Self {
+        Self {
+            events: Family::default(),
+            acks: Family::default(),
+            rejected: Family::default(),
+            append_seconds: Histogram::new(LATENCY_BUCKETS),
+            append_events: Histogram::new(BATCH_BUCKETS),
+            sagas: Family::default(),
+            finished: Family::default(),
+            compensations_sent: Counter::default(),
+            compensations_retried: Counter::default(),
+            compensations_failed: Counter::default(),
+            instances: Gauge::default(),
+        }
+    }
+
+    /// Registers these handles in `registry` under `railyard_saga_`.
+    pub(crate) fn register(&self, registry: &MetricsRegistry) {
+        // A poisoned lock only means another thread panicked while
+        // registering; the registry is still usable.
+        let mut reg = registry.lock().unwrap_or_else(|p| p.into_inner());
+        let r = reg.sub_registry_with_prefix("railyard_saga");
+        r.register(
+            "events",
+            "Saga events recorded, by kind and protocol",
+            self.events.clone(),
+        );
+        r.register(
+            "acks",
+            "Acknowledgements sent after a durable append",
+            self.acks.clone(),
+        );
+        r.register(
+            "rejected",
+            "Events answered with an error instead of an acknowledgement",
+            self.rejected.clone(),
+        );
+        r.register(
+            "append_seconds",
+            "Time for the store to make one append durable",
+            self.append_seconds.clone(),
+        );
+        r.register(
+            "append_events",
+            "Events per append call",
+            self.append_events.clone(),
+        );
+        r.register("sagas", "Live sagas by state", self.sagas.clone());
+        r.register(
+            "finished",
+            "Sagas that reached a terminal state",
+            self.finished.clone(),
+        );
+        r.register(
+            "compensations_sent",
+            "Compensation commands sent (first attempts)",
+            self.compensations_sent.clone(),
+        );
+        r.register(
+            "compensations_retried",
+            "Compensation commands sent again",
+            self.compensations_retried.clone(),
+        );
+        r.register(
+            "compensations_failed",
+            "Sub-transactions whose compensation attempts were exhausted",
+            self.compensations_failed.clone(),
+        );
+        r.register(
+            "instances",
+            "Participant connections registered",
+            self.instances.clone(),
+        );
+    }
+
+    /// A saga moved from `from` (None: new) to `to` (None: forgotten).
+    pub(crate) fn transition(&self, from: Option<SagaState>, to: SagaState) {
+        if from == Some(to) {
+            return;
+        }
+        if let Some(f) = from.filter(|f| !f.is_terminal()) {
+            self.sagas
+                .get_or_create(&StateLabels { state: f.as_str() })
+                .dec();
+        }
+        if to.is_terminal() {
+            self.finished
+                .get_or_create(&StateLabels { state: to.as_str() })
+                .inc();
+        } else {
+            self.sagas
+                .get_or_create(&StateLabels { state: to.as_str() })
+                .inc();
+        }
+    }
+}
+
+/// Encodes `registry` as Prometheus (OpenMetrics) text.
+pub fn encode(registry: &MetricsRegistry) -> String {
+    let mut out = String::with_capacity(8 * 1024);
+    let reg = registry.lock().unwrap_or_else(|p| p.into_inner());
+    // Writing into a String cannot fail.
+    prometheus_client::encoding::text::encode(&mut out, &reg).expect("writing to a String");
+    out
+}

@@ -1,0 +1,272 @@
+//! Railyard's native `railyard.saga.v1.SagaCoordinator.Session` stream.
+//!
+//! A session starts with `Hello` (service, instance, optional token); the
+//! coordinator answers `Welcome` and registers the instance for
+//! compensation commands. Each `EventBatch` is appended with one `append`
+//! call, applied, and answered with `Ack { seq, results }` (one result per
+//! event, in order; a malformed event gets its `error` set and is not
+//! recorded, the others are).
+//!
+//! Up to `session_in_flight` batches per session are processed at once, so
+//! **acks may go out in a different order than their `seq`**; clients match
+//! acks by `seq`. When that many are outstanding the session stops reading
+//! frames until one completes (back-pressure through HTTP/2 flow control).
+//!
+//! The outbound queue (`session_queue` frames) carries acks and
+//! `Compensate` commands. Acks wait for room (never dropped); a command
+//! that finds the queue full goes to another instance of the service or
+//! waits and is retried (see `dispatch`). `TX_COMPENSATED` and
+//! `TX_COMPENSATE_FAILED` come back as ordinary events.
+//!
+//! A store failure ends the session with `UNAVAILABLE` (batches not acked
+//! must be resent on a new session); a frame out of protocol (events before
+//! `Hello`, a second `Hello`, an empty frame, an oversized batch) ends it
+//! with `INVALID_ARGUMENT`. Only that session is affected.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinator;
+use railyard_saga_proto::native::{
+    client_frame, server_frame, Ack, ClientFrame, EventResult, EventType, SagaEvent, ServerFrame,
+    Welcome,
+};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::dispatch::Outbound;
+use crate::engine::{Engine, InvalidEvent, Outcome};
+use crate::event::{EventKind, EventRecord};
+use crate::metrics::ProtocolLabels;
+
+/// The `SagaCoordinator` implementation; build it with
+/// [`Coordinator::native_service`](crate::Coordinator::native_service).
+#[derive(Debug, Clone)]
+pub struct NativeService {
+    pub(crate) engine: Arc<Engine>,
+}
+
+fn kind_of(t: i32) -> Result<EventKind, InvalidEvent> {
+    match EventType::try_from(t) {
+        Ok(EventType::SagaStarted) => Ok(EventKind::SagaStarted),
+        Ok(EventType::TxStarted) => Ok(EventKind::TxStarted),
+        Ok(EventType::TxEnded) => Ok(EventKind::TxEnded),
+        Ok(EventType::TxAborted) => Ok(EventKind::TxAborted),
+        Ok(EventType::TxCompensated) => Ok(EventKind::TxCompensated),
+        Ok(EventType::SagaEnded) => Ok(EventKind::SagaEnded),
+        Ok(EventType::SagaAborted) => Ok(EventKind::SagaAborted),
+        Ok(EventType::TxCompensateFailed) => Ok(EventKind::TxCompensateAckFailed),
+        Ok(EventType::Unspecified) | Err(_) => {
+            Err(InvalidEvent::UnknownType(format!("native event type {t}")))
+        }
+    }
+}
+
+fn ceil_secs(ms: u32) -> i32 {
+    i32::try_from(ms.div_ceil(1000)).unwrap_or(i32::MAX)
+}
+
+/// Converts a native event reported by `service`/`instance`.
+///
+/// Timeouts are kept in whole seconds (rounded up), as Omega's are.
+///
+/// # Errors
+/// [`InvalidEvent::UnknownType`] for an unspecified or unknown type.
+pub fn from_native(
+    e: SagaEvent,
+    service: &str,
+    instance: &str,
+) -> Result<EventRecord, InvalidEvent> {
+    let kind = kind_of(e.r#type)?;
+    Ok(EventRecord {
+        global_tx_id: e.global_tx_id,
+        local_tx_id: e.local_tx_id,
+        parent_tx_id: e.parent_tx_id,
+        kind: Some(kind),
+        service_name: service.to_owned(),
+        instance_id: instance.to_owned(),
+        compensation_method: e.compensation_method,
+        payloads: Bytes::from(e.payloads),
+        timestamp_ms: e.timestamp_ms,
+        timeout_s: ceil_secs(e.timeout_ms),
+        forward_timeout_s: 0,
+        forward_retries: 0,
+        reverse_retries: i32::try_from(e.reverse_retries).unwrap_or(i32::MAX),
+        reverse_timeout_s: ceil_secs(e.reverse_timeout_ms),
+        retry_delay_ms: i32::try_from(e.retry_delay_ms).unwrap_or(i32::MAX),
+        retry_method: String::new(),
+    })
+}
+
+type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
+
+#[tonic::async_trait]
+impl SagaCoordinator for NativeService {
+    type SessionStream = ReceiverStream<Result<ServerFrame, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<ClientFrame>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(self.engine.config.session_queue.max(2));
+        tokio::spawn(run_session(self.engine.clone(), inbound, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, tx: Tx) {
+    // The first frame must be Hello.
+    let hello = match inbound.next().await {
+        Some(Ok(ClientFrame {
+            kind: Some(client_frame::Kind::Hello(h)),
+        })) => h,
+        Some(Ok(_)) => {
+            let _ = tx
+                .send(Err(Status::invalid_argument(
+                    "the first frame of a session must be Hello",
+                )))
+                .await;
+            return;
+        }
+        Some(Err(_)) | None => return,
+    };
+    if hello.service_name.is_empty() {
+        let _ = tx
+            .send(Err(Status::invalid_argument(
+                "Hello.service_name is empty; name the participant's service",
+            )))
+            .await;
+        return;
+    }
+    if let Some(token) = engine.config.token.as_deref() {
+        if hello.token != token {
+            let _ = tx
+                .send(Err(Status::unauthenticated(
+                    "Hello.token does not match the coordinator's token",
+                )))
+                .await;
+            return;
+        }
+    }
+    let welcome = ServerFrame {
+        kind: Some(server_frame::Kind::Welcome(Welcome {
+            meta: crate::omega::server_meta(engine.config.advertise_akka),
+        })),
+    };
+    if tx.send(Ok(welcome)).await.is_err() {
+        return;
+    }
+    let link = engine.registry.register(
+        &hello.service_name,
+        &hello.instance_id,
+        Outbound::Native(tx.clone()),
+    );
+    engine.metrics.instances.set(engine.registry.len() as i64);
+    engine.on_instance(&hello.service_name);
+    let slots = Arc::new(Semaphore::new(engine.config.session_in_flight.max(1)));
+    let service: Arc<str> = Arc::from(hello.service_name.as_str());
+    let instance: Arc<str> = Arc::from(hello.instance_id.as_str());
+    let closed = engine.closed();
+    tokio::pin!(closed);
+    loop {
+        let frame = tokio::select! {
+            f = inbound.next() => f,
+            () = tx.closed() => break,
+            () = &mut closed => break,
+        };
+        let batch = match frame {
+            Some(Ok(ClientFrame {
+                kind: Some(client_frame::Kind::Events(b)),
+            })) => b,
+            Some(Ok(ClientFrame {
+                kind: Some(client_frame::Kind::Hello(_)),
+            })) => {
+                let _ = tx
+                    .send(Err(Status::invalid_argument(
+                        "a second Hello on one session; open a new session instead",
+                    )))
+                    .await;
+                break;
+            }
+            Some(Ok(ClientFrame { kind: None })) => {
+                let _ = tx
+                    .send(Err(Status::invalid_argument("an empty ClientFrame")))
+                    .await;
+                break;
+            }
+            Some(Err(_)) | None => break,
+        };
+        if batch.events.len() > engine.config.max_batch_events {
+            let _ = tx
+                .send(Err(Status::invalid_argument(format!(
+                    "EventBatch of {} events; at most {} per batch",
+                    batch.events.len(),
+                    engine.config.max_batch_events
+                ))))
+                .await;
+            break;
+        }
+        // Waits while `session_in_flight` batches are outstanding.
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            break;
+        };
+        let engine = engine.clone();
+        let tx = tx.clone();
+        let (service, instance) = (service.clone(), instance.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let seq = batch.seq;
+            let converted: Vec<Result<EventRecord, InvalidEvent>> = batch
+                .events
+                .into_iter()
+                .map(|e| from_native(e, &service, &instance))
+                .collect();
+            let valid: Vec<EventRecord> = converted
+                .iter()
+                .filter_map(|r| r.as_ref().ok().cloned())
+                .collect();
+            let outcomes = match engine.handle(valid, "native").await {
+                Ok(o) => o,
+                Err(e) => {
+                    let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                    return;
+                }
+            };
+            let mut outcomes = outcomes.into_iter();
+            let results = converted
+                .into_iter()
+                .map(|r| {
+                    let o = match r {
+                        Ok(_) => outcomes.next().unwrap_or(Outcome::Done { aborted: false }),
+                        Err(e) => Outcome::Invalid(e),
+                    };
+                    match o {
+                        Outcome::Done { aborted } => EventResult {
+                            aborted,
+                            error: String::new(),
+                        },
+                        Outcome::Invalid(e) => EventResult {
+                            aborted: false,
+                            error: e.to_string(),
+                        },
+                    }
+                })
+                .collect();
+            engine
+                .metrics
+                .acks
+                .get_or_create(&ProtocolLabels { protocol: "native" })
+                .inc();
+            let _ = tx
+                .send(Ok(ServerFrame {
+                    kind: Some(server_frame::Kind::Ack(Ack { seq, results })),
+                }))
+                .await;
+        });
+    }
+    engine.registry.unregister(link);
+    engine.metrics.instances.set(engine.registry.len() as i64);
+}

@@ -1,0 +1,661 @@
+//! One saga's state machine: pure, synchronous, no I/O.
+//!
+//! [`Saga::apply`] folds one recorded event into the state;
+//! [`Saga::drive`] then moves compensation forward (choosing the next
+//! sub-transaction, sending its command through a [`Route`]), and
+//! [`Saga::on_timer`] handles the saga's single deadline. The engine calls
+//! them under its shard lock; they never block and never await.
+//!
+//! The full table of transitions, including every out-of-order and
+//! duplicate case, is in `docs/saga.md`; comments here name the rows.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use crate::event::{EventKind, EventRecord};
+use crate::store::{SagaState, SagaSummary};
+
+/// A sub-transaction's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum SubState {
+    /// `TxStarted` seen, no outcome yet.
+    Started,
+    /// Completed (`TxEnded`): compensated if the saga aborts.
+    Ended,
+    /// Failed (`TxAborted`), or rejected because the saga had aborted: its
+    /// work did not happen, nothing to compensate.
+    Aborted,
+    /// A compensation command is outstanding (or waiting to be resent).
+    Compensating,
+    /// The participant reported the compensation done.
+    Compensated,
+    /// Every compensation attempt failed (or it could not be attempted).
+    CompensationFailed,
+}
+
+/// A compensation command, as sent to a participant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Command {
+    /// The saga.
+    pub global_tx_id: String,
+    /// The sub-transaction to undo.
+    pub local_tx_id: String,
+    /// Its parent, as reported in `TxStarted`.
+    pub parent_tx_id: String,
+    /// `TxStarted`'s compensation method, verbatim.
+    pub compensation_method: String,
+    /// `TxStarted`'s payloads, byte for byte.
+    pub payloads: Bytes,
+    /// Attempt number, from 1.
+    pub attempt: u32,
+}
+
+/// Whether a command reached an instance's outbound queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RouteResult {
+    /// Queued on a live instance's stream.
+    Sent,
+    /// No live instance of the service could take it now (none connected,
+    /// or every one's queue is full).
+    NoInstance,
+}
+
+/// Where commands go: the participant registry implements it.
+pub(crate) trait Route {
+    /// Queues `cmd` on `preferred` if it is live, else on another live
+    /// instance of `service`. Never blocks.
+    fn send(&self, service: &str, preferred: &str, cmd: Command) -> RouteResult;
+}
+
+/// Compensation defaults, from the coordinator's configuration.
+#[derive(Debug, Clone)]
+pub(crate) struct Policy {
+    pub(crate) default_reverse_retries: u32,
+    pub(crate) default_reverse_timeout: Duration,
+    pub(crate) default_retry_delay: Duration,
+    pub(crate) instance_wait: Duration,
+    pub(crate) straggler_wait: Duration,
+}
+
+/// One sub-transaction.
+#[derive(Debug, Clone)]
+pub(crate) struct Sub {
+    pub(crate) local_tx_id: String,
+    pub(crate) parent_tx_id: String,
+    pub(crate) service_name: String,
+    pub(crate) instance_id: String,
+    pub(crate) compensation_method: String,
+    pub(crate) payloads: Bytes,
+    /// Whether its `TxStarted` was seen (method and payloads known).
+    pub(crate) has_start: bool,
+    pub(crate) state: SubState,
+    pub(crate) reverse_retries: i32,
+    pub(crate) reverse_timeout_s: i32,
+    pub(crate) retry_delay_ms: i32,
+    /// Compensation attempts made so far.
+    pub(crate) attempts: u32,
+    /// Attempts allowed, resolved against the policy when compensation starts.
+    max_attempts: u32,
+    /// Delay between attempts, resolved likewise.
+    retry_delay: Duration,
+}
+
+/// What the saga's single deadline is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeadlineKind {
+    /// `SagaStarted`'s timeout: the engine records `SagaTimeout` and aborts.
+    SagaTimeout,
+    /// A sent command's `reverseTimeout`.
+    AckTimeout,
+    /// `retryDelayInMilliseconds` before the next attempt.
+    RetryDelay,
+    /// No instance could take the command: poll again (until `instance_wait`).
+    NoInstance,
+    /// Compensation is done but some sub-transactions never ended.
+    Stragglers,
+}
+
+/// The outstanding compensation.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    /// To be sent on the next `drive`.
+    Ready,
+    /// Sent; waiting for the participant's answer.
+    Awaiting,
+    /// Failed attempt; waiting out the retry delay.
+    Backoff,
+    /// No instance could take it since this instant.
+    NoInstance(Instant),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    sub: usize,
+    phase: Phase,
+}
+
+/// Counters of what `drive`/`on_timer` did, for metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DriveStats {
+    /// Commands queued (first attempts).
+    pub(crate) sent: u32,
+    /// Commands queued again (later attempts).
+    pub(crate) retried: u32,
+    /// Sub-transactions whose compensation was given up.
+    pub(crate) failed: u32,
+}
+
+/// A saga in memory.
+#[derive(Debug)]
+pub(crate) struct Saga {
+    pub(crate) global_tx_id: Arc<str>,
+    pub(crate) service_name: String,
+    pub(crate) instance_id: String,
+    pub(crate) state: SagaState,
+    /// `SagaStarted` seen (an implicit saga was created by a later event).
+    pub(crate) saga_started: bool,
+    pub(crate) started_ms: i64,
+    pub(crate) timeout_s: i32,
+    /// Sub-transactions in first-seen order (which is `TxStarted` order
+    /// unless a `TxEnded` overtook its `TxStarted`).
+    pub(crate) subs: Vec<Sub>,
+    pub(crate) events: u32,
+    pub(crate) compensated: u32,
+    /// Indices of subs still to compensate; the next one is popped from the
+    /// end, so reverse start order falls out of pushing in start order.
+    plan: Vec<usize>,
+    current: Option<InFlight>,
+    /// The single pending deadline.
+    pub(crate) deadline: Option<(Instant, DeadlineKind)>,
+    /// When the straggler wait ends, once armed.
+    straggler_until: Option<Instant>,
+}
+
+/// What applying one event answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Applied {
+    /// The saga is aborted (compensating, compensated or failed).
+    pub(crate) aborted: bool,
+}
+
+fn is_compensation_report(kind: EventKind) -> bool {
+    matches!(
+        kind,
+        EventKind::TxCompensated
+            | EventKind::TxCompensateAckSucceed
+            | EventKind::TxCompensateAckFailed
+    )
+}
+
+/// Whether an event for a saga the coordinator does not know creates it
+/// (out-of-order arrival) or is ignored (a report about nothing).
+pub(crate) fn creates_saga(kind: EventKind) -> bool {
+    matches!(
+        kind,
+        EventKind::SagaStarted
+            | EventKind::TxStarted
+            | EventKind::TxEnded
+            | EventKind::TxAborted
+            | EventKind::SagaEnded
+            | EventKind::SagaAborted
+    )
+}
+
+/// Whether the event is about a sub-transaction (needs a local id).
+pub(crate) fn is_sub_event(kind: EventKind) -> bool {
+    matches!(
+        kind,
+        EventKind::TxStarted | EventKind::TxEnded | EventKind::TxCompensate
+    ) || is_compensation_report(kind)
+}
+
+fn secs(s: i32) -> Duration {
+    Duration::from_secs(u64::try_from(s).unwrap_or(0))
+}
+
+impl Saga {
+    /// A saga first seen through `ev` (any event that [`creates_saga`]).
+    pub(crate) fn new(global_tx_id: Arc<str>, ev: &EventRecord) -> Self {
+        Self {
+            global_tx_id,
+            service_name: ev.service_name.clone(),
+            instance_id: ev.instance_id.clone(),
+            state: SagaState::Running,
+            saga_started: false,
+            started_ms: ev.timestamp_ms,
+            timeout_s: 0,
+            subs: Vec::new(),
+            events: 0,
+            compensated: 0,
+            plan: Vec::new(),
+            current: None,
+            deadline: None,
+            straggler_until: None,
+        }
+    }
+
+    /// Whether the saga is aborted (the `aborted` answer).
+    pub(crate) fn is_aborted(&self) -> bool {
+        matches!(
+            self.state,
+            SagaState::Compensating | SagaState::Compensated | SagaState::Failed
+        )
+    }
+
+    fn sub_index(&self, local: &str) -> Option<usize> {
+        self.subs.iter().position(|s| s.local_tx_id == local)
+    }
+
+    fn sub_from(ev: &EventRecord, state: SubState) -> Sub {
+        let start = ev.kind == Some(EventKind::TxStarted);
+        Sub {
+            local_tx_id: ev.local_tx_id.clone(),
+            parent_tx_id: ev.parent_tx_id.clone(),
+            service_name: ev.service_name.clone(),
+            instance_id: ev.instance_id.clone(),
+            compensation_method: if start {
+                ev.compensation_method.clone()
+            } else {
+                String::new()
+            },
+            payloads: if start {
+                ev.payloads.clone()
+            } else {
+                Bytes::new()
+            },
+            has_start: start,
+            state,
+            reverse_retries: ev.reverse_retries,
+            reverse_timeout_s: ev.reverse_timeout_s,
+            retry_delay_ms: ev.retry_delay_ms,
+            attempts: 0,
+            max_attempts: 1,
+            retry_delay: Duration::ZERO,
+        }
+    }
+
+    /// Folds one event in. `now` arms the saga timeout on `SagaStarted`.
+    /// Call [`drive`](Self::drive) afterwards to act on it.
+    pub(crate) fn apply(&mut self, ev: &EventRecord, now: Instant) -> Applied {
+        self.events = self.events.saturating_add(1);
+        let Some(kind) = ev.kind else {
+            return self.answer();
+        };
+        if self.state.is_terminal() {
+            // Row "any event after a terminal state": no change.
+            return self.answer();
+        }
+        match kind {
+            EventKind::SagaStarted => {
+                if !self.saga_started {
+                    self.saga_started = true;
+                    self.service_name.clone_from(&ev.service_name);
+                    self.instance_id.clone_from(&ev.instance_id);
+                    self.started_ms = ev.timestamp_ms;
+                    self.timeout_s = ev.timeout_s;
+                    if self.state == SagaState::Running && ev.timeout_s > 0 {
+                        self.deadline = Some((now + secs(ev.timeout_s), DeadlineKind::SagaTimeout));
+                    }
+                }
+            }
+            EventKind::TxStarted => match self.sub_index(&ev.local_tx_id) {
+                None => {
+                    // Row "TxStarted for an aborted saga": recorded as aborted,
+                    // answered aborted=true so Omega skips the method.
+                    let state = if self.state == SagaState::Running {
+                        SubState::Started
+                    } else {
+                        SubState::Aborted
+                    };
+                    self.subs.push(Self::sub_from(ev, state));
+                }
+                Some(i) => {
+                    let sub = &mut self.subs[i];
+                    if !sub.has_start {
+                        // Row "TxEnded before TxStarted": keep the outcome,
+                        // learn method, payloads and policy now.
+                        sub.has_start = true;
+                        sub.compensation_method.clone_from(&ev.compensation_method);
+                        sub.payloads = ev.payloads.clone();
+                        sub.parent_tx_id.clone_from(&ev.parent_tx_id);
+                        sub.service_name.clone_from(&ev.service_name);
+                        sub.instance_id.clone_from(&ev.instance_id);
+                        sub.reverse_retries = ev.reverse_retries;
+                        sub.reverse_timeout_s = ev.reverse_timeout_s;
+                        sub.retry_delay_ms = ev.retry_delay_ms;
+                    }
+                    // Row "duplicate TxStarted": the first one's data is kept.
+                }
+            },
+            EventKind::TxEnded => match self.sub_index(&ev.local_tx_id) {
+                None => {
+                    self.subs.push(Self::sub_from(ev, SubState::Ended));
+                    if self.state == SagaState::Compensating {
+                        self.plan.push(self.subs.len() - 1);
+                    }
+                }
+                Some(i) => {
+                    let st = self.subs[i].state;
+                    if matches!(st, SubState::Started | SubState::Aborted) {
+                        self.subs[i].state = SubState::Ended;
+                        if self.state == SagaState::Compensating {
+                            // Row "TxEnded while compensating": compensated next.
+                            self.plan.push(i);
+                        }
+                    }
+                }
+            },
+            EventKind::TxAborted => {
+                if ev.local_tx_id != ev.global_tx_id && !ev.local_tx_id.is_empty() {
+                    match self.sub_index(&ev.local_tx_id) {
+                        None => self.subs.push(Self::sub_from(ev, SubState::Aborted)),
+                        Some(i) => {
+                            if self.subs[i].state == SubState::Started {
+                                self.subs[i].state = SubState::Aborted;
+                            }
+                        }
+                    }
+                }
+                self.abort();
+            }
+            EventKind::SagaAborted | EventKind::SagaTimeout => self.abort(),
+            EventKind::SagaEnded => {
+                if self.state == SagaState::Running {
+                    self.state = SagaState::Committed;
+                    self.deadline = None;
+                }
+                // Row "SagaEnded after abort": no change, answered aborted=true.
+            }
+            EventKind::TxCompensated | EventKind::TxCompensateAckSucceed => {
+                if let Some(i) = self.sub_index(&ev.local_tx_id) {
+                    if matches!(
+                        self.subs[i].state,
+                        SubState::Ended | SubState::Compensating | SubState::CompensationFailed
+                    ) && self.state == SagaState::Compensating
+                    {
+                        self.subs[i].state = SubState::Compensated;
+                        self.compensated += 1;
+                        if self.current.is_some_and(|c| c.sub == i) {
+                            self.current = None;
+                            self.deadline = None;
+                        }
+                    }
+                }
+            }
+            EventKind::TxCompensateAckFailed => {
+                if let Some(i) = self.sub_index(&ev.local_tx_id) {
+                    if let Some(c) = self.current {
+                        if c.sub == i && matches!(c.phase, Phase::Awaiting) {
+                            self.fail_attempt(now, &mut DriveStats::default());
+                        }
+                    }
+                }
+            }
+            // The coordinator's own records: informative only.
+            EventKind::TxCompensate | EventKind::CompensateAckTimeout => {}
+        }
+        self.answer()
+    }
+
+    fn answer(&self) -> Applied {
+        Applied {
+            aborted: self.is_aborted(),
+        }
+    }
+
+    /// Running -> Compensating: every ended sub-transaction goes on the plan
+    /// in start order (so it is compensated in reverse).
+    fn abort(&mut self) {
+        if self.state != SagaState::Running {
+            return; // Row "duplicate abort": no change.
+        }
+        self.state = SagaState::Compensating;
+        self.deadline = None;
+        self.plan = (0..self.subs.len())
+            .filter(|&i| self.subs[i].state == SubState::Ended)
+            .collect();
+    }
+
+    /// An attempt failed (negative answer, no answer in time, no instance
+    /// for too long): back off and retry, or give up and fail the saga.
+    fn fail_attempt(&mut self, now: Instant, stats: &mut DriveStats) {
+        let Some(c) = self.current else { return };
+        let sub = &self.subs[c.sub];
+        if sub.attempts >= sub.max_attempts {
+            // Row "retries exhausted": the saga fails (needs an operator);
+            // the sub-transactions before it stay uncompensated on purpose,
+            // since undoing them may depend on this one being undone.
+            self.subs[c.sub].state = SubState::CompensationFailed;
+            self.state = SagaState::Failed;
+            self.current = None;
+            self.deadline = None;
+            stats.failed += 1;
+            return;
+        }
+        let delay = sub.retry_delay;
+        self.current = Some(InFlight {
+            sub: c.sub,
+            phase: Phase::Backoff,
+        });
+        self.deadline = Some((now + delay, DeadlineKind::RetryDelay));
+    }
+
+    /// Moves compensation forward as far as it can go now.
+    pub(crate) fn drive(
+        &mut self,
+        now: Instant,
+        route: &dyn Route,
+        policy: &Policy,
+        stats: &mut DriveStats,
+    ) {
+        // Bounded: each turn either returns or consumes one plan entry.
+        loop {
+            if self.state != SagaState::Compensating {
+                return;
+            }
+            let Some(c) = self.current else {
+                let Some(i) = self.plan.pop() else {
+                    self.finish_compensation(now, policy);
+                    return;
+                };
+                if self.subs[i].state != SubState::Ended {
+                    continue; // compensated already (early report) or not ended
+                }
+                if !self.subs[i].has_start {
+                    // Row "TxEnded whose TxStarted never came": no method or
+                    // payloads to send, so it cannot be compensated.
+                    self.subs[i].state = SubState::CompensationFailed;
+                    self.state = SagaState::Failed;
+                    self.deadline = None;
+                    stats.failed += 1;
+                    return;
+                }
+                let sub = &mut self.subs[i];
+                let retries = u32::try_from(sub.reverse_retries)
+                    .ok()
+                    .filter(|r| *r > 0)
+                    .unwrap_or(policy.default_reverse_retries);
+                sub.max_attempts = retries.saturating_add(1);
+                sub.retry_delay = u64::try_from(sub.retry_delay_ms)
+                    .ok()
+                    .filter(|d| *d > 0)
+                    .map_or(policy.default_retry_delay, Duration::from_millis);
+                sub.state = SubState::Compensating;
+                self.current = Some(InFlight {
+                    sub: i,
+                    phase: Phase::Ready,
+                });
+                continue;
+            };
+            match c.phase {
+                Phase::Ready | Phase::NoInstance(_) => {
+                    let since = match c.phase {
+                        Phase::NoInstance(t) => Some(t),
+                        _ => None,
+                    };
+                    let sub = &self.subs[c.sub];
+                    let cmd = Command {
+                        global_tx_id: self.global_tx_id.to_string(),
+                        local_tx_id: sub.local_tx_id.clone(),
+                        parent_tx_id: sub.parent_tx_id.clone(),
+                        compensation_method: sub.compensation_method.clone(),
+                        payloads: sub.payloads.clone(),
+                        attempt: sub.attempts + 1,
+                    };
+                    match route.send(&sub.service_name, &sub.instance_id, cmd) {
+                        RouteResult::Sent => {
+                            let sub = &mut self.subs[c.sub];
+                            sub.attempts += 1;
+                            if sub.attempts == 1 {
+                                stats.sent += 1;
+                            } else {
+                                stats.retried += 1;
+                            }
+                            let t = if sub.reverse_timeout_s > 0 {
+                                secs(sub.reverse_timeout_s)
+                            } else {
+                                policy.default_reverse_timeout
+                            };
+                            self.current = Some(InFlight {
+                                sub: c.sub,
+                                phase: Phase::Awaiting,
+                            });
+                            self.deadline = Some((now + t, DeadlineKind::AckTimeout));
+                        }
+                        RouteResult::NoInstance => {
+                            let since = since.unwrap_or(now);
+                            if now >= since + policy.instance_wait {
+                                // Waited long enough: this attempt failed.
+                                self.subs[c.sub].attempts += 1;
+                                self.fail_attempt(now, stats);
+                                continue;
+                            }
+                            self.current = Some(InFlight {
+                                sub: c.sub,
+                                phase: Phase::NoInstance(since),
+                            });
+                            let poll = policy.default_retry_delay.max(Duration::from_millis(10));
+                            let next = (now + poll).min(since + policy.instance_wait);
+                            self.deadline = Some((next, DeadlineKind::NoInstance));
+                        }
+                    }
+                    return;
+                }
+                Phase::Awaiting | Phase::Backoff => return,
+            }
+        }
+    }
+
+    fn finish_compensation(&mut self, now: Instant, policy: &Policy) {
+        let stragglers = self.subs.iter().any(|s| s.state == SubState::Started);
+        if stragglers {
+            // Row "compensation done, a sub-transaction still running": wait
+            // (bounded) for its TxEnded (then compensate it) or TxAborted.
+            let until = *self
+                .straggler_until
+                .get_or_insert(now + policy.straggler_wait);
+            if now < until {
+                self.deadline = Some((until, DeadlineKind::Stragglers));
+                return;
+            }
+        }
+        self.state = SagaState::Compensated;
+        self.deadline = None;
+    }
+
+    /// The deadline passed. `SagaTimeout` is not handled here (the engine
+    /// records a `SagaTimeout` event and applies it).
+    pub(crate) fn on_timer(
+        &mut self,
+        now: Instant,
+        route: &dyn Route,
+        policy: &Policy,
+        stats: &mut DriveStats,
+    ) {
+        let Some((at, kind)) = self.deadline else {
+            return;
+        };
+        if now < at {
+            return;
+        }
+        self.deadline = None;
+        match kind {
+            DeadlineKind::SagaTimeout => {}
+            DeadlineKind::AckTimeout => {
+                if self
+                    .current
+                    .is_some_and(|c| matches!(c.phase, Phase::Awaiting))
+                {
+                    self.fail_attempt(now, stats);
+                }
+            }
+            DeadlineKind::RetryDelay => {
+                if let Some(c) = self.current.as_mut() {
+                    if matches!(c.phase, Phase::Backoff) {
+                        c.phase = Phase::Ready;
+                    }
+                }
+            }
+            DeadlineKind::NoInstance | DeadlineKind::Stragglers => {}
+        }
+        self.drive(now, route, policy, stats);
+    }
+
+    /// An instance of `service` connected: a command waiting for one is
+    /// tried again now.
+    pub(crate) fn on_instance(
+        &mut self,
+        service: &str,
+        now: Instant,
+        route: &dyn Route,
+        policy: &Policy,
+        stats: &mut DriveStats,
+    ) {
+        if let Some(c) = self.current {
+            if matches!(c.phase, Phase::NoInstance(_)) && self.subs[c.sub].service_name == service {
+                self.drive(now, route, policy, stats);
+            }
+        }
+    }
+
+    /// Whether a command is waiting for an instance of some service.
+    pub(crate) fn waiting_for_instance(&self) -> bool {
+        self.current
+            .is_some_and(|c| matches!(c.phase, Phase::NoInstance(_)))
+    }
+
+    /// After recovery: whatever was in flight is sent again from attempt 1.
+    pub(crate) fn reset_after_recovery(&mut self) {
+        if let Some(c) = self.current.take() {
+            self.plan.push(c.sub);
+        }
+        for s in &mut self.subs {
+            s.attempts = 0;
+            if s.state == SubState::Compensating {
+                s.state = SubState::Ended;
+            }
+        }
+    }
+
+    /// The summary kept for queries and by the store once finished.
+    pub(crate) fn summary(&self, finished_ms: i64) -> SagaSummary {
+        SagaSummary {
+            global_tx_id: self.global_tx_id.to_string(),
+            service_name: self.service_name.clone(),
+            state: self.state,
+            started_ms: self.started_ms,
+            finished_ms: if self.state.is_terminal() {
+                finished_ms
+            } else {
+                0
+            },
+            sub_transactions: u32::try_from(self.subs.len()).unwrap_or(u32::MAX),
+            compensated: self.compensated,
+            events: self.events,
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Shared test set-up: a coordinator on a `MemoryStore` served over real
+//! tonic on a free loopback port, and helpers to build Omega events.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use railyard_saga::{Coordinator, CoordinatorConfig, MemoryStore, SagaState, SagaStore};
+use railyard_saga_proto::omega::tx_event_service_client::TxEventServiceClient;
+use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+pub struct Server {
+    pub addr: SocketAddr,
+    pub coordinator: Coordinator,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    pub async fn start(store: Arc<dyn SagaStore>, config: CoordinatorConfig) -> Self {
+        let coordinator = Coordinator::start(store, config)
+            .await
+            .expect("coordinator starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, rx) = oneshot::channel::<()>();
+        let c = coordinator.clone();
+        let task = tokio::spawn(async move {
+            railyard_saga::serve(c, listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .expect("serve");
+        });
+        Self {
+            addr,
+            coordinator,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    pub async fn memory(config: CoordinatorConfig) -> (Self, Arc<MemoryStore>) {
+        let store = Arc::new(MemoryStore::new());
+        (Self::start(store.clone(), config).await, store)
+    }
+
+    pub async fn omega(&self) -> TxEventServiceClient<Channel> {
+        TxEventServiceClient::connect(format!("http://{}", self.addr))
+            .await
+            .expect("connect")
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    }
+
+    /// Waits (bounded) until `n` instances are registered.
+    pub async fn wait_instances(&self, n: usize) {
+        for _ in 0..500 {
+            if self.coordinator.instances().len() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "instances never registered: {:?}",
+            self.coordinator.instances()
+        );
+    }
+
+    /// Waits (bounded) until the saga is in `state`.
+    pub async fn wait_state(&self, gid: &str, state: SagaState) {
+        for _ in 0..1000 {
+            if self.coordinator.state(gid) == Some(state) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "saga {gid} never reached {state:?}; it is {:?}",
+            self.coordinator.state(gid)
+        );
+    }
+}
+
+/// An Omega instance's `OnConnected` stream: commands arrive on `commands`.
+pub struct OmegaInstance {
+    pub commands: tonic::Streaming<GrpcCompensateCommand>,
+    // Keeps the request stream open, as Omega does.
+    _keep: mpsc::Sender<GrpcServiceConfig>,
+}
+
+impl OmegaInstance {
+    pub async fn connect(
+        client: &mut TxEventServiceClient<Channel>,
+        service: &str,
+        instance: &str,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(GrpcServiceConfig {
+            service_name: service.into(),
+            instance_id: instance.into(),
+        })
+        .await
+        .expect("queue config");
+        let commands = client
+            .on_connected(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("OnConnected")
+            .into_inner();
+        Self {
+            commands,
+            _keep: tx,
+        }
+    }
+
+    /// The next command, waiting at most 10 s.
+    pub async fn next(&mut self) -> GrpcCompensateCommand {
+        tokio::time::timeout(Duration::from_secs(10), self.commands.next())
+            .await
+            .expect("a command within 10 s")
+            .expect("stream open")
+            .expect("no error")
+    }
+
+    /// Asserts nothing arrives within `d`.
+    pub async fn none_within(&mut self, d: Duration) {
+        if let Ok(m) = tokio::time::timeout(d, self.commands.next()).await {
+            panic!("unexpected command: {m:?}");
+        }
+    }
+}
+
+pub fn ev(kind: &str, gid: &str, lid: &str, service: &str) -> GrpcTxEvent {
+    GrpcTxEvent {
+        timestamp: 1_700_000_000_000,
+        global_tx_id: gid.into(),
+        local_tx_id: lid.into(),
+        parent_tx_id: String::new(),
+        r#type: kind.into(),
+        service_name: service.into(),
+        instance_id: format!("{service}-1"),
+        ..GrpcTxEvent::default()
+    }
+}
+
+pub fn started(gid: &str, lid: &str, service: &str, payload: &[u8]) -> GrpcTxEvent {
+    GrpcTxEvent {
+        compensation_method: format!("public void com.example.{service}.undo(java.lang.String)"),
+        payloads: payload.to_vec(),
+        parent_tx_id: gid.into(),
+        ..ev("TxStartedEvent", gid, lid, service)
+    }
+}
+
+/// Sends one event; returns `aborted`.
+pub async fn send(client: &mut TxEventServiceClient<Channel>, e: GrpcTxEvent) -> bool {
+    client
+        .on_tx_event(e)
+        .await
+        .expect("ack")
+        .into_inner()
+        .aborted
+}

@@ -1,0 +1,345 @@
+//! The engine without gRPC, on paused tokio time: saga timeouts, stragglers,
+//! recovery after a restart on the same store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use railyard_saga::{
+    Coordinator, CoordinatorConfig, EventKind, EventRecord, MemoryStore, Outcome, SagaQuery,
+    SagaState, SagaStore,
+};
+use railyard_saga_proto::native::{server_frame, Compensate, ServerFrame};
+use tokio::sync::mpsc::Receiver;
+
+type Commands = Receiver<Result<ServerFrame, tonic::Status>>;
+
+fn now_ms() -> i64 {
+    i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+fn rec(kind: EventKind, gid: &str, lid: &str) -> EventRecord {
+    EventRecord {
+        global_tx_id: gid.into(),
+        local_tx_id: lid.into(),
+        kind: Some(kind),
+        service_name: "svc".into(),
+        instance_id: "svc-1".into(),
+        timestamp_ms: now_ms(),
+        ..EventRecord::default()
+    }
+}
+
+fn start(gid: &str, timeout_s: i32) -> EventRecord {
+    EventRecord {
+        timeout_s,
+        ..rec(EventKind::SagaStarted, gid, gid)
+    }
+}
+
+fn tx_started(gid: &str, lid: &str, payload: &'static [u8]) -> EventRecord {
+    EventRecord {
+        compensation_method: format!("undo-{lid}"),
+        payloads: Bytes::from_static(payload),
+        ..rec(EventKind::TxStarted, gid, lid)
+    }
+}
+
+async fn submit(c: &Coordinator, events: Vec<EventRecord>) -> Vec<bool> {
+    c.submit(events)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| match o {
+            Outcome::Done { aborted } => aborted,
+            Outcome::Invalid(e) => panic!("rejected: {e}"),
+        })
+        .collect()
+}
+
+fn try_command(rx: &mut Commands) -> Option<Compensate> {
+    match rx.try_recv() {
+        Ok(Ok(ServerFrame {
+            kind: Some(server_frame::Kind::Compensate(c)),
+        })) => Some(c),
+        Ok(other) => panic!("unexpected frame {other:?}"),
+        Err(_) => None,
+    }
+}
+
+async fn command(rx: &mut Commands) -> Compensate {
+    match tokio::time::timeout(Duration::from_secs(600), rx.recv()).await {
+        Ok(Some(Ok(ServerFrame {
+            kind: Some(server_frame::Kind::Compensate(c)),
+        }))) => c,
+        other => panic!("expected a command, got {other:?}"),
+    }
+}
+
+fn config() -> CoordinatorConfig {
+    CoordinatorConfig {
+        timer_tick: Duration::from_millis(100),
+        default_reverse_timeout: Duration::from_secs(5),
+        default_retry_delay: Duration::from_millis(500),
+        instance_wait: Duration::from_secs(60),
+        straggler_wait: Duration::from_secs(30),
+        ..CoordinatorConfig::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_saga_timeout_compensates_every_ended_step_in_reverse() {
+    let store = Arc::new(MemoryStore::new());
+    let c = Coordinator::start(store.clone(), config()).await.unwrap();
+    let mut rx = c.connect_local("svc", "svc-1", 16);
+    let g = "g-timeout";
+    let answers = submit(
+        &c,
+        vec![
+            start(g, 5),
+            tx_started(g, "l1", b"one"),
+            rec(EventKind::TxEnded, g, "l1"),
+            tx_started(g, "l2", b"two"),
+            rec(EventKind::TxEnded, g, "l2"),
+        ],
+    )
+    .await;
+    assert!(answers.iter().all(|a| !a));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(try_command(&mut rx).is_none(), "not before the timeout");
+    assert_eq!(c.state(g), Some(SagaState::Running));
+
+    let cmd = command(&mut rx).await;
+    assert_eq!((cmd.local_tx_id.as_str(), cmd.attempt), ("l2", 1));
+    assert_eq!(cmd.payloads, b"two");
+    assert_eq!(cmd.compensation_method, "undo-l2");
+    assert_eq!(c.state(g), Some(SagaState::Compensating));
+    // The timeout was recorded durably before compensation began.
+    let log = store.unfinished().await.unwrap();
+    assert!(log.iter().any(|e| e.kind == Some(EventKind::SagaTimeout)));
+    // A late SagaEnded is answered aborted=true.
+    assert_eq!(
+        submit(&c, vec![rec(EventKind::SagaEnded, g, g)]).await,
+        [true]
+    );
+
+    submit(&c, vec![rec(EventKind::TxCompensated, g, "l2")]).await;
+    let cmd = command(&mut rx).await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    assert_eq!(cmd.payloads, b"one");
+    submit(&c, vec![rec(EventKind::TxCompensated, g, "l1")]).await;
+    assert_eq!(c.state(g), Some(SagaState::Compensated));
+    c.flush().await.unwrap();
+    assert!(store.unfinished().await.unwrap().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_command_is_resent_after_reverse_timeout_then_fails() {
+    let store = Arc::new(MemoryStore::new());
+    let c = Coordinator::start(store.clone(), config()).await.unwrap();
+    let mut rx = c.connect_local("svc", "svc-1", 16);
+    let g = "g-retry";
+    let mut s = tx_started(g, "l1", b"p");
+    s.reverse_retries = 1;
+    s.reverse_timeout_s = 2;
+    s.retry_delay_ms = 300;
+    submit(
+        &c,
+        vec![
+            start(g, 0),
+            s,
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::TxAborted, g, g),
+        ],
+    )
+    .await;
+    assert_eq!(command(&mut rx).await.attempt, 1);
+    let t0 = tokio::time::Instant::now();
+    let again = command(&mut rx).await;
+    assert_eq!((again.local_tx_id.as_str(), again.attempt), ("l1", 2));
+    // Resent only after reverseTimeout + retryDelay.
+    assert!(t0.elapsed() >= Duration::from_millis(2300));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(c.state(g), Some(SagaState::Failed));
+    assert!(try_command(&mut rx).is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_step_still_running_at_timeout_is_compensated_when_it_ends() {
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
+        .await
+        .unwrap();
+    let mut rx = c.connect_local("svc", "svc-1", 16);
+    let g = "g-straggler";
+    submit(
+        &c,
+        vec![
+            start(g, 1),
+            tx_started(g, "l1", b"one"),
+            rec(EventKind::TxEnded, g, "l1"),
+            tx_started(g, "l2", b"two"),
+        ],
+    )
+    .await;
+    let cmd = command(&mut rx).await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    submit(&c, vec![rec(EventKind::TxCompensated, g, "l1")]).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // l2 is still running: the saga waits for it.
+    assert_eq!(c.state(g), Some(SagaState::Compensating));
+    assert_eq!(
+        submit(&c, vec![rec(EventKind::TxEnded, g, "l2")]).await,
+        [true]
+    );
+    let cmd = command(&mut rx).await;
+    assert_eq!(
+        (cmd.local_tx_id.as_str(), cmd.payloads.as_slice()),
+        ("l2", &b"two"[..])
+    );
+    submit(&c, vec![rec(EventKind::TxCompensated, g, "l2")]).await;
+    assert_eq!(c.state(g), Some(SagaState::Compensated));
+
+    // A step that never ends: the wait is bounded.
+    let g = "g-straggler-2";
+    submit(&c, vec![start(g, 1), tx_started(g, "l1", b"x")]).await;
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    assert_eq!(c.state(g), Some(SagaState::Compensated));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_recovers_sagas_and_resumes_compensation_and_timeouts() {
+    let store = Arc::new(MemoryStore::new());
+    let first = Coordinator::start(store.clone(), config()).await.unwrap();
+    // Aborted, one compensation done, one pending; no instance connected.
+    let a = "g-aborted";
+    submit(
+        &first,
+        vec![
+            start(a, 0),
+            tx_started(a, "l1", b"one"),
+            rec(EventKind::TxEnded, a, "l1"),
+            tx_started(a, "l2", b"two"),
+            rec(EventKind::TxEnded, a, "l2"),
+            tx_started(a, "l3", b"three"),
+            rec(EventKind::TxEnded, a, "l3"),
+            rec(EventKind::TxAborted, a, a),
+            rec(EventKind::TxCompensated, a, "l3"),
+        ],
+    )
+    .await;
+    // Running with a 10 s timeout.
+    let t = "g-running";
+    submit(
+        &first,
+        vec![
+            start(t, 10),
+            tx_started(t, "x1", b"x"),
+            rec(EventKind::TxEnded, t, "x1"),
+        ],
+    )
+    .await;
+    // Committed, but its finish not flushed before the crash.
+    let d = "g-done";
+    submit(&first, vec![start(d, 0), rec(EventKind::SagaEnded, d, d)]).await;
+    drop(first);
+
+    let second = Coordinator::start(store.clone(), config()).await.unwrap();
+    assert_eq!(second.state(a), Some(SagaState::Compensating));
+    assert_eq!(second.state(t), Some(SagaState::Running));
+    assert_eq!(second.state(d), Some(SagaState::Committed));
+    let mut rx = second.connect_local("svc", "svc-2", 16);
+    // The pending compensation resumes with l2 (l3 was compensated).
+    let cmd = command(&mut rx).await;
+    assert_eq!(
+        (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
+        (a, "l2")
+    );
+    assert_eq!(cmd.payloads, b"two");
+    submit(&second, vec![rec(EventKind::TxCompensated, a, "l2")]).await;
+    let cmd = command(&mut rx).await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    submit(&second, vec![rec(EventKind::TxCompensated, a, "l1")]).await;
+    assert_eq!(second.state(a), Some(SagaState::Compensated));
+    // The recovered timeout still fires.
+    let cmd = command(&mut rx).await;
+    assert_eq!(
+        (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
+        (t, "x1")
+    );
+    submit(&second, vec![rec(EventKind::TxCompensated, t, "x1")]).await;
+    second.flush().await.unwrap();
+    assert!(store.unfinished().await.unwrap().is_empty());
+    let finished = store.finished(SagaQuery::default()).await.unwrap();
+    let mut states: Vec<(String, SagaState)> = finished
+        .into_iter()
+        .map(|s| (s.global_tx_id, s.state))
+        .collect();
+    states.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(
+        states,
+        [
+            (a.to_owned(), SagaState::Compensated),
+            (d.to_owned(), SagaState::Committed),
+            (t.to_owned(), SagaState::Compensated),
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_command_with_no_instance_waits_then_counts_as_a_failed_attempt() {
+    let cfg = CoordinatorConfig {
+        instance_wait: Duration::from_secs(2),
+        default_reverse_retries: 1,
+        ..config()
+    };
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
+        .await
+        .unwrap();
+    let g = "g-nobody";
+    submit(
+        &c,
+        vec![
+            start(g, 0),
+            tx_started(g, "l1", b"p"),
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::TxAborted, g, g),
+        ],
+    )
+    .await;
+    // Two attempts of at most 2 s wait each, plus the retry delay.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(c.state(g), Some(SagaState::Compensating));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(c.state(g), Some(SagaState::Failed));
+}
+
+#[tokio::test(start_paused = true)]
+async fn many_commands_are_in_flight_to_one_instance_at_once() {
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
+        .await
+        .unwrap();
+    let mut rx = c.connect_local("svc", "svc-1", 256);
+    let mut events = Vec::new();
+    for i in 0..100 {
+        let g = format!("g-{i}");
+        events.extend([
+            start(&g, 0),
+            tx_started(&g, "l1", b"p"),
+            rec(EventKind::TxEnded, &g, "l1"),
+            rec(EventKind::TxAborted, &g, &g),
+        ]);
+    }
+    submit(&c, events).await;
+    // All 100 commands are outstanding before any is answered.
+    let mut got = 0;
+    while try_command(&mut rx).is_some() {
+        got += 1;
+    }
+    assert_eq!(got, 100);
+}

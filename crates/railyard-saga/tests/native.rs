@@ -1,0 +1,295 @@
+//! The native `SagaCoordinator.Session` stream over real tonic on loopback.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::Server;
+use railyard_saga::{CoordinatorConfig, SagaState, SagaStore};
+use railyard_saga_proto::native::saga_coordinator_client::SagaCoordinatorClient;
+use railyard_saga_proto::native::{
+    client_frame, server_frame, Ack, ClientFrame, EventBatch, EventType, Hello, SagaEvent,
+    ServerFrame,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+struct Session {
+    tx: mpsc::Sender<ClientFrame>,
+    rx: tonic::Streaming<ServerFrame>,
+}
+
+impl Session {
+    async fn open(server: &Server, hello: Option<Hello>) -> Self {
+        let mut client = SagaCoordinatorClient::connect(format!("http://{}", server.addr))
+            .await
+            .unwrap();
+        let (tx, rx) = mpsc::channel(64);
+        if let Some(h) = hello {
+            tx.send(ClientFrame {
+                kind: Some(client_frame::Kind::Hello(h)),
+            })
+            .await
+            .unwrap();
+        }
+        let rx = client
+            .session(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Self { tx, rx }
+    }
+
+    async fn hello(server: &Server, service: &str) -> Self {
+        let mut s = Self::open(
+            server,
+            Some(Hello {
+                service_name: service.into(),
+                instance_id: format!("{service}-1"),
+                token: String::new(),
+            }),
+        )
+        .await;
+        match s.next().await {
+            server_frame::Kind::Welcome(w) => {
+                assert_eq!(w.meta.get("AkkaEnabled").map(String::as_str), Some("false"));
+            }
+            other => panic!("expected Welcome, got {other:?}"),
+        }
+        s
+    }
+
+    async fn send(&self, seq: u64, events: Vec<SagaEvent>) {
+        self.tx
+            .send(ClientFrame {
+                kind: Some(client_frame::Kind::Events(EventBatch { seq, events })),
+            })
+            .await
+            .unwrap();
+    }
+
+    async fn next(&mut self) -> server_frame::Kind {
+        tokio::time::timeout(Duration::from_secs(10), self.rx.next())
+            .await
+            .expect("a frame within 10 s")
+            .expect("stream open")
+            .expect("no error")
+            .kind
+            .expect("a kind")
+    }
+
+    async fn ack(&mut self) -> Ack {
+        match self.next().await {
+            server_frame::Kind::Ack(a) => a,
+            other => panic!("expected Ack, got {other:?}"),
+        }
+    }
+}
+
+fn e(t: EventType, gid: &str, lid: &str) -> SagaEvent {
+    SagaEvent {
+        r#type: t as i32,
+        global_tx_id: gid.into(),
+        local_tx_id: lid.into(),
+        timestamp_ms: 1_700_000_000_000,
+        ..SagaEvent::default()
+    }
+}
+
+fn lifecycle(gid: &str) -> Vec<SagaEvent> {
+    let mut v = vec![e(EventType::SagaStarted, gid, gid)];
+    for l in ["a", "b", "c"] {
+        v.push(SagaEvent {
+            compensation_method: "undo".into(),
+            payloads: l.as_bytes().to_vec(),
+            ..e(EventType::TxStarted, gid, l)
+        });
+        v.push(e(EventType::TxEnded, gid, l));
+    }
+    v.push(e(EventType::SagaEnded, gid, gid));
+    v
+}
+
+#[tokio::test]
+async fn a_batch_is_recorded_with_one_append_and_acked_per_event() {
+    let (server, store) = Server::memory(CoordinatorConfig::default()).await;
+    let mut s = Session::hello(&server, "svc").await;
+    s.send(7, lifecycle("n-1")).await;
+    let ack = s.ack().await;
+    assert_eq!(ack.seq, 7);
+    assert_eq!(ack.results.len(), 8);
+    assert!(ack.results.iter().all(|r| !r.aborted && r.error.is_empty()));
+    assert_eq!(server.coordinator.state("n-1"), Some(SagaState::Committed));
+    assert_eq!(
+        store.stats().await.unwrap().commits,
+        1,
+        "one append for the batch"
+    );
+
+    // A malformed event gets its own error; the others are recorded.
+    s.send(
+        8,
+        vec![
+            e(EventType::SagaStarted, "n-2", "n-2"),
+            e(EventType::Unspecified, "n-2", "x"),
+            e(EventType::TxStarted, "", "x"),
+            e(EventType::SagaEnded, "n-2", "n-2"),
+        ],
+    )
+    .await;
+    let ack = s.ack().await;
+    assert_eq!(ack.seq, 8);
+    let errors: Vec<&str> = ack.results.iter().map(|r| r.error.as_str()).collect();
+    assert!(errors[0].is_empty() && errors[3].is_empty(), "{errors:?}");
+    assert!(errors[1].contains("unknown event type"), "{errors:?}");
+    assert!(errors[2].contains("globalTxId is empty"), "{errors:?}");
+    assert_eq!(server.coordinator.state("n-2"), Some(SagaState::Committed));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn compensation_goes_down_the_session_and_comes_back_as_events() {
+    let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
+    let mut s = Session::hello(&server, "svc").await;
+    let g = "n-abort";
+    s.send(
+        1,
+        vec![
+            e(EventType::SagaStarted, g, g),
+            SagaEvent {
+                compensation_method: "undo-a".into(),
+                payloads: vec![1, 2, 3],
+                ..e(EventType::TxStarted, g, "a")
+            },
+            e(EventType::TxEnded, g, "a"),
+            SagaEvent {
+                compensation_method: "undo-b".into(),
+                payloads: vec![4, 5],
+                ..e(EventType::TxStarted, g, "b")
+            },
+            e(EventType::TxEnded, g, "b"),
+            e(EventType::TxAborted, g, "c"),
+        ],
+    )
+    .await;
+    // The ack and the first command may come in either order.
+    let mut frames = vec![s.next().await, s.next().await];
+    frames.sort_by_key(|f| matches!(f, server_frame::Kind::Compensate(_)));
+    let server_frame::Kind::Ack(ack) = &frames[0] else {
+        panic!("{frames:?}")
+    };
+    assert!(ack.results[5].aborted);
+    let server_frame::Kind::Compensate(cmd) = &frames[1] else {
+        panic!("{frames:?}")
+    };
+    assert_eq!(
+        (
+            cmd.local_tx_id.as_str(),
+            cmd.compensation_method.as_str(),
+            cmd.attempt
+        ),
+        ("b", "undo-b", 1)
+    );
+    assert_eq!(cmd.payloads, [4, 5]);
+    // The participant could not compensate: retried.
+    s.send(2, vec![e(EventType::TxCompensateFailed, g, "b")])
+        .await;
+    let mut retried = None;
+    for _ in 0..2 {
+        match s.next().await {
+            server_frame::Kind::Ack(a) => assert_eq!(a.seq, 2),
+            server_frame::Kind::Compensate(c) => retried = Some(c),
+            other => panic!("{other:?}"),
+        }
+    }
+    let retried = retried.unwrap();
+    assert_eq!((retried.local_tx_id.as_str(), retried.attempt), ("b", 2));
+    s.send(3, vec![e(EventType::TxCompensated, g, "b")]).await;
+    let mut next = None;
+    for _ in 0..2 {
+        match s.next().await {
+            server_frame::Kind::Ack(a) => assert_eq!(a.seq, 3),
+            server_frame::Kind::Compensate(c) => next = Some(c),
+            other => panic!("{other:?}"),
+        }
+    }
+    let next = next.unwrap();
+    assert_eq!(
+        (next.local_tx_id.as_str(), next.payloads.as_slice()),
+        ("a", &[1u8, 2, 3][..])
+    );
+    s.send(4, vec![e(EventType::TxCompensated, g, "a")]).await;
+    assert_eq!(s.ack().await.seq, 4);
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Compensated));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn many_batches_are_outstanding_on_one_session() {
+    let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
+    let mut s = Session::hello(&server, "svc").await;
+    for seq in 0..40u64 {
+        s.send(seq, lifecycle(&format!("m-{seq}"))).await;
+    }
+    let mut seen = HashSet::new();
+    for _ in 0..40 {
+        let a = s.ack().await;
+        assert_eq!(a.results.len(), 8);
+        assert!(seen.insert(a.seq), "one ack per batch");
+    }
+    assert_eq!(seen.len(), 40);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
+    let (server, _store) = Server::memory(CoordinatorConfig {
+        token: Some("secret".into()),
+        ..CoordinatorConfig::default()
+    })
+    .await;
+    // Events before Hello.
+    let mut bad = Session::open(&server, None).await;
+    bad.send(1, lifecycle("x")).await;
+    let err = tokio::time::timeout(Duration::from_secs(10), bad.rx.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("first frame"), "{}", err.message());
+
+    // A wrong token.
+    let mut bad = Session::open(
+        &server,
+        Some(Hello {
+            service_name: "svc".into(),
+            instance_id: "i".into(),
+            token: "guess".into(),
+        }),
+    )
+    .await;
+    let err = tokio::time::timeout(Duration::from_secs(10), bad.rx.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+
+    // The server still serves a good session.
+    let mut good = Session::open(
+        &server,
+        Some(Hello {
+            service_name: "svc".into(),
+            instance_id: "i".into(),
+            token: "secret".into(),
+        }),
+    )
+    .await;
+    assert!(matches!(good.next().await, server_frame::Kind::Welcome(_)));
+    good.send(1, lifecycle("ok")).await;
+    assert_eq!(good.ack().await.results.len(), 8);
+    server.stop().await;
+}

@@ -1,0 +1,435 @@
+//! Omega's `TxEventService` over real tonic on loopback, on a `MemoryStore`.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{ev, send, started, OmegaInstance, Server};
+use futures::future::BoxFuture;
+use railyard_saga::{
+    CoordinatorConfig, EventKind, EventRecord, MemoryStore, SagaQuery, SagaState, SagaStore,
+    SagaSummary, StoreError, StoreStats,
+};
+use railyard_saga_proto::omega::{GrpcServiceConfig, GrpcTxEvent};
+
+fn fast() -> CoordinatorConfig {
+    CoordinatorConfig {
+        timer_tick: Duration::from_millis(10),
+        default_reverse_timeout: Duration::from_millis(300),
+        default_retry_delay: Duration::from_millis(20),
+        instance_wait: Duration::from_secs(20),
+        ..CoordinatorConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn a_saga_that_ends_is_committed_and_compacted() {
+    let (server, store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let g = "g-commit";
+    assert!(!send(&mut c, ev("SagaStartedEvent", g, g, "booking")).await);
+    for (lid, svc) in [("l1", "car"), ("l2", "hotel"), ("l3", "flight")] {
+        assert!(!send(&mut c, started(g, lid, svc, b"x")).await);
+        assert!(!send(&mut c, ev("TxEndedEvent", g, lid, svc)).await);
+    }
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Running));
+    assert!(!send(&mut c, ev("SagaEndedEvent", g, g, "booking")).await);
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Committed));
+    server.coordinator.flush().await.unwrap();
+    // Compacted: no events left, a summary kept.
+    assert!(store.unfinished().await.unwrap().is_empty());
+    let done = store
+        .finished(SagaQuery {
+            state: Some(SagaState::Committed),
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].global_tx_id, g);
+    assert_eq!(done[0].sub_transactions, 3);
+    assert_eq!(done[0].events, 8);
+    // A duplicate SagaEnded after the end is answered, not aborted.
+    assert!(!send(&mut c, ev("SagaEndedEvent", g, g, "booking")).await);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_abort_compensates_in_reverse_order_with_payloads_verbatim() {
+    let (server, _store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let mut car = OmegaInstance::connect(&mut c, "car", "car-1").await;
+    let mut hotel = OmegaInstance::connect(&mut c, "hotel", "hotel-1").await;
+    server.wait_instances(2).await;
+
+    let g = "g-abort";
+    send(&mut c, ev("SagaStartedEvent", g, g, "booking")).await;
+    // Payloads with every byte value, to catch any re-encoding.
+    let p1: Vec<u8> = (0..=255u8).collect();
+    let p2: Vec<u8> = (0..=255u8).rev().collect();
+    let p3 = vec![0u8, 0xff, 0x00, 0x7f];
+    for (lid, svc, p) in [("a1", "car", &p1), ("b1", "hotel", &p2), ("a2", "car", &p3)] {
+        assert!(!send(&mut c, started(g, lid, svc, p)).await);
+        assert!(!send(&mut c, ev("TxEndedEvent", g, lid, svc)).await);
+    }
+    send(&mut c, started(g, "b2", "hotel", b"never-ended")).await;
+    // b2 fails: the saga aborts; the answer says so.
+    assert!(send(&mut c, ev("TxAbortedEvent", g, "b2", "hotel")).await);
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Compensating));
+
+    // Last started first: a2 on car.
+    let cmd = car.next().await;
+    assert_eq!(
+        (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
+        (g, "a2")
+    );
+    assert_eq!(cmd.payloads, p3);
+    assert_eq!(
+        cmd.compensation_method,
+        "public void com.example.car.undo(java.lang.String)"
+    );
+    assert_eq!(cmd.parent_tx_id, g);
+    // Sequential: nothing else until a2 is compensated.
+    hotel.none_within(Duration::from_millis(100)).await;
+    send(&mut c, ev("TxCompensatedEvent", g, "a2", "car")).await;
+
+    let cmd = hotel.next().await;
+    assert_eq!(cmd.local_tx_id, "b1");
+    assert_eq!(cmd.payloads, p2);
+    // The Akka flavour of the answer is accepted too.
+    send(&mut c, ev("TxCompensateAckSucceedEvent", g, "b1", "hotel")).await;
+
+    let cmd = car.next().await;
+    assert_eq!(cmd.local_tx_id, "a1");
+    assert_eq!(cmd.payloads, p1);
+    send(&mut c, ev("TxCompensatedEvent", g, "a1", "car")).await;
+
+    server.wait_state(g, SagaState::Compensated).await;
+    // The never-ended, aborted b2 got no command.
+    hotel.none_within(Duration::from_millis(100)).await;
+    // Late events after the terminal state are answered aborted=true.
+    assert!(send(&mut c, started(g, "late", "car", b"z")).await);
+    assert!(send(&mut c, ev("SagaEndedEvent", g, g, "booking")).await);
+    car.none_within(Duration::from_millis(100)).await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn out_of_order_and_duplicate_events_are_idempotent() {
+    let (server, store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let mut svc = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
+    server.wait_instances(1).await;
+
+    // Events for a saga never started: it is created implicitly.
+    let g = "g-ooo";
+    assert!(!send(&mut c, ev("TxEndedEvent", g, "l1", "svc")).await);
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Running));
+    // TxEnded before TxStarted: the later TxStarted supplies the payloads.
+    assert!(!send(&mut c, started(g, "l1", "svc", b"first")).await);
+    // A duplicate TxStarted with other payloads changes nothing.
+    assert!(!send(&mut c, started(g, "l1", "svc", b"second")).await);
+    // SagaStarted arriving late is accepted.
+    assert!(!send(&mut c, ev("SagaStartedEvent", g, g, "svc")).await);
+    assert!(!send(&mut c, ev("SagaStartedEvent", g, g, "svc")).await);
+    // Duplicate TxEnded.
+    assert!(!send(&mut c, ev("TxEndedEvent", g, "l1", "svc")).await);
+    // A compensation report while running changes nothing.
+    assert!(!send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await);
+    let view = server.coordinator.saga(g).unwrap();
+    assert_eq!(view.sub_transactions.len(), 1);
+    assert_eq!(
+        view.sub_transactions[0].state,
+        railyard_saga::SubState::Ended
+    );
+
+    // SagaAborted (the Akka flavour of a failed @SagaStart) aborts.
+    assert!(send(&mut c, ev("SagaAbortedEvent", g, g, "svc")).await);
+    // Duplicate aborts: same answer, no second command.
+    assert!(send(&mut c, ev("TxAbortedEvent", g, g, "svc")).await);
+    let cmd = svc.next().await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    assert_eq!(cmd.payloads, b"first");
+    // TxStarted for an aborted saga: aborted=true, recorded as aborted.
+    assert!(send(&mut c, started(g, "l2", "svc", b"p")).await);
+    // SagaEnded after the abort: aborted=true, the saga keeps compensating.
+    assert!(send(&mut c, ev("SagaEndedEvent", g, g, "svc")).await);
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Compensating));
+    // A duplicate report of the compensation: counted once.
+    send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
+    send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
+    server.wait_state(g, SagaState::Compensated).await;
+    svc.none_within(Duration::from_millis(100)).await;
+
+    // A compensation report for a saga never seen: answered, not recorded.
+    let before = store.unfinished().await.unwrap().len();
+    assert!(!send(&mut c, ev("TxCompensatedEvent", "g-unknown", "x", "svc")).await);
+    assert_eq!(store.unfinished().await.unwrap().len(), before);
+    assert_eq!(server.coordinator.state("g-unknown"), None);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_events_get_invalid_argument_and_the_server_keeps_serving() {
+    let (server, store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let err = c
+        .on_tx_event(ev("NoSuchEvent", "g", "g", "svc"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("unknown event type \"NoSuchEvent\""),
+        "{}",
+        err.message()
+    );
+
+    let err = c
+        .on_tx_event(ev("SagaStartedEvent", "", "", "svc"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("globalTxId is empty"),
+        "{}",
+        err.message()
+    );
+
+    let err = c
+        .on_tx_event(ev("TxStartedEvent", "g", "", "svc"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+    // The coordinator's own records are not accepted from participants.
+    let err = c
+        .on_tx_event(ev("SagaTimeoutEvent", "g", "g", "svc"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+    assert!(
+        store.unfinished().await.unwrap().is_empty(),
+        "nothing malformed recorded"
+    );
+    // Same connection, still serving.
+    assert!(!send(&mut c, ev("SagaStartedEvent", "g", "g", "svc")).await);
+    let meta = c
+        .on_get_server_meta(GrpcServiceConfig {
+            service_name: "svc".into(),
+            instance_id: "svc-1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        meta.meta.get("AkkaEnabled").map(String::as_str),
+        Some("false")
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_compensation_waits_for_an_instance_that_registers_late() {
+    let (server, _store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let g = "g-race";
+    // The instance reports before its OnConnected registration arrives.
+    send(&mut c, ev("SagaStartedEvent", g, g, "svc")).await;
+    send(&mut c, started(g, "l1", "svc", b"payload")).await;
+    send(&mut c, ev("TxEndedEvent", g, "l1", "svc")).await;
+    assert!(send(&mut c, ev("TxAbortedEvent", g, g, "svc")).await);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut svc = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
+    let cmd = svc.next().await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    assert_eq!(cmd.payloads, b"payload");
+    send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
+    server.wait_state(g, SagaState::Compensated).await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_participant_reconnecting_as_a_new_instance_gets_the_pending_compensation() {
+    let (server, _store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let first = OmegaInstance::connect(&mut c, "svc", "svc-old").await;
+    server.wait_instances(1).await;
+    let g = "g-reconnect";
+    send(&mut c, ev("SagaStartedEvent", g, g, "svc")).await;
+    let mut e = started(g, "l1", "svc", b"keep-me");
+    e.instance_id = "svc-old".into();
+    send(&mut c, e).await;
+    send(&mut c, ev("TxEndedEvent", g, "l1", "svc")).await;
+    // The old instance vanishes before the abort.
+    drop(first);
+    for _ in 0..500 {
+        if server.coordinator.instances().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(send(&mut c, ev("TxAbortedEvent", g, g, "svc")).await);
+    let mut second = OmegaInstance::connect(&mut c, "svc", "svc-new").await;
+    let cmd = second.next().await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    assert_eq!(cmd.payloads, b"keep-me");
+    send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
+    server.wait_state(g, SagaState::Compensated).await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_saga() {
+    let (server, store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    let mut svc = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
+    server.wait_instances(1).await;
+    let g = "g-fail";
+    send(&mut c, ev("SagaStartedEvent", g, g, "svc")).await;
+    send(&mut c, started(g, "l0", "svc", b"zero")).await;
+    send(&mut c, ev("TxEndedEvent", g, "l0", "svc")).await;
+    let mut e = started(g, "l1", "svc", b"one");
+    e.reverse_retries = 2; // three attempts
+    e.retry_delay_in_milliseconds = 10;
+    send(&mut c, e).await;
+    send(&mut c, ev("TxEndedEvent", g, "l1", "svc")).await;
+    assert!(send(&mut c, ev("TxAbortedEvent", g, g, "svc")).await);
+
+    // Attempt 1: answered with a failure.
+    let cmd = svc.next().await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    send(&mut c, ev("TxCompensateAckFailedEvent", g, "l1", "svc")).await;
+    // Attempt 2: no answer (reverse timeout 300 ms).
+    let cmd = svc.next().await;
+    assert_eq!(
+        (cmd.local_tx_id.as_str(), cmd.payloads.as_slice()),
+        ("l1", &b"one"[..])
+    );
+    // Attempt 3: failed again.
+    let cmd = svc.next().await;
+    assert_eq!(cmd.local_tx_id, "l1");
+    send(&mut c, ev("TxCompensateAckFailedEvent", g, "l1", "svc")).await;
+    server.wait_state(g, SagaState::Failed).await;
+    // l0 (started earlier) is not compensated once l1 could not be.
+    svc.none_within(Duration::from_millis(200)).await;
+    server.coordinator.flush().await.unwrap();
+    let failed = store
+        .finished(SagaQuery {
+            state: Some(SagaState::Failed),
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    server.stop().await;
+}
+
+/// A store whose appends can be made to fail.
+#[derive(Default)]
+struct FlakyStore {
+    inner: MemoryStore,
+    fail: AtomicBool,
+}
+
+impl SagaStore for FlakyStore {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+    fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Box::pin(async { Err(StoreError::Unavailable("disk unplugged".into())) });
+        }
+        self.inner.append(events)
+    }
+    fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.finish(done)
+    }
+    fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        self.inner.unfinished()
+    }
+    fn finished(&self, q: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
+        self.inner.finished(q)
+    }
+    fn timeline(&self, g: String) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        self.inner.timeline(g)
+    }
+    fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
+        self.inner.stats()
+    }
+}
+
+#[tokio::test]
+async fn a_store_failure_is_an_error_not_an_ack() {
+    let store = Arc::new(FlakyStore::default());
+    let server = Server::start(store.clone(), fast()).await;
+    let mut c = server.omega().await;
+    store.fail.store(true, Ordering::SeqCst);
+    let err = c
+        .on_tx_event(ev("SagaStartedEvent", "g", "g", "svc"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert!(err.message().contains("disk unplugged"));
+    // Not applied either.
+    assert_eq!(server.coordinator.state("g"), None);
+    store.fail.store(false, Ordering::SeqCst);
+    assert!(!send(&mut c, ev("SagaStartedEvent", "g", "g", "svc")).await);
+    let events = store.unfinished().await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].kind, Some(EventKind::SagaStarted));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn many_concurrent_clients_are_all_acknowledged() {
+    let (server, store) = Server::memory(fast()).await;
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let mut c = server.omega().await;
+        tasks.push(tokio::spawn(async move {
+            for j in 0..4 {
+                let g = format!("g-{i}-{j}");
+                let events: Vec<GrpcTxEvent> = vec![
+                    ev("SagaStartedEvent", &g, &g, "bench"),
+                    started(&g, "a", "a", b""),
+                    ev("TxEndedEvent", &g, "a", "a"),
+                    ev("SagaEndedEvent", &g, &g, "bench"),
+                ];
+                for e in events {
+                    assert!(!send(&mut c, e).await);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    server.coordinator.flush().await.unwrap();
+    let stats = store.stats().await.unwrap();
+    let committed: u64 = stats
+        .finished
+        .iter()
+        .filter(|(s, _)| s == "COMMITTED")
+        .map(|(_, n)| *n)
+        .sum();
+    assert!(committed >= 1, "some finished");
+    // Whatever was not flushed yet is still unfinished, none lost.
+    let left = store.unfinished().await.unwrap();
+    let mut ids: std::collections::HashSet<String> =
+        left.into_iter().map(|e| e.global_tx_id).collect();
+    for s in store
+        .finished(SagaQuery {
+            limit: 1000,
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap()
+    {
+        ids.insert(s.global_tx_id);
+    }
+    assert_eq!(ids.len(), 200);
+    server.stop().await;
+}
