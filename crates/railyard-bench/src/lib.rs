@@ -16,6 +16,7 @@
 //! - [`saga_server`]: the coordinator under test, in-process on its own
 //!   runtime, with the store a run asks for.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
+//! - [`dtm`]: runs DTM (`peers/dtm/run`), the saga scenario's peer.
 //! - [`report`]: tables, medians, the JSON results file.
 //!
 //! Every scenario returns a serializable result row carrying `scenario`,
@@ -24,6 +25,7 @@
 pub mod bridge;
 pub mod c10k;
 pub mod cluster;
+pub mod dtm;
 pub mod echo;
 pub mod loops;
 pub mod peer;

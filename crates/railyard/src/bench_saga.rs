@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
+use railyard_bench::dtm::{run_dtm, DtmOptions, DtmStore};
+use railyard_bench::peer::default_peers_dir;
 use railyard_bench::report::{median, table, thousands, write_json};
 use railyard_bench::saga::{self, Progress, Protocol, SagaBenchConfig, SagaResult};
 use railyard_bench::saga_server::{CoordinatorUnderTest, StoreKind};
@@ -54,9 +56,17 @@ pub(crate) struct SagaArgs {
     /// instead of starting one in-process.
     #[arg(long, value_name = "URL")]
     endpoint: Option<String>,
-    /// Also run DTM (peers/dtm) with its equivalent saga in the same run.
+    /// Also run DTM (peers/dtm, built on first use; needs Go) with its
+    /// equivalent saga on a store of the same class, in the same run.
     #[arg(long, value_enum)]
     vs: Option<Peer>,
+    /// Transactions for the peer (default: --transactions); DTM is slow
+    /// enough that a smaller count measures its rate as well.
+    #[arg(long)]
+    peer_transactions: Option<u64>,
+    /// Where the peers live (default: ./peers).
+    #[arg(long)]
+    peers_dir: Option<PathBuf>,
     /// Runs per system; the table shows the median.
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -148,12 +158,23 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
     if a.runs == 0 {
         bail!("--runs must be at least 1");
     }
-    if a.vs == Some(Peer::Dtm) {
-        bail!(
-            "--vs dtm: the DTM peer (peers/dtm) is not available in this build yet; \
-             run without --vs to measure Railyard alone"
-        );
-    }
+    let dtm = match a.vs {
+        None => None,
+        Some(Peer::Dtm) => {
+            let Some(store) = DtmStore::matching(a.store.kind().as_str()) else {
+                bail!("--vs dtm compares durable stores: use --store embedded or --store postgres");
+            };
+            if a.endpoint.is_some() {
+                bail!("--vs dtm runs against the in-process coordinator: drop --endpoint");
+            }
+            let dir = a.peers_dir.clone().unwrap_or_else(default_peers_dir);
+            let mut o = DtmOptions::new(&dir, store);
+            o.transactions = a.peer_transactions.unwrap_or(a.transactions);
+            o.concurrency = u32::try_from(a.concurrency).context("--concurrency is too large")?;
+            o.abort_ratio = a.abort_ratio;
+            Some(o)
+        }
+    };
     let protocol = match a.protocol {
         ProtocolArg::Omega => Protocol::Omega,
         ProtocolArg::Native => Protocol::Native,
@@ -174,6 +195,7 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
         batches_in_flight: a.batches_in_flight,
     };
     let mut ours: Vec<SagaResult> = Vec::new();
+    let mut theirs: Vec<serde_json::Value> = Vec::new();
     for run in 1..=a.runs {
         eprintln!(
             "== saga run {run}/{}: railyard, {} protocol, {} store ==",
@@ -213,9 +235,33 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
             r.errors
         );
         ours.push(r);
+        if let Some(o) = &dtm {
+            eprintln!(
+                "== saga run {run}/{}: dtm, {} store, {} transactions ==",
+                a.runs,
+                o.store.as_str(),
+                o.transactions
+            );
+            let pb = ProgressBar::new_spinner();
+            pb.set_message(format!("dtm run {run} (the first run builds DTM)"));
+            pb.enable_steady_tick(Duration::from_millis(200));
+            let v = run_dtm(o).await;
+            pb.finish_and_clear();
+            let v = v?;
+            eprintln!(
+                "dtm: {} tx/s, p50 {:.1} ms, p99 {:.1} ms, {} compensated, {} lost",
+                thousands(num(&v, "tx_per_s") as u64),
+                num(&v["latency_ms"], "p50"),
+                num(&v["latency_ms"], "p99"),
+                num(&v, "compensated"),
+                num(&v, "lost"),
+            );
+            theirs.push(v);
+        }
     }
     let med = |f: fn(&SagaResult) -> f64| median(&ours.iter().map(f).collect::<Vec<_>>());
-    let rows = vec![vec![
+    let our_rate = med(|r| r.tx_per_s).unwrap_or(0.0);
+    let mut rows = vec![vec![
         "railyard".to_owned(),
         protocol.as_str().to_owned(),
         cfg.store.clone(),
@@ -235,7 +281,45 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
         } else {
             "-".to_owned()
         },
+        "-".to_owned(),
     ]];
+    if let Some(o) = &dtm {
+        let tmed = |f: &dyn Fn(&serde_json::Value) -> f64| {
+            median(&theirs.iter().map(f).collect::<Vec<_>>()).unwrap_or(0.0)
+        };
+        let their_rate = tmed(&|v| num(v, "tx_per_s"));
+        rows.push(vec![
+            "dtm".to_owned(),
+            "http".to_owned(),
+            o.store.as_str().to_owned(),
+            thousands(o.transactions),
+            a.concurrency.to_string(),
+            thousands(their_rate as u64),
+            "-".to_owned(),
+            format!("{:.1}", tmed(&|v| num(&v["latency_ms"], "p50"))),
+            format!("{:.1}", tmed(&|v| num(&v["latency_ms"], "p99"))),
+            format!("{:.1}", tmed(&|v| num(&v["latency_ms"], "p999"))),
+            format!("{:.1}", tmed(&|v| num(&v["latency_ms"], "max"))),
+            "-".to_owned(),
+            thousands(tmed(&|v| num(v, "compensated")) as u64),
+            thousands(
+                theirs
+                    .iter()
+                    .map(|v| num(v, "lost") as u64)
+                    .max()
+                    .unwrap_or(0),
+            ),
+            "-".to_owned(),
+            format!("{:.1}x", our_rate / their_rate.max(f64::MIN_POSITIVE)),
+        ]);
+        println!(
+            "\nrailyard ({}) makes {:.1}x the transactions/s of dtm ({}), medians of {} run(s)",
+            protocol.as_str(),
+            our_rate / their_rate.max(f64::MIN_POSITIVE),
+            o.store.as_str(),
+            a.runs
+        );
+    }
     println!(
         "\nsaga (alpha-benchmark profile, 8 events per transaction), abort ratio {}, {} channels, median of {} run(s)\n{}",
         a.abort_ratio,
@@ -258,17 +342,26 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
                 "compensated",
                 "lost (max)",
                 "events/batch",
+                "railyard / it",
             ],
             rows
         )
     );
     if let Some(path) = &a.json {
-        let json: Vec<serde_json::Value> = ours
+        let mut json: Vec<serde_json::Value> = ours
             .iter()
             .map(serde_json::to_value)
             .collect::<Result<_, _>>()?;
+        json.extend(theirs.iter().cloned());
         write_json(path, &json).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {} result rows to {}", json.len(), path.display());
     }
     Ok(())
+}
+
+/// A number field of a peer's result object (0 if missing).
+fn num(v: &serde_json::Value, key: &str) -> f64 {
+    v.get(key)
+        .and_then(serde_json::Value::as_f64)
+        .unwrap_or(0.0)
 }
