@@ -51,7 +51,8 @@
 //! # Files
 //! `<dir>/saga.db` (+ `-wal`, `-shm`), and `<dir>/LOCK`, held with `flock`
 //! so two coordinators never share one directory. Schema version in
-//! `PRAGMA user_version`.
+//! `PRAGMA user_version` (2; version 1 is migrated on open, a newer one is
+//! refused).
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -71,7 +72,54 @@ use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats
 use crate::event::EventRecord;
 
 /// The schema this code writes; stored in `PRAGMA user_version`.
-const SCHEMA_VERSION: i64 = 1;
+///
+/// - 1: events with an index on the saga id, summaries unique per saga;
+/// - 2: neither (see "Layout"); version 1 is migrated on open.
+const SCHEMA_VERSION: i64 = 2;
+
+/// The current tables, created in a new store.
+const SCHEMA: &str = "
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY,
+        global_tx_id TEXT NOT NULL,
+        n INTEGER NOT NULL,
+        data BLOB NOT NULL
+    );
+    CREATE TABLE summaries (
+        ord INTEGER PRIMARY KEY,
+        global_tx_id TEXT NOT NULL,
+        service_name TEXT NOT NULL,
+        state TEXT NOT NULL,
+        started_ms INTEGER NOT NULL,
+        finished_ms INTEGER NOT NULL,
+        sub_transactions INTEGER NOT NULL,
+        compensated INTEGER NOT NULL,
+        events INTEGER NOT NULL
+    );
+    CREATE INDEX summaries_by_finish ON summaries (finished_ms);
+    PRAGMA user_version = 2;";
+
+/// Version 1 to 2: drop the saga-id index, rebuild summaries without the
+/// unique constraint (same rows, same order).
+const MIGRATE_1_TO_2: &str = "
+    DROP INDEX IF EXISTS events_by_saga;
+    ALTER TABLE summaries RENAME TO summaries_v1;
+    CREATE TABLE summaries (
+        ord INTEGER PRIMARY KEY,
+        global_tx_id TEXT NOT NULL,
+        service_name TEXT NOT NULL,
+        state TEXT NOT NULL,
+        started_ms INTEGER NOT NULL,
+        finished_ms INTEGER NOT NULL,
+        sub_transactions INTEGER NOT NULL,
+        compensated INTEGER NOT NULL,
+        events INTEGER NOT NULL
+    );
+    INSERT INTO summaries SELECT ord, global_tx_id, service_name, state, started_ms,
+        finished_ms, sub_transactions, compensated, events FROM summaries_v1 ORDER BY ord;
+    DROP TABLE summaries_v1;
+    CREATE INDEX summaries_by_finish ON summaries (finished_ms);
+    PRAGMA user_version = 2;";
 
 /// Settings of the embedded store; every field has a default.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -277,30 +325,18 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
          PRAGMA journal_size_limit = 67108864;",
     )
     .map_err(engine)?;
-    if version == 0 {
+    let step = match version {
+        0 => Some(SCHEMA),
+        1 => Some(MIGRATE_1_TO_2),
+        _ => None,
+    };
+    if let Some(sql) = step {
         let tx = conn.transaction().map_err(engine)?;
-        tx.execute_batch(
-            "CREATE TABLE events (
-                seq INTEGER PRIMARY KEY,
-                global_tx_id TEXT NOT NULL,
-                n INTEGER NOT NULL,
-                data BLOB NOT NULL
-             );
-             CREATE TABLE summaries (
-                ord INTEGER PRIMARY KEY,
-                global_tx_id TEXT NOT NULL,
-                service_name TEXT NOT NULL,
-                state TEXT NOT NULL,
-                started_ms INTEGER NOT NULL,
-                finished_ms INTEGER NOT NULL,
-                sub_transactions INTEGER NOT NULL,
-                compensated INTEGER NOT NULL,
-                events INTEGER NOT NULL
-             );
-             CREATE INDEX summaries_by_finish ON summaries (finished_ms);
-             PRAGMA user_version = 1;",
-        )
-        .map_err(engine)?;
+        tx.execute_batch(sql).map_err(|e| {
+            StoreError::Corrupt(format!(
+                "cannot bring the schema from version {version} to {SCHEMA_VERSION}: {e}"
+            ))
+        })?;
         tx.commit().map_err(engine)?;
     }
     Ok(())
@@ -718,6 +754,74 @@ mod tests {
             .into_iter()
             .map(|e| e.local_tx_id)
             .collect()
+    }
+
+    /// A version-1 store (index on saga ids, unique summaries) opens as
+    /// version 2 with its rows intact.
+    #[test]
+    fn migrates_version_1() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("saga.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            let data = codec::encode([ev("g", "l0")].iter());
+            c.execute_batch(
+                "CREATE TABLE events (seq INTEGER PRIMARY KEY, global_tx_id TEXT NOT NULL,
+                    n INTEGER NOT NULL, data BLOB NOT NULL);
+                 CREATE INDEX events_by_saga ON events (global_tx_id, seq);
+                 CREATE TABLE summaries (ord INTEGER PRIMARY KEY,
+                    global_tx_id TEXT NOT NULL UNIQUE, service_name TEXT NOT NULL,
+                    state TEXT NOT NULL, started_ms INTEGER NOT NULL,
+                    finished_ms INTEGER NOT NULL, sub_transactions INTEGER NOT NULL,
+                    compensated INTEGER NOT NULL, events INTEGER NOT NULL);
+                 CREATE INDEX summaries_by_finish ON summaries (finished_ms);
+                 INSERT INTO summaries VALUES (7, 'old', 'svc', 'COMMITTED', 1, 2, 1, 0, 8);
+                 PRAGMA user_version = 1;",
+            )
+            .unwrap();
+            c.execute(
+                "INSERT INTO events (global_tx_id, n, data) VALUES ('g', 1, ?1)",
+                [data],
+            )
+            .unwrap();
+        }
+        let mut c = Connection::open(&path).unwrap();
+        prepare_writer(&mut c).unwrap();
+        let v: i64 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, 2);
+        assert_eq!(locals(&c), ["l0"]);
+        let index: i64 = c
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'events_by_saga'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(index, 0);
+        // Summaries kept, and a second one for the same saga is accepted.
+        c.execute(
+            "INSERT INTO summaries (global_tx_id, service_name, state, started_ms, finished_ms,
+                sub_transactions, compensated, events)
+             VALUES ('old', 'svc', 'FAILED', 1, 3, 1, 0, 8)",
+            [],
+        )
+        .unwrap();
+        let ords: Vec<i64> = c
+            .prepare("SELECT ord FROM summaries ORDER BY ord")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(ords, [7, 8]);
+        // And a newer schema is refused.
+        c.execute_batch("PRAGMA user_version = 3").unwrap();
+        assert!(matches!(
+            prepare_writer(&mut c),
+            Err(StoreError::Corrupt(_))
+        ));
     }
 
     /// Appends and finishes of one saga inside one group commit apply in
