@@ -63,7 +63,7 @@ use std::thread::JoinHandle;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row};
+use rusqlite::{params, Connection, OpenFlags, Row};
 use tokio::sync::mpsc;
 
 use super::codec::{self, group_by_saga};
@@ -213,12 +213,16 @@ impl SqliteStore {
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let commits = Arc::new(AtomicU64::new(0));
         let rows = saga_rows(&writer).map_err(engine)?;
+        let summaries: i64 = writer
+            .query_row("SELECT count(*) FROM summaries", [], |r| r.get(0))
+            .map_err(engine)?;
         let mut w = Writer {
             conn: writer,
             config,
             commits: commits.clone(),
             since_prune: u64::MAX,
             rows,
+            summaries: u64::try_from(summaries).unwrap_or(0),
         };
         // Apply the retention once at start (a smaller limit takes effect
         // without waiting for new summaries).
@@ -366,6 +370,8 @@ struct Writer {
     /// rows appended by `seq` fill one page after another. Bounded by the
     /// sagas in flight; rebuilt from the table on open.
     rows: HashMap<String, Vec<i64>>,
+    /// Rows in `summaries`, so pruning by count needs no count query.
+    summaries: u64,
 }
 
 impl Writer {
@@ -462,6 +468,7 @@ impl Writer {
             }
         }
         tx.commit()?;
+        self.summaries += finished;
         for g in gone {
             self.rows.remove(g);
         }
@@ -485,33 +492,28 @@ impl Writer {
         Ok(())
     }
 
-    /// Drops summaries beyond the retention, then gives back free pages.
+    /// Drops summaries beyond the retention (in one transaction, one
+    /// sync), then gives back free pages. Costs what it deletes: the count
+    /// is kept in memory and the oldest rows go first by `ord`.
     fn prune(&mut self) -> rusqlite::Result<()> {
         let r = &self.config.retention;
         let mut removed = 0;
+        let tx = self.conn.transaction()?;
         if let Some(cutoff) = r.cutoff_ms() {
-            removed += self
-                .conn
-                .execute("DELETE FROM summaries WHERE finished_ms < ?1", [cutoff])?;
+            removed += tx.execute("DELETE FROM summaries WHERE finished_ms < ?1", [cutoff])?;
         }
-        if let Some(max) = r.max_summaries {
-            let max = i64::try_from(max).unwrap_or(i64::MAX);
-            let oldest_kept: Option<i64> = self
-                .conn
-                .query_row(
-                    "SELECT ord FROM summaries ORDER BY ord DESC LIMIT 1 OFFSET ?1",
-                    [max.saturating_sub(1)],
-                    |row| row.get(0),
-                )
-                .optional()?;
-            if let (Some(ord), true) = (oldest_kept, max > 0) {
-                removed += self
-                    .conn
-                    .execute("DELETE FROM summaries WHERE ord < ?1", [ord])?;
-            } else if max == 0 {
-                removed += self.conn.execute("DELETE FROM summaries", [])?;
+        let left = self.summaries.saturating_sub(removed as u64);
+        if let Some(excess) = r.max_summaries.and_then(|max| left.checked_sub(max)) {
+            if excess > 0 {
+                removed += tx.execute(
+                    "DELETE FROM summaries WHERE ord IN
+                        (SELECT ord FROM summaries ORDER BY ord LIMIT ?1)",
+                    [i64::try_from(excess).unwrap_or(i64::MAX)],
+                )?;
             }
         }
+        tx.commit()?;
+        self.summaries = self.summaries.saturating_sub(removed as u64);
         if removed > 0 {
             let free: i64 = self
                 .conn
@@ -837,6 +839,7 @@ mod tests {
             commits: Arc::new(AtomicU64::new(0)),
             since_prune: 0,
             rows: HashMap::new(),
+            summaries: 0,
         };
         w.write(&[req(WriteOp::Append(vec![ev("a", "a0"), ev("b", "b0")]))])
             .unwrap();
