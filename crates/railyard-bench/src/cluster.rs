@@ -69,6 +69,24 @@ pub async fn join(etcd: &str, role: &str) -> Result<(EventBus, ClusterNode), Clu
     Ok((bus, node))
 }
 
+/// [`join`] run on loop `i` of `loops`: the node's tasks (links, membership)
+/// then live on that loop, so traffic between a link and the consumers or
+/// senders on the same loop never crosses threads.
+///
+/// # Errors
+/// As [`join`].
+pub async fn join_on(
+    loops: &EventLoops,
+    i: usize,
+    etcd: &str,
+    role: &'static str,
+) -> Result<(EventBus, ClusterNode), ClusterBenchError> {
+    let etcd = etcd.to_owned();
+    loops
+        .run_on(i, async move { join(&etcd, role).await })
+        .await
+}
+
 /// Waits (at most 20 s) until `bus` routes each of `addresses` to another node.
 ///
 /// # Errors
@@ -136,8 +154,8 @@ pub struct ServeConfig {
 /// # Errors
 /// [`ClusterBenchError`] if joining or registering fails.
 pub async fn serve(etcd: &str, cfg: &ServeConfig) -> Result<(), ClusterBenchError> {
-    let (bus, node) = join(etcd, "server").await?;
-    let loops = EventLoops::new(cfg.loops.max(1), RuntimeKind::Loops);
+    let loops = EventLoops::with_io(cfg.loops.max(1), RuntimeKind::Loops);
+    let (bus, node) = join_on(&loops, 0, etcd, "server").await?;
     for i in 0..cfg.instances.max(1) {
         let (bus, address, kind, method) =
             (bus.clone(), cfg.address.clone(), cfg.consumer, cfg.method);

@@ -199,12 +199,16 @@ pub async fn run(
     cfg: &EchoConfig,
     mut progress: impl FnMut(Duration, u64),
 ) -> Result<EchoResult, ClusterBenchError> {
-    let loops = EventLoops::new(cfg.loops, cfg.runtime);
-    let (bus, node) = match &cfg.cluster {
-        None => (EventBus::new(), None),
+    let (loops, bus, node) = match &cfg.cluster {
+        None => (
+            EventLoops::new(cfg.loops, cfg.runtime),
+            EventBus::new(),
+            None,
+        ),
         Some(t) => {
-            let (bus, node) = cluster::join(&t.etcd, "bench").await?;
-            (bus, Some(node))
+            let loops = EventLoops::with_io(cfg.loops, cfg.runtime);
+            let (bus, node) = cluster::join_on(&loops, 0, &t.etcd, "bench").await?;
+            (loops, bus, Some(node))
         }
     };
     let two_nodes = cfg.cluster.as_ref().is_some_and(|t| t.nodes >= 2);

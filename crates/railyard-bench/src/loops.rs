@@ -40,19 +40,36 @@ pub struct EventLoops {
 }
 
 impl EventLoops {
-    /// Starts `n` loops (at least one).
+    /// Starts `n` loops (at least one), with timers only.
     ///
     /// # Panics
     /// If a runtime or thread cannot be created (out of resources).
     pub fn new(n: usize, kind: RuntimeKind) -> Self {
+        Self::build(n, kind, false)
+    }
+
+    /// Starts `n` loops that can also do I/O (sockets), for clustered runs:
+    /// the cluster node joined on a loop keeps its links there, beside the
+    /// consumers, so a message between a link and a consumer on the same
+    /// loop crosses no thread.
+    ///
+    /// # Panics
+    /// As [`new`](Self::new).
+    pub fn with_io(n: usize, kind: RuntimeKind) -> Self {
+        Self::build(n, kind, true)
+    }
+
+    fn build(n: usize, kind: RuntimeKind, io: bool) -> Self {
         if kind == RuntimeKind::Multi {
-            // Timers only, as for the loops below.
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(n.max(1))
-                .thread_name("bench-worker")
-                .enable_time()
-                .build()
-                .expect("create a multi-thread runtime");
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n.max(1)).thread_name("bench-worker");
+            if io {
+                b.enable_all();
+            } else {
+                // Timers only, as for the loops below.
+                b.enable_time();
+            }
+            let rt = b.build().expect("create a multi-thread runtime");
             let (stop_tx, stop_rx) = oneshot::channel::<()>();
             let handles = vec![rt.handle().clone()];
             let t = std::thread::Builder::new()
@@ -72,13 +89,17 @@ impl EventLoops {
         let mut stops = Vec::new();
         let mut threads = Vec::new();
         for i in 0..n.max(1) {
-            // Timers only, no I/O driver: a wake from another thread then costs an
-            // atomic store unless this loop is actually asleep, instead of an
-            // eventfd write every time. The scenarios do no I/O on these loops.
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-                .expect("create a current-thread runtime");
+            // Timers only unless asked, no I/O driver: a wake from another
+            // thread then costs an atomic store unless this loop is actually
+            // asleep, instead of an eventfd write every time. Only clustered
+            // scenarios do I/O on these loops.
+            let mut b = tokio::runtime::Builder::new_current_thread();
+            if io {
+                b.enable_all();
+            } else {
+                b.enable_time();
+            }
+            let rt = b.build().expect("create a current-thread runtime");
             handles.push(rt.handle().clone());
             let (stop_tx, stop_rx) = oneshot::channel::<()>();
             stops.push(stop_tx);

@@ -180,7 +180,9 @@ pub(crate) struct EchoArgs {
     /// Run every consumer x delivery x method combination and print seed 001's table.
     #[arg(long)]
     matrix: bool,
-    /// Threads for Railyard (default: the number of cores).
+    /// Threads for Railyard per process (default: the number of cores, divided
+    /// by the processes with --nodes 2, so two processes share the cores
+    /// instead of oversubscribing them).
     #[arg(long)]
     loops: Option<usize>,
     #[command(flatten)]
@@ -427,9 +429,11 @@ fn echo_configs(a: &EchoArgs, cluster: Option<ClusterTarget>) -> Vec<EchoConfig>
             DeliveryArg::LocalOnly => Delivery::LocalOnly,
         },
         method: method(a.method),
-        loops: a
-            .loops
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        loops: a.loops.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+            let processes = cluster.as_ref().map_or(1, |t| t.nodes.max(1));
+            (cores / processes).max(1)
+        }),
         runtime: a.common.runtime.unwrap_or(RuntimeArg::Loops).kind(),
         cluster,
     };
