@@ -12,6 +12,7 @@
 //! - [`redis_refresh`]: seed 002, a Redis-backed `GET /test` under vegeta
 //!   with topology refresh on and off, against Lettuce.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
+//! - [`dtm`]: runs DTM (`peers/dtm/run`), the saga scenario's peer.
 //! - [`report`]: tables, medians, the JSON results file.
 //!
 //! Every scenario returns a serializable result row carrying `scenario`,
@@ -20,6 +21,7 @@
 pub mod bridge;
 pub mod c10k;
 pub mod cluster;
+pub mod dtm;
 pub mod echo;
 pub mod loops;
 pub mod peer;

@@ -48,7 +48,9 @@ pub use native::{from_native, NativeService};
 pub use omega::{from_grpc, OmegaService};
 pub use saga::{Command, SubState};
 pub use store::{
-    MemoryStore, SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats,
+    MemoryStore, PgServer, PgServerError, PostgresConfig, PostgresStore, Retention, SagaQuery,
+    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreChoice, StoreError,
+    StoreStats,
 };
 
 use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinatorServer;

@@ -16,11 +16,22 @@
 //! - No call blocks an async worker: implementations do their I/O on their
 //!   own thread or an async driver.
 
+mod choice;
+mod codec;
 mod memory;
+mod pg_server;
+mod postgres;
+mod queue;
+mod sqlite;
 
 use futures::future::BoxFuture;
 
+pub use choice::StoreChoice;
 pub use memory::MemoryStore;
+pub use pg_server::{PgServer, PgServerError};
+pub use postgres::{PostgresConfig, PostgresStore};
+pub use queue::Retention;
+pub use sqlite::{SqliteConfig, SqliteStore};
 
 use crate::event::EventRecord;
 

@@ -1,0 +1,782 @@
+//! The PostgreSQL store: for coordinators that outgrow one machine (all
+//! coordinator nodes can share one database).
+//!
+//! # Client
+//! `tokio-postgres` rather than sqlx: one connection is one task we drive
+//! ourselves (exactly the "one writer owns the connection" shape), it
+//! pipelines statements, binds Rust `Vec`s as PostgreSQL arrays (so a whole
+//! batch goes in one `INSERT ... SELECT FROM UNNEST(...)` with 16 parameters,
+//! whatever its size, under one prepared statement), and it brings no
+//! compile-time query checking that would need a database to build.
+//!
+//! # Group commit
+//! One **writer task** owns the write connection. It waits for the first
+//! request on the bounded queue (see [`queue`](super::queue) for
+//! back-pressure), drains what else is waiting, and runs one transaction:
+//! one multi-row insert for every appended event, one delete + upsert for
+//! every finished saga, then `COMMIT`. The session sets
+//! `synchronous_commit = on`, so `COMMIT` returns only after the WAL record
+//! is flushed to disk: each waiter is answered after that. While a commit
+//! is in flight the next batch accumulates in the queue.
+//!
+//! # Reads
+//! A second connection serves `unfinished`, `finished`, `timeline` and
+//! `stats` (tokio-postgres pipelines concurrent queries on it).
+//!
+//! # Outages
+//! When the server cannot be reached, calls fail with
+//! [`StoreError::Unavailable`] naming the address; the next call reconnects.
+//! Nothing is acknowledged that was not committed.
+//!
+//! # Schema
+//! Tables `railyard_saga_events`, `railyard_saga_summaries` and
+//! `railyard_saga_meta` (schema version), created on connect under an
+//! advisory lock so several coordinators may connect at once.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+
+use tokio_postgres::{Client, NoTls, Row, Statement};
+
+use super::codec::{self, group_by_saga};
+use super::queue::{
+    answer, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
+};
+use super::sqlite::parse_state;
+use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
+use crate::event::EventRecord;
+
+/// The schema this code writes, kept in `railyard_saga_meta`.
+const SCHEMA_VERSION: i32 = 1;
+
+/// Settings of the PostgreSQL store.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct PostgresConfig {
+    /// Connection string, URL (`postgres://user@127.0.0.1:5432/db`) or
+    /// key-value (`host=... port=... user=...`) form.
+    pub url: String,
+    /// Append/finish requests that may wait for the writer; callers wait
+    /// when it is full. Default 4,096.
+    pub queue_capacity: usize,
+    /// Most rows (events or summaries) written in one group commit.
+    /// Default 16,384.
+    pub max_batch_rows: usize,
+    /// How many finished summaries to keep.
+    pub retention: Retention,
+    /// How long to wait for a connection, seconds. Default 5.
+    pub connect_timeout_secs: u64,
+}
+
+impl Default for PostgresConfig {
+    fn default() -> Self {
+        Self {
+            url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            queue_capacity: 4096,
+            max_batch_rows: 16_384,
+            retention: Retention::default(),
+            connect_timeout_secs: 5,
+        }
+    }
+}
+
+impl PostgresConfig {
+    /// Defaults with this connection string.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// The PostgreSQL store. See the module docs.
+///
+/// Dropping it closes the queue; the writer task finishes what it took and
+/// ends.
+pub struct PostgresStore {
+    queue: mpsc::Sender<WriteRequest>,
+    reader: Arc<Connector>,
+    commits: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("server", &self.reader.target)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Connects (and reconnects) one connection.
+struct Connector {
+    config: tokio_postgres::Config,
+    /// `host:port` for messages (never the password).
+    target: String,
+    /// The live client, if any; a short std lock, never held across await.
+    client: Mutex<Option<Arc<Client>>>,
+}
+
+impl Connector {
+    fn new(config: &PostgresConfig) -> Result<Self, StoreError> {
+        let mut pg: tokio_postgres::Config = config.url.parse().map_err(|e| {
+            StoreError::Unavailable(format!(
+                "invalid PostgreSQL connection string: {e}; expected e.g. \
+                 postgres://user@127.0.0.1:5432/dbname"
+            ))
+        })?;
+        pg.connect_timeout(Duration::from_secs(config.connect_timeout_secs.max(1)));
+        pg.application_name("railyard-saga");
+        let hosts: Vec<String> = pg
+            .get_hosts()
+            .iter()
+            .map(|h| match h {
+                tokio_postgres::config::Host::Tcp(s) => s.clone(),
+                tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+            })
+            .collect();
+        let port = pg.get_ports().first().copied().unwrap_or(5432);
+        Ok(Self {
+            target: format!("{}:{port}", hosts.join(",")),
+            config: pg,
+            client: Mutex::new(None),
+        })
+    }
+
+    fn unavailable(&self, e: &tokio_postgres::Error) -> StoreError {
+        StoreError::Unavailable(format!("PostgreSQL at {} ({e})", self.target))
+    }
+
+    /// Maps a query error: a lost connection is an outage, the rest is an
+    /// engine error with the server's message.
+    fn error(&self, e: &tokio_postgres::Error) -> StoreError {
+        if e.is_closed() || e.as_db_error().is_none() {
+            self.unavailable(e)
+        } else {
+            let msg = e
+                .as_db_error()
+                .map_or_else(|| e.to_string(), |d| d.message().to_owned());
+            StoreError::Engine(format!("PostgreSQL: {msg}"))
+        }
+    }
+
+    /// The current client, connecting if there is none or it closed.
+    async fn get(&self) -> Result<Arc<Client>, StoreError> {
+        if let Some(c) = self.client.lock().as_ref() {
+            if !c.is_closed() {
+                return Ok(c.clone());
+            }
+        }
+        let (client, conn) = self
+            .config
+            .connect(NoTls)
+            .await
+            .map_err(|e| self.unavailable(&e))?;
+        // The connection task ends when the client is dropped or the server
+        // goes away; the client then reports `is_closed`.
+        let target = self.target.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(server = %target, error = %e, "saga store connection ended");
+            }
+        });
+        client
+            .batch_execute("SET synchronous_commit = on")
+            .await
+            .map_err(|e| self.error(&e))?;
+        let client = Arc::new(client);
+        *self.client.lock() = Some(client.clone());
+        Ok(client)
+    }
+}
+
+const SUMMARY_COLUMNS: &str = "global_tx_id, service_name, state, started_ms, finished_ms, \
+    sub_transactions, compensated, events";
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS railyard_saga_meta (version INT NOT NULL);
+CREATE TABLE IF NOT EXISTS railyard_saga_events (
+    seq BIGSERIAL PRIMARY KEY,
+    global_tx_id TEXT NOT NULL,
+    n INT NOT NULL,
+    data BYTEA NOT NULL
+);
+CREATE INDEX IF NOT EXISTS railyard_saga_events_by_saga
+    ON railyard_saga_events (global_tx_id, seq);
+CREATE TABLE IF NOT EXISTS railyard_saga_summaries (
+    ord BIGSERIAL PRIMARY KEY,
+    global_tx_id TEXT NOT NULL UNIQUE,
+    service_name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    started_ms BIGINT NOT NULL,
+    finished_ms BIGINT NOT NULL,
+    sub_transactions BIGINT NOT NULL,
+    compensated BIGINT NOT NULL,
+    events BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS railyard_saga_summaries_by_finish
+    ON railyard_saga_summaries (finished_ms);
+";
+
+/// Creates the schema (once, under an advisory lock) and checks its version.
+async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
+    let c = conn.get().await?;
+    let err = |e: tokio_postgres::Error| conn.error(&e);
+    c.batch_execute("BEGIN; SELECT pg_advisory_xact_lock(7261746);")
+        .await
+        .map_err(err)?;
+    let result = async {
+        c.batch_execute(SCHEMA).await.map_err(err)?;
+        let row = c
+            .query_opt("SELECT max(version) FROM railyard_saga_meta", &[])
+            .await
+            .map_err(err)?;
+        let version: Option<i32> = row.and_then(|r| r.get::<_, Option<i32>>(0));
+        match version {
+            None => {
+                c.execute(
+                    "INSERT INTO railyard_saga_meta (version) VALUES ($1)",
+                    &[&SCHEMA_VERSION],
+                )
+                .await
+                .map_err(err)?;
+            }
+            Some(v) if v > SCHEMA_VERSION => {
+                return Err(StoreError::Corrupt(format!(
+                    "the database holds saga schema version {v}, newer than this \
+                     Railyard's ({SCHEMA_VERSION}); run a newer Railyard"
+                )));
+            }
+            Some(_) => {}
+        }
+        c.batch_execute("COMMIT").await.map_err(err)
+    }
+    .await;
+    if result.is_err() {
+        let _ = c.batch_execute("ROLLBACK").await;
+    }
+    result
+}
+
+impl PostgresStore {
+    /// Connects, creates the schema if missing and starts the writer task.
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] if the server cannot be reached (the
+    /// message names the address) or the string is invalid;
+    /// [`StoreError::Corrupt`] if the database holds a newer schema.
+    pub async fn connect(config: PostgresConfig) -> Result<Self, StoreError> {
+        let writer_conn = Connector::new(&config)?;
+        let reader = Arc::new(Connector::new(&config)?);
+        ensure_schema(&writer_conn).await?;
+        reader.get().await?;
+        let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
+        let commits = Arc::new(AtomicU64::new(0));
+        let mut writer = Writer {
+            conn: writer_conn,
+            statements: None,
+            retention: config.retention.clone(),
+            max_rows: config.max_batch_rows.max(1),
+            commits: commits.clone(),
+            since_prune: 0,
+        };
+        writer.prune().await?;
+        tokio::spawn(writer.run(rx));
+        Ok(Self {
+            queue: tx,
+            reader,
+            commits,
+        })
+    }
+}
+
+/// One multi-row insert: saga ids, event counts, packed events.
+type InsertColumns<'a> = (Vec<&'a str>, Vec<i32>, Vec<Vec<u8>>);
+
+/// Prepared statements of the writer's current connection.
+struct Statements {
+    client: Arc<Client>,
+    insert: Statement,
+    delete: Statement,
+    keep: Statement,
+}
+
+struct Writer {
+    conn: Connector,
+    statements: Option<Statements>,
+    retention: Retention,
+    max_rows: usize,
+    commits: Arc<AtomicU64>,
+    since_prune: u64,
+}
+
+impl Writer {
+    async fn run(mut self, mut rx: mpsc::Receiver<WriteRequest>) {
+        while let Some(first) = rx.recv().await {
+            let mut rows = first.op.weight();
+            let mut batch = vec![first];
+            while rows < self.max_rows {
+                match rx.try_recv() {
+                    Ok(req) => {
+                        rows += req.op.weight();
+                        batch.push(req);
+                    }
+                    Err(_) => break,
+                }
+            }
+            let result = self.write(&batch).await;
+            if let Err(e) = &result {
+                tracing::error!(error = %e, requests = batch.len(), "saga store commit failed");
+            }
+            answer(batch, &result);
+        }
+    }
+
+    async fn statements(&mut self) -> Result<&Statements, StoreError> {
+        let fresh = match &self.statements {
+            Some(s) => s.client.is_closed(),
+            None => true,
+        };
+        if fresh {
+            self.statements = None;
+            let client = self.conn.get().await?;
+            let err = |e: tokio_postgres::Error| self.conn.error(&e);
+            let insert = client
+                .prepare(
+                    "INSERT INTO railyard_saga_events (global_tx_id, n, data)
+                     SELECT g, n, d FROM UNNEST($1::text[], $2::int4[], $3::bytea[])
+                     WITH ORDINALITY AS t(g, n, d, ord)
+                     ORDER BY ord",
+                )
+                .await
+                .map_err(err)?;
+            let delete = client
+                .prepare("DELETE FROM railyard_saga_events WHERE global_tx_id = ANY($1::text[])")
+                .await
+                .map_err(err)?;
+            let keep = client
+                .prepare(&format!(
+                    "INSERT INTO railyard_saga_summaries ({SUMMARY_COLUMNS})
+                     SELECT c1, c2, c3, c4, c5, c6, c7, c8
+                     FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[],
+                        $6::int8[], $7::int8[], $8::int8[])
+                     WITH ORDINALITY AS t(c1, c2, c3, c4, c5, c6, c7, c8, ord)
+                     ORDER BY ord
+                     ON CONFLICT (global_tx_id) DO UPDATE SET
+                        ord = nextval('railyard_saga_summaries_ord_seq'),
+                        service_name = EXCLUDED.service_name, state = EXCLUDED.state,
+                        started_ms = EXCLUDED.started_ms, finished_ms = EXCLUDED.finished_ms,
+                        sub_transactions = EXCLUDED.sub_transactions,
+                        compensated = EXCLUDED.compensated, events = EXCLUDED.events"
+                ))
+                .await
+                .map_err(err)?;
+            self.statements = Some(Statements {
+                client,
+                insert,
+                delete,
+                keep,
+            });
+        }
+        self.statements.as_ref().ok_or(StoreError::Closed)
+    }
+
+    /// One transaction for the whole batch, in queue order; the events of
+    /// consecutive appends are stored one row per saga (see
+    /// [`codec`](super::codec)).
+    async fn write(&mut self, batch: &[WriteRequest]) -> Result<(), StoreError> {
+        // Parameters first (they must outlive the pipelined statements).
+        let mut inserts: Vec<InsertColumns<'_>> = Vec::new();
+        let mut finishes: Vec<Vec<SagaSummary>> = Vec::new();
+        // Per step: `Some(i)` = inserts[i], `None` = the next finish.
+        let mut steps: Vec<Option<usize>> = Vec::new();
+        let mut i = 0;
+        while i < batch.len() {
+            let run_end = batch[i..]
+                .iter()
+                .position(|r| matches!(r.op, WriteOp::Finish(_)))
+                .map_or(batch.len(), |p| i + p);
+            let events = batch[i..run_end].iter().flat_map(|r| match &r.op {
+                WriteOp::Append(e) => e.iter(),
+                WriteOp::Finish(_) => [].iter(),
+            });
+            let groups = group_by_saga(events);
+            if !groups.is_empty() {
+                let mut cols = (
+                    Vec::with_capacity(groups.len()),
+                    Vec::with_capacity(groups.len()),
+                    Vec::with_capacity(groups.len()),
+                );
+                for (g, evs) in groups {
+                    cols.0.push(g);
+                    cols.1.push(i32::try_from(evs.len()).unwrap_or(i32::MAX));
+                    cols.2.push(codec::encode(evs.into_iter()));
+                }
+                steps.push(Some(inserts.len()));
+                inserts.push(cols);
+            }
+            if let Some(WriteRequest {
+                op: WriteOp::Finish(done),
+                ..
+            }) = batch.get(run_end)
+            {
+                steps.push(None);
+                finishes.push(dedup_summaries(done.clone()));
+            }
+            i = run_end + 1;
+        }
+        let finished: u64 = finishes.iter().map(|f| f.len() as u64).sum();
+        let ids: Vec<Vec<&str>> = finishes
+            .iter()
+            .map(|d| d.iter().map(|s| s.global_tx_id.as_str()).collect())
+            .collect();
+        let summary_cols: Vec<_> = finishes
+            .iter()
+            .map(|d| {
+                let col = |f: fn(&SagaSummary) -> i64| -> Vec<i64> { d.iter().map(f).collect() };
+                (
+                    d.iter()
+                        .map(|s| s.service_name.as_str())
+                        .collect::<Vec<_>>(),
+                    d.iter().map(|s| s.state.as_str()).collect::<Vec<_>>(),
+                    [
+                        col(|s| s.started_ms),
+                        col(|s| s.finished_ms),
+                        col(|s| i64::from(s.sub_transactions)),
+                        col(|s| i64::from(s.compensated)),
+                        col(|s| i64::from(s.events)),
+                    ],
+                )
+            })
+            .collect();
+
+        let st = self.statements().await?;
+        let (c, insert, delete, keep) = (
+            st.client.clone(),
+            st.insert.clone(),
+            st.delete.clone(),
+            st.keep.clone(),
+        );
+        let mut pipeline: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>> = Vec::new();
+        pipeline.push(Box::pin(c.batch_execute("BEGIN")));
+        let mut next_finish = 0;
+        for step in &steps {
+            match step {
+                Some(n) => {
+                    let (g, counts, data) = &inserts[*n];
+                    let (c, insert) = (&c, &insert);
+                    pipeline.push(Box::pin(async move {
+                        c.execute(insert, &[g, counts, data]).await.map(drop)
+                    }));
+                }
+                None => {
+                    let n = next_finish;
+                    next_finish += 1;
+                    let ids = &ids[n];
+                    let (services, states, nums) = &summary_cols[n];
+                    let (c, delete, keep) = (&c, &delete, &keep);
+                    pipeline.push(Box::pin(async move {
+                        c.execute(delete, &[ids]).await.map(drop)
+                    }));
+                    pipeline.push(Box::pin(async move {
+                        c.execute(
+                            keep,
+                            &[
+                                ids, services, states, &nums[0], &nums[1], &nums[2], &nums[3],
+                                &nums[4],
+                            ],
+                        )
+                        .await
+                        .map(drop)
+                    }));
+                }
+            }
+        }
+        // synchronous_commit = on: COMMIT returns once the WAL is flushed.
+        pipeline.push(Box::pin(c.batch_execute("COMMIT")));
+        let result = in_order(pipeline).await;
+        if let Err(e) = result {
+            if !c.is_closed() {
+                let _ = c.batch_execute("ROLLBACK").await;
+            }
+            return Err(self.conn.error(&e));
+        }
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.since_prune = self.since_prune.saturating_add(finished);
+        if finished > 0 && self.since_prune >= self.retention.slack() {
+            self.since_prune = 0;
+            if let Err(e) = self.prune().await {
+                tracing::warn!(error = %e, "pruning saga summaries failed");
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops summaries beyond the retention.
+    async fn prune(&mut self) -> Result<(), StoreError> {
+        let c = self.conn.get().await?;
+        let err = |e: tokio_postgres::Error| self.conn.error(&e);
+        if let Some(cutoff) = self.retention.cutoff_ms() {
+            c.execute(
+                "DELETE FROM railyard_saga_summaries WHERE finished_ms < $1",
+                &[&cutoff],
+            )
+            .await
+            .map_err(err)?;
+        }
+        if let Some(max) = self.retention.max_summaries {
+            let max = i64::try_from(max).unwrap_or(i64::MAX);
+            if max == 0 {
+                c.execute("DELETE FROM railyard_saga_summaries", &[])
+                    .await
+                    .map_err(err)?;
+            } else {
+                c.execute(
+                    "DELETE FROM railyard_saga_summaries WHERE ord < (
+                        SELECT ord FROM railyard_saga_summaries
+                        ORDER BY ord DESC OFFSET $1 LIMIT 1)",
+                    &[&(max - 1)],
+                )
+                .await
+                .map_err(err)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs statements pipelined: tokio-postgres sends a request when its
+/// future is first polled, and this polls them in order every time, so the
+/// whole transaction leaves in one burst and costs one round trip plus the
+/// WAL flush. The first error (in order) wins; after it the server has
+/// aborted the transaction and the final COMMIT rolls it back.
+async fn in_order(
+    mut futs: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>>,
+) -> Result<(), tokio_postgres::Error> {
+    let mut done = vec![false; futs.len()];
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, d) in futs.iter_mut().zip(done.iter_mut()) {
+            if *d {
+                continue;
+            }
+            match f.as_mut().poll(cx) {
+                std::task::Poll::Ready(Ok(())) => *d = true,
+                std::task::Poll::Ready(Err(e)) => return std::task::Poll::Ready(Err(e)),
+                std::task::Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(Ok(()))
+        }
+    })
+    .await
+}
+
+fn events_from_rows(rows: &[Row]) -> Result<Vec<EventRecord>, StoreError> {
+    let mut out = Vec::with_capacity(rows.len() * 8);
+    for r in rows {
+        let g: &str = r.get(0);
+        let data: &[u8] = r.get(1);
+        codec::decode(g, data, &mut out)
+            .map_err(|e| StoreError::Corrupt(format!("events of saga {g}: {e}")))?;
+    }
+    Ok(out)
+}
+
+fn summary_from_row(r: &Row) -> Result<SagaSummary, StoreError> {
+    let state: &str = r.get(2);
+    let state = parse_state(state)
+        .ok_or_else(|| StoreError::Corrupt(format!("unknown saga state {state}")))?;
+    let n = |i: usize| u32::try_from(r.get::<_, i64>(i)).unwrap_or(u32::MAX);
+    Ok(SagaSummary {
+        global_tx_id: r.get(0),
+        service_name: r.get(1),
+        state,
+        started_ms: r.get(3),
+        finished_ms: r.get(4),
+        sub_transactions: n(5),
+        compensated: n(6),
+        events: n(7),
+    })
+}
+
+impl PostgresStore {
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let c = self.reader.get().await?;
+        c.query(sql, params)
+            .await
+            .map_err(|e| self.reader.error(&e))
+    }
+}
+
+/// Whether a text field holds `\0` (PostgreSQL's `text` cannot).
+fn has_nul(e: &EventRecord) -> bool {
+    [
+        &e.global_tx_id,
+        &e.local_tx_id,
+        &e.parent_tx_id,
+        &e.service_name,
+        &e.instance_id,
+        &e.compensation_method,
+        &e.retry_method,
+    ]
+    .iter()
+    .any(|s| s.contains('\0'))
+}
+
+impl SagaStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            if events.is_empty() {
+                return Ok(());
+            }
+            // Rejected here, alone, rather than failing the whole group
+            // commit it would join.
+            if let Some(e) = events.iter().find(|e| has_nul(e)) {
+                return Err(StoreError::Engine(format!(
+                    "an event of saga {:?} has a NUL character in a text field, which \
+                     PostgreSQL cannot store; nothing of this append was written",
+                    e.global_tx_id
+                )));
+            }
+            submit(&self.queue, WriteOp::Append(events)).await
+        })
+    }
+
+    fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            if done.is_empty() {
+                return Ok(());
+            }
+            if let Some(s) = done
+                .iter()
+                .find(|s| s.global_tx_id.contains('\0') || s.service_name.contains('\0'))
+            {
+                return Err(StoreError::Engine(format!(
+                    "the summary of saga {:?} has a NUL character, which PostgreSQL cannot \
+                     store",
+                    s.global_tx_id
+                )));
+            }
+            submit(&self.queue, WriteOp::Finish(done)).await
+        })
+    }
+
+    fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        Box::pin(async move {
+            let rows = self
+                .query(
+                    "SELECT global_tx_id, data FROM railyard_saga_events ORDER BY seq",
+                    &[],
+                )
+                .await?;
+            events_from_rows(&rows)
+        })
+    }
+
+    fn finished(&self, query: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
+        Box::pin(async move {
+            let limit = if query.limit == 0 {
+                DEFAULT_PAGE
+            } else {
+                query.limit
+            };
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let state = query.state.map(SagaState::as_str);
+            let rows = self
+                .query(
+                    &format!(
+                        "SELECT {SUMMARY_COLUMNS} FROM railyard_saga_summaries
+                         WHERE ($1::text IS NULL OR state = $1)
+                           AND ($2::text IS NULL OR service_name = $2)
+                           AND ($3::int8 IS NULL OR started_ms >= $3)
+                           AND ($4::int8 IS NULL OR started_ms < $4)
+                         ORDER BY ord DESC LIMIT $5"
+                    ),
+                    &[
+                        &state,
+                        &query.service_name,
+                        &query.since_ms,
+                        &query.until_ms,
+                        &limit,
+                    ],
+                )
+                .await?;
+            rows.iter().map(summary_from_row).collect()
+        })
+    }
+
+    fn timeline(
+        &self,
+        global_tx_id: String,
+    ) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        Box::pin(async move {
+            let rows = self
+                .query(
+                    "SELECT global_tx_id, data FROM railyard_saga_events
+                     WHERE global_tx_id = $1 ORDER BY seq",
+                    &[&global_tx_id],
+                )
+                .await?;
+            events_from_rows(&rows)
+        })
+    }
+
+    fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
+        Box::pin(async move {
+            let events = self
+                .query(
+                    "SELECT coalesce(sum(n), 0)::int8 FROM railyard_saga_events",
+                    &[],
+                )
+                .await?;
+            let events: i64 = events.first().map_or(0, |r| r.get(0));
+            let finished = self
+                .query(
+                    "SELECT state, count(*) FROM railyard_saga_summaries
+                     GROUP BY state ORDER BY state",
+                    &[],
+                )
+                .await?;
+            let size = self
+                .query(
+                    "SELECT pg_total_relation_size('railyard_saga_events')
+                          + pg_total_relation_size('railyard_saga_summaries')",
+                    &[],
+                )
+                .await?;
+            let size: Option<i64> = size.first().and_then(|r| r.get(0));
+            Ok(StoreStats {
+                events: u64::try_from(events).unwrap_or(0),
+                finished: finished
+                    .iter()
+                    .map(|r| {
+                        (
+                            r.get::<_, String>(0),
+                            u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
+                        )
+                    })
+                    .collect(),
+                commits: self.commits.load(Ordering::Relaxed),
+                disk_bytes: size.and_then(|s| u64::try_from(s).ok()),
+            })
+        })
+    }
+}

@@ -1,0 +1,159 @@
+//! The bounded request queue in front of a durable store's single writer,
+//! and the settings both durable stores share.
+//!
+//! Every `append` and `finish` becomes one [`WriteRequest`] carrying a
+//! oneshot. The writer (a thread for SQLite, a task for PostgreSQL) takes the
+//! first waiting request, drains whatever else is already queued (up to a
+//! batch size), writes all of it in one transaction, syncs once, then answers
+//! every oneshot with the same result: that is the group commit.
+//!
+//! # Back-pressure
+//! The queue holds at most `queue_capacity` requests. When it is full,
+//! callers wait (asynchronously) in `append`/`finish` until the writer takes
+//! a batch: nothing is dropped and memory stays bounded.
+//!
+//! # Cancel safety
+//! Dropping an `append` future after it was queued does not withdraw the
+//! request: the events may still be written. They were never acknowledged,
+//! and recovery replays them idempotently, so that is safe.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{SagaSummary, StoreError};
+use crate::event::EventRecord;
+
+/// How many finished-saga summaries a durable store keeps.
+///
+/// Pruning runs in the writer after a `finish` once enough new summaries
+/// accumulated (a 1/64 slack of `max_summaries`, at least 1), so the count
+/// may overshoot `max_summaries` by that slack between prunes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct Retention {
+    /// Keep at most this many summaries, newest first (`None`: no limit).
+    /// Default 100,000.
+    pub max_summaries: Option<u64>,
+    /// Drop summaries whose saga finished longer ago than this many seconds
+    /// (`None`: no limit). Default 7 days.
+    pub max_age_secs: Option<u64>,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Self {
+            max_summaries: Some(100_000),
+            max_age_secs: Some(7 * 24 * 3600),
+        }
+    }
+}
+
+impl Retention {
+    /// Keeps everything (no pruning).
+    pub fn keep_all() -> Self {
+        Self {
+            max_summaries: None,
+            max_age_secs: None,
+        }
+    }
+
+    /// Summaries finished since the last prune after which the next prune
+    /// runs.
+    pub(crate) fn slack(&self) -> u64 {
+        self.max_summaries.map_or(u64::MAX, |m| (m / 64).max(1))
+    }
+
+    /// The `finished_ms` before which summaries are too old, if aged out.
+    pub(crate) fn cutoff_ms(&self) -> Option<i64> {
+        let age = Duration::from_secs(self.max_age_secs?);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        Some(i64::try_from(now.saturating_sub(age).as_millis()).unwrap_or(i64::MAX))
+    }
+}
+
+/// What the writer is asked to do.
+#[derive(Debug)]
+pub(crate) enum WriteOp {
+    /// Append events (in order).
+    Append(Vec<EventRecord>),
+    /// Delete these sagas' events and keep their summaries.
+    Finish(Vec<SagaSummary>),
+}
+
+impl WriteOp {
+    /// Rows this op writes, to bound a batch.
+    pub(crate) fn weight(&self) -> usize {
+        match self {
+            WriteOp::Append(e) => e.len().max(1),
+            WriteOp::Finish(s) => s.len().max(1),
+        }
+    }
+}
+
+/// One queued request and where its result goes.
+#[derive(Debug)]
+pub(crate) struct WriteRequest {
+    pub(crate) op: WriteOp,
+    pub(crate) done: oneshot::Sender<Result<(), StoreError>>,
+}
+
+/// Queues `op` (waiting while the queue is full) and waits for the group
+/// commit that includes it.
+pub(crate) async fn submit(
+    queue: &mpsc::Sender<WriteRequest>,
+    op: WriteOp,
+) -> Result<(), StoreError> {
+    let (done, result) = oneshot::channel();
+    queue
+        .send(WriteRequest { op, done })
+        .await
+        .map_err(|_| StoreError::Closed)?;
+    // The writer answers every request it took, success or failure; a
+    // dropped sender means it stopped mid-batch (store shut down).
+    result.await.unwrap_or(Err(StoreError::Closed))
+}
+
+/// Answers every request of a batch with (a copy of) `result`.
+pub(crate) fn answer(batch: Vec<WriteRequest>, result: &Result<(), StoreError>) {
+    for req in batch {
+        let r = match result {
+            Ok(()) => Ok(()),
+            Err(e) => Err(copy_error(e)),
+        };
+        // The caller may have gone away (future dropped): nothing to tell.
+        let _ = req.done.send(r);
+    }
+}
+
+fn copy_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Engine(m) => StoreError::Engine(m.clone()),
+        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
+        StoreError::Corrupt(m) => StoreError::Corrupt(m.clone()),
+        StoreError::Closed => StoreError::Closed,
+    }
+}
+
+/// The last summary per saga id, in first-seen order (a batch may finish a
+/// saga twice; the later summary wins).
+pub(crate) fn dedup_summaries(done: Vec<SagaSummary>) -> Vec<SagaSummary> {
+    let mut at: HashMap<String, usize> = HashMap::with_capacity(done.len());
+    let mut out: Vec<SagaSummary> = Vec::with_capacity(done.len());
+    for s in done {
+        if let Some(&i) = at.get(&s.global_tx_id) {
+            out[i] = s;
+        } else {
+            at.insert(s.global_tx_id.clone(), out.len());
+            out.push(s);
+        }
+    }
+    out
+}
+
+/// Default page size of `finished` when the query's limit is 0 (as in
+/// [`MemoryStore`](super::MemoryStore)).
+pub(crate) const DEFAULT_PAGE: usize = 100;

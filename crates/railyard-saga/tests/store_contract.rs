@@ -1,0 +1,398 @@
+//! The `SagaStore` contract, run against the in-memory reference, the
+//! embedded SQLite store and PostgreSQL (a real server started here).
+
+mod store_support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use railyard_saga::{
+    EventKind, PostgresConfig, PostgresStore, Retention, SagaQuery, SagaState, SagaStore,
+    SqliteConfig, SqliteStore, StoreError,
+};
+use store_support::{ev, now_ms, saga_events, summary, Fresh, Target};
+
+async fn append_keeps_order_and_every_field(t: &Target) {
+    let s = t.open(Retention::keep_all()).await;
+    let mut want = Vec::new();
+    for i in 0..5 {
+        let g = format!("g{i}");
+        let evs = saga_events(&g);
+        // Interleave sagas: first half of each, then the rest later.
+        s.append(evs[..4].to_vec()).await.unwrap();
+        want.extend_from_slice(&evs[..4]);
+    }
+    for i in 0..5 {
+        let evs = saga_events(&format!("g{i}"));
+        s.append(evs[4..].to_vec()).await.unwrap();
+        want.extend_from_slice(&evs[4..]);
+    }
+    s.append(Vec::new()).await.unwrap();
+    assert_eq!(s.unfinished().await.unwrap(), want);
+    let g3: Vec<_> = want
+        .iter()
+        .filter(|e| e.global_tx_id == "g3")
+        .cloned()
+        .collect();
+    assert_eq!(s.timeline("g3".into()).await.unwrap(), g3);
+    assert!(s.timeline("nope".into()).await.unwrap().is_empty());
+}
+
+async fn finish_compacts_and_keeps_summaries(t: &Target) {
+    let s = t.open(Retention::keep_all()).await;
+    for g in ["a", "b", "c"] {
+        s.append(saga_events(g)).await.unwrap();
+    }
+    let done = vec![
+        summary("a", "svc-0", SagaState::Committed, 10, 20),
+        summary("c", "svc-1", SagaState::Compensated, 11, 21),
+    ];
+    s.finish(done.clone()).await.unwrap();
+    let left = s.unfinished().await.unwrap();
+    assert_eq!(left, saga_events("b"));
+    assert!(s.timeline("a".into()).await.unwrap().is_empty());
+    assert_eq!(s.timeline("b".into()).await.unwrap().len(), 8);
+    let got = s.finished(SagaQuery::default()).await.unwrap();
+    // Newest first.
+    assert_eq!(got, vec![done[1].clone(), done[0].clone()]);
+    let stats = s.stats().await.unwrap();
+    assert_eq!(stats.events, 8);
+    assert_eq!(
+        stats.finished,
+        vec![("COMMITTED".to_owned(), 1), ("COMPENSATED".to_owned(), 1)]
+    );
+    assert!(stats.commits >= 1, "{stats:?}");
+    if t.durable() {
+        assert!(stats.disk_bytes.unwrap_or(0) > 0, "{stats:?}");
+    }
+}
+
+async fn queries_filter_by_state_service_and_time(t: &Target) {
+    let s = t.open(Retention::keep_all()).await;
+    let states = [
+        SagaState::Committed,
+        SagaState::Compensated,
+        SagaState::Failed,
+    ];
+    let mut all = Vec::new();
+    for i in 0..30i64 {
+        let sum = summary(
+            &format!("q{i}"),
+            &format!("svc-{}", i % 2),
+            states[(i % 3) as usize],
+            1000 + i * 10,
+            5000 + i,
+        );
+        all.push(sum.clone());
+        // Several finish calls, so order spans commits.
+        s.finish(vec![sum]).await.unwrap();
+    }
+    let newest_first: Vec<_> = all.iter().rev().cloned().collect();
+    let q = |f: &dyn Fn(&mut SagaQuery)| {
+        let mut q = SagaQuery::default();
+        f(&mut q);
+        q
+    };
+    assert_eq!(
+        s.finished(SagaQuery::default()).await.unwrap(),
+        newest_first
+    );
+    let failed = s
+        .finished(q(&|q| q.state = Some(SagaState::Failed)))
+        .await
+        .unwrap();
+    let want: Vec<_> = newest_first
+        .iter()
+        .filter(|x| x.state == SagaState::Failed)
+        .cloned()
+        .collect();
+    assert_eq!(failed, want);
+    assert_eq!(failed.len(), 10);
+    let svc1_committed = s
+        .finished(q(&|q| {
+            q.state = Some(SagaState::Committed);
+            q.service_name = Some("svc-1".into());
+        }))
+        .await
+        .unwrap();
+    let want: Vec<_> = newest_first
+        .iter()
+        .filter(|x| x.state == SagaState::Committed && x.service_name == "svc-1")
+        .cloned()
+        .collect();
+    assert_eq!(svc1_committed, want);
+    let window = s
+        .finished(q(&|q| {
+            q.since_ms = Some(1050);
+            q.until_ms = Some(1100);
+        }))
+        .await
+        .unwrap();
+    let ids: Vec<_> = window.iter().map(|x| x.global_tx_id.as_str()).collect();
+    assert_eq!(ids, ["q9", "q8", "q7", "q6", "q5"]);
+    let limited = s.finished(q(&|q| q.limit = 4)).await.unwrap();
+    assert_eq!(limited, newest_first[..4].to_vec());
+    let none = s
+        .finished(q(&|q| q.service_name = Some("nobody".into())))
+        .await
+        .unwrap();
+    assert!(none.is_empty());
+}
+
+async fn concurrent_appends_all_land(t: &Target) {
+    let s = t.open(Retention::keep_all()).await;
+    // An event no engine can store (PostgreSQL text cannot hold NUL) is
+    // refused alone; appends running at the same time still land.
+    let mut bad = saga_events("bad");
+    bad[0].instance_id = "inst\0".into();
+    let bad_append = {
+        let s = s.clone();
+        tokio::spawn(async move { s.append(bad).await })
+    };
+    const TASKS: usize = 48;
+    const SAGAS_PER_TASK: usize = 10;
+    let mut handles = Vec::new();
+    for task in 0..TASKS {
+        let s = s.clone();
+        handles.push(tokio::spawn(async move {
+            for n in 0..SAGAS_PER_TASK {
+                let g = format!("t{task}-{n}");
+                let evs = saga_events(&g);
+                // Two appends per saga, as a coordinator would.
+                s.append(evs[..3].to_vec()).await.unwrap();
+                s.append(evs[3..].to_vec()).await.unwrap();
+            }
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    let bad_stored = bad_append.await.unwrap().is_ok();
+    if !bad_stored {
+        assert!(s.timeline("bad".into()).await.unwrap().is_empty());
+    }
+    let all: Vec<_> = s
+        .unfinished()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.global_tx_id != "bad")
+        .collect();
+    assert_eq!(all.len(), TASKS * SAGAS_PER_TASK * 8);
+    let mut per_saga: HashMap<String, Vec<_>> = HashMap::new();
+    for e in all {
+        per_saga.entry(e.global_tx_id.clone()).or_default().push(e);
+    }
+    assert_eq!(per_saga.len(), TASKS * SAGAS_PER_TASK);
+    for (g, evs) in per_saga {
+        assert_eq!(evs, saga_events(&g), "saga {g} out of order");
+    }
+    if t.durable() {
+        let stats = s.stats().await.unwrap();
+        assert!(stats.commits >= 1);
+        let bad = if bad_stored { 8 } else { 0 };
+        assert_eq!(stats.events, (TASKS * SAGAS_PER_TASK * 8 + bad) as u64);
+    }
+}
+
+async fn retention_prunes_oldest_and_aged_summaries(t: &Target) {
+    let s = t
+        .open(Retention {
+            max_summaries: Some(5),
+            max_age_secs: Some(3600),
+        })
+        .await;
+    let now = now_ms();
+    for i in 0..12 {
+        s.finish(vec![summary(
+            &format!("r{i}"),
+            "svc",
+            SagaState::Committed,
+            i,
+            now,
+        )])
+        .await
+        .unwrap();
+    }
+    // One batch larger than the limit, too.
+    let batch: Vec<_> = (12..20)
+        .map(|i| summary(&format!("r{i}"), "svc", SagaState::Committed, i, now))
+        .collect();
+    s.finish(batch).await.unwrap();
+    let ids: Vec<_> = s
+        .finished(SagaQuery::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|x| x.global_tx_id)
+        .collect();
+    assert_eq!(ids, ["r19", "r18", "r17", "r16", "r15"]);
+    // A summary that finished two hours ago is aged out at once.
+    s.finish(vec![summary(
+        "old",
+        "svc",
+        SagaState::Failed,
+        1,
+        now - 2 * 3600 * 1000,
+    )])
+    .await
+    .unwrap();
+    let got = s.finished(SagaQuery::default()).await.unwrap();
+    assert!(got.iter().all(|x| x.global_tx_id != "old"), "{got:?}");
+    assert_eq!(got.len(), 5);
+    drop(s);
+    // A smaller retention applies on reopen.
+    let s = t
+        .open(Retention {
+            max_summaries: Some(2),
+            max_age_secs: None,
+        })
+        .await;
+    let ids: Vec<_> = s
+        .finished(SagaQuery::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|x| x.global_tx_id)
+        .collect();
+    assert_eq!(ids, ["r19", "r18"]);
+}
+
+async fn reopen_keeps_everything(t: &Target) {
+    let s = t.open(Retention::keep_all()).await;
+    for i in 0..6 {
+        s.append(saga_events(&format!("p{i}"))).await.unwrap();
+    }
+    let done = vec![
+        summary("p1", "svc-0", SagaState::Committed, 1, 2),
+        summary("p4", "svc-1", SagaState::Failed, 3, 4),
+    ];
+    s.finish(done.clone()).await.unwrap();
+    let before = s.unfinished().await.unwrap();
+    assert_eq!(before.len(), 4 * 8);
+    drop(s);
+    let s = t.open(Retention::keep_all()).await;
+    assert_eq!(s.unfinished().await.unwrap(), before);
+    assert_eq!(
+        s.finished(SagaQuery::default()).await.unwrap(),
+        vec![done[1].clone(), done[0].clone()]
+    );
+    // And appends go on after the old ones.
+    let extra = ev("p9", "p9", EventKind::SagaStarted, 1);
+    s.append(vec![extra.clone()]).await.unwrap();
+    let after = s.unfinished().await.unwrap();
+    assert_eq!(after.last(), Some(&extra));
+    assert_eq!(after.len(), before.len() + 1);
+}
+
+/// Every case on fresh, empty stores from `fresh`.
+async fn run_contract(mut fresh: Fresh) {
+    append_keeps_order_and_every_field(&fresh.next().await).await;
+    finish_compacts_and_keeps_summaries(&fresh.next().await).await;
+    queries_filter_by_state_service_and_time(&fresh.next().await).await;
+    concurrent_appends_all_land(&fresh.next().await).await;
+    let t = fresh.next().await;
+    if t.durable() {
+        retention_prunes_oldest_and_aged_summaries(&t).await;
+        reopen_keeps_everything(&fresh.next().await).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_store_keeps_the_contract() {
+    run_contract(Fresh::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_store_keeps_the_contract() {
+    run_contract(Fresh::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_keeps_the_contract() {
+    run_contract(Fresh::postgres().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_refuses_a_directory_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = SqliteStore::open(dir.path(), SqliteConfig::default())
+        .await
+        .unwrap();
+    let err = SqliteStore::open(dir.path(), SqliteConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Unavailable(m) if m.contains("in use")),
+        "{err}"
+    );
+    drop(first);
+    // Released with the first store.
+    let again = SqliteStore::open(dir.path(), SqliteConfig::default()).await;
+    assert!(again.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_is_unavailable_with_the_address() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://railyard@127.0.0.1:{port}/postgres");
+    let err = PostgresStore::connect(PostgresConfig::new(url))
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{msg}");
+    assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+
+    let bad = PostgresStore::connect(PostgresConfig::new("postgres://a b c:notaport"))
+        .await
+        .unwrap_err();
+    assert!(matches!(bad, StoreError::Unavailable(_)), "{bad}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outage_fails_appends_then_recovers() {
+    let Fresh::Postgres { mut server, .. } = Fresh::postgres().await else {
+        unreachable!("postgres() makes a Postgres");
+    };
+    let store = Arc::new(
+        PostgresStore::connect(PostgresConfig::new(server.url()))
+            .await
+            .unwrap(),
+    );
+    store.append(saga_events("before")).await.unwrap();
+    let server = tokio::task::spawn_blocking(move || {
+        server.stop();
+        server
+    })
+    .await
+    .unwrap();
+    let err = store.append(saga_events("during")).await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    let err = store.unfinished().await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    let server = tokio::task::spawn_blocking(move || {
+        let mut server = server;
+        server.restart().expect("restart PostgreSQL");
+        server
+    })
+    .await
+    .unwrap();
+    store.append(saga_events("after")).await.unwrap();
+    let ids: Vec<_> = store
+        .unfinished()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.global_tx_id)
+        .collect();
+    // Nothing of the failed append was stored; both acknowledged ones were.
+    assert_eq!(ids.len(), 16);
+    assert!(ids[..8].iter().all(|g| g == "before"));
+    assert!(ids[8..].iter().all(|g| g == "after"));
+    drop(store);
+    drop(server);
+}
