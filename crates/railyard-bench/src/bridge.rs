@@ -191,6 +191,7 @@ impl ServerUnderTest {
         let child = Command::new(railyard_exe)
             .args([
                 "node",
+                "--no-saga",
                 "--stats-every",
                 "0",
                 "--name",

@@ -211,6 +211,7 @@ fn spawn_service(cfg: &RunConfig, port: u16) -> Result<Child, RunError> {
         System::Railyard { exe } => {
             let mut c = Command::new(exe);
             c.arg("node")
+                .arg("--no-saga")
                 .arg("--stats-every")
                 .arg("0")
                 .arg("--redis-cluster")

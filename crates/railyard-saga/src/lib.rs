@@ -49,7 +49,8 @@ pub use omega::{from_grpc, OmegaService};
 pub use saga::{Command, SubState};
 pub use store::{
     MemoryStore, PgServer, PgServerError, PostgresConfig, PostgresStore, Retention, SagaQuery,
-    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreError, StoreStats,
+    SagaState, SagaStore, SagaSummary, SqliteConfig, SqliteStore, StoreChoice, StoreError,
+    StoreStats,
 };
 
 use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinatorServer;

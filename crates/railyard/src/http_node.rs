@@ -5,14 +5,12 @@
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::registry::Registry;
 use railyard_bus::{EventBus, FailureKind};
 use railyard_http::c10k::{self, C10kOptions};
 use railyard_http::{admin_router, bind, HttpConfig, HttpMetrics, MetricsRegistry, Server};
@@ -100,7 +98,13 @@ impl HttpHandle {
 ///
 /// # Errors
 /// A port in use, a data directory that cannot be written.
-pub(crate) async fn start(args: &HttpArgs, bus: &EventBus) -> anyhow::Result<Option<HttpHandle>> {
+/// `registry` is the node's: other subsystems (the saga coordinator) add
+/// their metrics to it, and the admin port serves it.
+pub(crate) async fn start(
+    args: &HttpArgs,
+    bus: &EventBus,
+    registry: MetricsRegistry,
+) -> anyhow::Result<Option<HttpHandle>> {
     if args.no_http {
         return Ok(None);
     }
@@ -133,7 +137,6 @@ pub(crate) async fn start(args: &HttpArgs, bus: &EventBus) -> anyhow::Result<Opt
             .with_context(|| format!("preparing the HTTP data directory {}", data_dir.display()))?
     };
 
-    let registry: MetricsRegistry = Arc::new(Mutex::new(Registry::default()));
     let metrics = HttpMetrics::register(&registry);
     registry
         .lock()

@@ -20,6 +20,7 @@ mod http_node;
 mod node;
 mod node_config;
 mod redis_node;
+mod saga_node;
 
 // The bus allocates one small `Arc` per message; mimalloc's thread-local free
 // lists make that, and the cross-thread frees it implies, cheap.

@@ -24,6 +24,8 @@ pub(crate) struct NodeArgs {
     http: crate::http_node::HttpArgs,
     #[command(flatten)]
     redis: crate::redis_node::RedisNodeArgs,
+    #[command(flatten)]
+    saga: crate::saga_node::SagaArgs,
 }
 
 /// Address of the node's built-in echo service, handy for trying the bus.
@@ -54,10 +56,12 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
         .context("registering the node's info service")?;
     let cluster = crate::cluster_node::join(&bus, &args.cluster, &args.name).await?;
     let bridge = crate::bridge_node::start(&bus, &args.bridge, file.bridge).await?;
-    let http = crate::http_node::start(&args.http, &bus).await?;
+    let registry: railyard_http::MetricsRegistry = Default::default();
+    let saga = crate::saga_node::start(&args.saga, file.saga, Some(&registry)).await?;
+    let http = crate::http_node::start(&args.http, &bus, registry).await?;
     let _redis = crate::redis_node::start(&args.redis).await?;
     let shutdown = shutdown_signal();
-    tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), http = http.is_some(), "node started; press Ctrl-C to stop");
+    tracing::info!(node = %args.name, echo = NODE_ECHO, clustered = cluster.is_some(), http = http.is_some(), saga = saga.is_some(), "node started; press Ctrl-C to stop");
 
     let mut ticker = (!args.stats_every.is_zero()).then(|| tokio::time::interval(args.stats_every));
     tokio::pin!(shutdown);
@@ -93,6 +97,9 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
     }
     if let Some(b) = bridge {
         b.shutdown().await;
+    }
+    if let Some(s) = saga {
+        s.stop().await;
     }
     if let Some(c) = cluster {
         if let Err(e) = c.leave().await {

@@ -6,6 +6,10 @@
 //! port = 7000
 //! inbound_permitted = [{ address = "railyard.node.echo" }]
 //! outbound_permitted = [{ address_regex = "news\\..+" }]
+//!
+//! [saga]              # the saga coordinator; see docs/saga.md
+//! default_reverse_retries = 3
+//! advertise_akka = false
 //! ```
 //!
 //! Sections this version does not know are ignored (a newer file still
@@ -19,7 +23,7 @@ use serde::Deserialize;
 /// `--config`, flattened into `railyard node`'s options.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ConfigArgs {
-    /// TOML config file (sections: [bridge]); without it, embedded defaults.
+    /// TOML config file (sections: [bridge], [saga]); without it, embedded defaults.
     #[arg(long, value_name = "FILE", env = "RAILYARD_CONFIG")]
     config: Option<PathBuf>,
 }
@@ -30,6 +34,8 @@ pub(crate) struct ConfigArgs {
 pub(crate) struct NodeConfig {
     /// The TCP event-bus bridge.
     pub(crate) bridge: railyard_bridge::BridgeConfig,
+    /// The saga coordinator.
+    pub(crate) saga: railyard_saga::CoordinatorConfig,
 }
 
 impl ConfigArgs {
@@ -43,7 +49,7 @@ impl ConfigArgs {
             .with_context(|| format!("reading the config file {}", path.display()))?;
         toml::from_str(&text).with_context(|| {
             format!(
-                "{} is not a valid Railyard config file (see docs/bridge.md for [bridge])",
+                "{} is not a valid Railyard config file (see docs/bridge.md for [bridge], docs/saga.md for [saga])",
                 path.display()
             )
         })

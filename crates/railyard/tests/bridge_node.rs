@@ -41,7 +41,7 @@ fn node_serves_the_bridge_with_permissions_from_its_config_file() {
     )
     .unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
-        .args(["node", "--stats-every", "0", "--config"])
+        .args(["node", "--no-saga", "--stats-every", "0", "--config"])
         .arg(&config)
         .env("RAILYARD_LOG_FORMAT", "json")
         .stderr(Stdio::piped())
@@ -99,7 +99,7 @@ fn bad_config_file_is_a_clear_error() {
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_railyard"))
-        .args(["node", "--bridge-port", "0", "--config"])
+        .args(["node", "--no-saga", "--bridge-port", "0", "--config"])
         .arg(&config)
         .output()
         .unwrap();
@@ -111,7 +111,7 @@ fn bad_config_file_is_a_clear_error() {
     );
     std::fs::write(&config, "[bridge]\nprot = 1\n").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_railyard"))
-        .args(["node", "--config"])
+        .args(["node", "--no-saga", "--config"])
         .arg(&config)
         .output()
         .unwrap();

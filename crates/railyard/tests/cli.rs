@@ -11,6 +11,8 @@ fn railyard() -> Command {
 
 #[test]
 fn node_starts_and_stops_gracefully_on_sigterm() {
+    let saga_dir = std::env::temp_dir().join(format!("railyard-cli-saga-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&saga_dir);
     let mut child = railyard()
         .args([
             "node",
@@ -24,7 +26,11 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
             "0",
             "--admin-port",
             "0",
+            "--saga-port",
+            "0",
+            "--saga-data-dir",
         ])
+        .arg(&saga_dir)
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -39,10 +45,14 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut started = false;
     let mut addrs = None;
+    let mut saga = None;
     while Instant::now() < deadline {
         if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
             if line.contains("http server listening") {
                 addrs = Some((field(&line, "http"), field(&line, "admin")));
+            }
+            if line.contains("saga coordinator listening") {
+                saga = Some(field(&line, "addr"));
             }
             if line.contains("node started") {
                 assert!(line.contains("test-node"), "{line}");
@@ -70,6 +80,14 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     );
     // The node's echo and info services.
     assert!(metrics.contains("railyard_bus_consumers 2"), "{metrics}");
+    // The saga coordinator: its REST API on its port (on the embedded store
+    // in the data directory), its metrics on the admin port.
+    let saga = saga.expect("the node logs the saga coordinator's address before it starts");
+    let stats = http_get(&saga, "/api/stats");
+    assert!(stats.starts_with("HTTP/1.1 200"), "{stats}");
+    assert!(stats.contains(r#""name":"sqlite""#), "{stats}");
+    assert!(saga_dir.join("saga.db").exists());
+    assert!(metrics.contains("railyard_saga_"), "{metrics}");
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -93,6 +111,11 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     // rather than race it for the last lines.
     let rest: Vec<String> = rx.iter().collect();
     assert!(rest.iter().any(|l| l.contains("node stopping")), "{rest:?}");
+    assert!(
+        rest.iter().any(|l| l.contains("saga coordinator stopped")),
+        "{rest:?}"
+    );
+    let _ = std::fs::remove_dir_all(&saga_dir);
 }
 
 /// The value of `name=` in a text log line.
@@ -304,6 +327,7 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
                     "--cluster",
                     "etcd",
                     "--no-bridge",
+                    "--no-saga",
                     "--http-port",
                     "0",
                     "--admin-port",

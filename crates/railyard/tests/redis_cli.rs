@@ -127,7 +127,14 @@ fn node_serves_the_seed_service_over_the_double() {
         .unwrap()
         .port();
     let node = railyard()
-        .args(["node", "--stats-every", "0", "--redis-cluster", &seeds])
+        .args([
+            "node",
+            "--no-saga",
+            "--stats-every",
+            "0",
+            "--redis-cluster",
+            &seeds,
+        ])
         .args([
             "--redis-test-port",
             &port.to_string(),

@@ -16,6 +16,7 @@
 //! - No call blocks an async worker: implementations do their I/O on their
 //!   own thread or an async driver.
 
+mod choice;
 mod codec;
 mod memory;
 mod pg_server;
@@ -25,6 +26,7 @@ mod sqlite;
 
 use futures::future::BoxFuture;
 
+pub use choice::StoreChoice;
 pub use memory::MemoryStore;
 pub use pg_server::{PgServer, PgServerError};
 pub use postgres::{PostgresConfig, PostgresStore};

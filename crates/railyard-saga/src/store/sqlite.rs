@@ -36,6 +36,7 @@
 //! so two coordinators never share one directory. Schema version in
 //! `PRAGMA user_version`.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,9 +49,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row};
 use tokio::sync::mpsc;
 
 use super::codec::{self, group_by_saga};
-use super::queue::{
-    answer, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
-};
+use super::queue::{answer, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
 
@@ -148,11 +147,13 @@ impl SqliteStore {
             .map_err(engine)?;
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let commits = Arc::new(AtomicU64::new(0));
+        let rows = saga_rows(&writer).map_err(engine)?;
         let mut w = Writer {
             conn: writer,
             config,
             commits: commits.clone(),
             since_prune: u64::MAX,
+            rows,
         };
         // Apply the retention once at start (a smaller limit takes effect
         // without waiting for new summaries).
@@ -268,10 +269,9 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
                 n INTEGER NOT NULL,
                 data BLOB NOT NULL
              );
-             CREATE INDEX events_by_saga ON events (global_tx_id, seq);
              CREATE TABLE summaries (
                 ord INTEGER PRIMARY KEY,
-                global_tx_id TEXT NOT NULL UNIQUE,
+                global_tx_id TEXT NOT NULL,
                 service_name TEXT NOT NULL,
                 state TEXT NOT NULL,
                 started_ms INTEGER NOT NULL,
@@ -289,6 +289,17 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Which rows hold each saga's events.
+fn saga_rows(conn: &Connection) -> rusqlite::Result<HashMap<String, Vec<i64>>> {
+    let mut map: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut st = conn.prepare("SELECT seq, global_tx_id FROM events ORDER BY seq")?;
+    let mut rows = st.query([])?;
+    while let Some(r) = rows.next()? {
+        map.entry(r.get(1)?).or_default().push(r.get(0)?);
+    }
+    Ok(map)
+}
+
 /// The writer thread's state.
 struct Writer {
     conn: Connection,
@@ -296,6 +307,12 @@ struct Writer {
     commits: Arc<AtomicU64>,
     /// Summaries finished since the last prune.
     since_prune: u64,
+    /// The rows (`seq`) of every unfinished saga. The table has no index on
+    /// the saga id: saga ids are random UUIDs, and an index on them turns
+    /// every group commit into hundreds of scattered page writes, while
+    /// rows appended by `seq` fill one page after another. Bounded by the
+    /// sagas in flight; rebuilt from the table on open.
+    rows: HashMap<String, Vec<i64>>,
 }
 
 impl Writer {
@@ -329,13 +346,17 @@ impl Writer {
     /// appends are stored one row per saga (see [`codec`](super::codec)).
     fn write(&mut self, batch: &[WriteRequest]) -> rusqlite::Result<()> {
         let mut finished = 0u64;
+        // Changes to `self.rows`, applied only once the commit succeeded:
+        // sagas finished (in order), then rows added and still live.
+        let mut gone: HashSet<&str> = HashSet::new();
+        let mut added: HashMap<&str, Vec<i64>> = HashMap::new();
         let tx = self.conn.transaction()?;
         {
             let mut insert = tx
                 .prepare_cached("INSERT INTO events (global_tx_id, n, data) VALUES (?1, ?2, ?3)")?;
-            let mut delete = tx.prepare_cached("DELETE FROM events WHERE global_tx_id = ?1")?;
+            let mut delete = tx.prepare_cached("DELETE FROM events WHERE seq = ?1")?;
             let mut keep = tx.prepare_cached(
-                "INSERT OR REPLACE INTO summaries (global_tx_id, service_name, state, started_ms,
+                "INSERT INTO summaries (global_tx_id, service_name, state, started_ms,
                     finished_ms, sub_transactions, compensated, events)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
@@ -352,14 +373,25 @@ impl Writer {
                 });
                 for (g, evs) in group_by_saga(events) {
                     insert.execute(params![g, evs.len() as i64, codec::encode(evs.into_iter())])?;
+                    added.entry(g).or_default().push(tx.last_insert_rowid());
                 }
                 if let Some(WriteRequest {
                     op: WriteOp::Finish(done),
                     ..
                 }) = batch.get(run_end)
                 {
-                    for s in dedup_summaries(done.clone()) {
-                        delete.execute([&s.global_tx_id])?;
+                    for s in done {
+                        let g = s.global_tx_id.as_str();
+                        // Its rows from before this batch (unless an earlier
+                        // finish in it deleted them), then from this batch.
+                        let stored = self.rows.get(g).filter(|_| !gone.contains(g));
+                        for seq in stored.into_iter().flatten() {
+                            delete.execute([seq])?;
+                        }
+                        for seq in added.remove(g).into_iter().flatten() {
+                            delete.execute([seq])?;
+                        }
+                        gone.insert(g);
                         keep.execute(params![
                             s.global_tx_id,
                             s.service_name,
@@ -377,6 +409,17 @@ impl Writer {
             }
         }
         tx.commit()?;
+        for g in gone {
+            self.rows.remove(g);
+        }
+        for (g, seqs) in added {
+            match self.rows.get_mut(g) {
+                Some(v) => v.extend(seqs),
+                None => {
+                    self.rows.insert(g.to_owned(), seqs);
+                }
+            }
+        }
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.since_prune = self.since_prune.saturating_add(finished);
         if finished > 0 && self.since_prune >= self.config.retention.slack() {
@@ -613,5 +656,91 @@ impl SagaStore for SqliteStore {
                 disk_bytes: Some(disk),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::EventKind;
+
+    fn ev(g: &str, local: &str) -> EventRecord {
+        EventRecord {
+            global_tx_id: g.into(),
+            local_tx_id: local.into(),
+            kind: Some(EventKind::TxStarted),
+            ..EventRecord::default()
+        }
+    }
+
+    fn summary(g: &str) -> SagaSummary {
+        SagaSummary {
+            global_tx_id: g.into(),
+            service_name: "svc".into(),
+            state: SagaState::Committed,
+            started_ms: 1,
+            finished_ms: 2,
+            sub_transactions: 1,
+            compensated: 0,
+            events: 1,
+        }
+    }
+
+    fn req(op: WriteOp) -> WriteRequest {
+        let (done, _) = tokio::sync::oneshot::channel();
+        WriteRequest { op, done }
+    }
+
+    fn locals(conn: &Connection) -> Vec<String> {
+        let mut st = conn
+            .prepare("SELECT global_tx_id, data FROM events ORDER BY seq")
+            .unwrap();
+        let mut rows = st.query([]).unwrap();
+        events_from_rows(&mut rows)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.local_tx_id)
+            .collect()
+    }
+
+    /// Appends and finishes of one saga inside one group commit apply in
+    /// queue order, and the row map follows only committed changes.
+    #[test]
+    fn one_group_commit_applies_requests_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = Connection::open(dir.path().join("saga.db")).unwrap();
+        prepare_writer(&mut conn).unwrap();
+        let mut w = Writer {
+            conn,
+            config: SqliteConfig::default(),
+            commits: Arc::new(AtomicU64::new(0)),
+            since_prune: 0,
+            rows: HashMap::new(),
+        };
+        w.write(&[req(WriteOp::Append(vec![ev("a", "a0"), ev("b", "b0")]))])
+            .unwrap();
+        w.write(&[
+            req(WriteOp::Append(vec![ev("a", "a1")])),
+            req(WriteOp::Append(vec![ev("b", "b1"), ev("a", "a2")])),
+            req(WriteOp::Finish(vec![summary("a")])),
+            // A late event after its saga finished is kept (as in memory).
+            req(WriteOp::Append(vec![ev("a", "a3")])),
+            req(WriteOp::Finish(vec![summary("b")])),
+            req(WriteOp::Append(vec![ev("c", "c0")])),
+        ])
+        .unwrap();
+        assert_eq!(locals(&w.conn), ["a3", "c0"]);
+        assert_eq!(w.rows.len(), 2);
+        assert_eq!(w.rows, saga_rows(&w.conn).unwrap());
+        // Finishing "a" again deletes its late row too.
+        w.write(&[req(WriteOp::Finish(vec![summary("a")]))])
+            .unwrap();
+        assert_eq!(locals(&w.conn), ["c0"]);
+        assert_eq!(w.rows, saga_rows(&w.conn).unwrap());
+        let summaries: i64 = w
+            .conn
+            .query_row("SELECT count(*) FROM summaries", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(summaries, 3);
     }
 }
