@@ -11,6 +11,10 @@
 //! - [`loops`]: thread-per-core event loops the scenarios run on.
 //! - [`redis_refresh`]: seed 002, a Redis-backed `GET /test` under vegeta
 //!   with topology refresh on and off, against Lettuce.
+//! - [`saga`]: seed 003, the alpha-benchmark profile against a saga
+//!   coordinator, over Omega's unary gRPC or the native batched stream.
+//! - [`saga_server`]: the coordinator under test, in-process on its own
+//!   runtime, with the store a run asks for.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`dtm`]: runs DTM (`peers/dtm/run`), the saga scenario's peer.
 //! - [`report`]: tables, medians, the JSON results file.
@@ -28,3 +32,5 @@ pub mod peer;
 pub mod pingpong;
 pub mod redis_refresh;
 pub mod report;
+pub mod saga;
+pub mod saga_server;

@@ -25,6 +25,8 @@ pub(crate) enum BenchCommand {
     C10k(crate::bench_c10k::C10kArgs),
     /// Seed 002: a Redis-backed GET /test under vegeta, topology refresh on and off.
     RedisRefresh(crate::bench_redis::RedisRefreshArgs),
+    /// Seed 003: the alpha-benchmark saga profile against the saga coordinator (omega or native).
+    Saga(crate::bench_saga::SagaArgs),
     /// The second node of a `--nodes 2` run (started by the bench itself).
     #[command(hide = true)]
     Serve(ServeArgs),
@@ -236,6 +238,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::C10k(a) => crate::bench_c10k::run(a).await,
         BenchCommand::Serve(a) => run_serve(a).await,
         BenchCommand::RedisRefresh(a) => crate::bench_redis::run(a).await,
+        BenchCommand::Saga(a) => crate::bench_saga::run(a).await,
     }
 }
 

@@ -13,6 +13,7 @@ mod bench_bridge;
 mod bench_c10k;
 mod bench_cmd;
 mod bench_redis;
+mod bench_saga;
 mod bridge_node;
 mod cluster_node;
 mod dev;

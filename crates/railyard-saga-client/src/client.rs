@@ -1,0 +1,501 @@
+//! The client handle, its builder, and the path an event takes to the
+//! session task.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use railyard_saga_proto::native::{EventType, SagaEvent};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Endpoint;
+
+use crate::compensation::{Compensation, Registry};
+use crate::error::{EventKindName, SagaError};
+use crate::session::Session;
+
+/// Tuning and identity of a client; see [`ClientBuilder`].
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) endpoint_text: String,
+    pub(crate) service_name: String,
+    pub(crate) instance_id: String,
+    pub(crate) token: String,
+    pub(crate) max_batch_events: usize,
+    pub(crate) max_in_flight_events: usize,
+    pub(crate) max_batches_in_flight: usize,
+    pub(crate) max_concurrent_compensations: usize,
+    pub(crate) backoff_initial: Duration,
+    pub(crate) backoff_max: Duration,
+    pub(crate) connect_timeout: Duration,
+}
+
+/// Builds a [`SagaClient`]: who the participant is, where the coordinator
+/// is, how much may be in flight, and the compensation handlers.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), railyard_saga_client::SagaError> {
+/// use railyard_saga_client::{ClientBuilder, CompensationError};
+/// let client = ClientBuilder::new("http://127.0.0.1:8090", "orders")
+///     .compensation("cancel-order", |c| async move {
+///         println!("cancelling {}", c.local_tx_id);
+///         Ok::<(), CompensationError>(())
+///     })
+///     .connect()
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct ClientBuilder {
+    endpoint: String,
+    service_name: String,
+    instance_id: Option<String>,
+    token: String,
+    max_batch_events: usize,
+    max_in_flight_events: usize,
+    max_batches_in_flight: usize,
+    max_concurrent_compensations: usize,
+    backoff_initial: Duration,
+    backoff_max: Duration,
+    connect_timeout: Duration,
+    registry: Registry,
+}
+
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientBuilder")
+            .field("endpoint", &self.endpoint)
+            .field("service_name", &self.service_name)
+            .field("instance_id", &self.instance_id)
+            .field("max_batch_events", &self.max_batch_events)
+            .field("max_in_flight_events", &self.max_in_flight_events)
+            .field("handlers", &self.registry)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientBuilder {
+    /// A client of the coordinator at `endpoint` (e.g.
+    /// `http://127.0.0.1:8090`) for the service `service_name`.
+    pub fn new(endpoint: impl Into<String>, service_name: impl Into<String>) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            service_name: service_name.into(),
+            instance_id: None,
+            token: String::new(),
+            max_batch_events: 1024,
+            max_in_flight_events: 16_384,
+            max_batches_in_flight: usize::MAX,
+            max_concurrent_compensations: 256,
+            backoff_initial: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            registry: Registry::default(),
+        }
+    }
+
+    /// This instance's id (default: `<service>-<random hex>`). A new id is a
+    /// new instance to the coordinator: reuse the old one after a restart to
+    /// take over its pending compensations at once.
+    pub fn instance_id(mut self, id: impl Into<String>) -> Self {
+        self.instance_id = Some(id.into());
+        self
+    }
+
+    /// The shared token, when the coordinator is configured with one.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = token.into();
+        self
+    }
+
+    /// Most events in one batch frame (default 1024). A batch goes out as
+    /// soon as the previous one was handed to the transport, with whatever
+    /// has been queued meanwhile, up to this many.
+    pub fn max_batch_events(mut self, n: usize) -> Self {
+        self.max_batch_events = n;
+        self
+    }
+
+    /// Most events reported and not yet acknowledged (default 16384). When
+    /// reached, reporting an event waits (back-pressure) until acks free room.
+    pub fn max_in_flight_events(mut self, n: usize) -> Self {
+        self.max_in_flight_events = n;
+        self
+    }
+
+    /// Most batches sent and not yet acknowledged (default: no limit beyond
+    /// [`max_in_flight_events`](Self::max_in_flight_events)). A small number
+    /// (1 or 2) makes events wait for an ack before the next batch leaves:
+    /// larger batches, fewer appends at the coordinator, one round trip more
+    /// of latency.
+    pub fn max_batches_in_flight(mut self, n: usize) -> Self {
+        self.max_batches_in_flight = n;
+        self
+    }
+
+    /// Most compensation handlers running at once (default 256); further
+    /// commands wait for a free slot.
+    pub fn max_concurrent_compensations(mut self, n: usize) -> Self {
+        self.max_concurrent_compensations = n;
+        self
+    }
+
+    /// Reconnection backoff: the first delay, doubled after each failed
+    /// attempt (with jitter) up to `max` (defaults 50 ms and 5 s).
+    pub fn reconnect_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.backoff_initial = initial;
+        self.backoff_max = max;
+        self
+    }
+
+    /// How long one connection attempt may take (default 5 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Registers the handler run for compensation commands naming
+    /// `compensation_method`. It gets the step's payload back byte for byte;
+    /// `Ok` reports `TX_COMPENSATED`, `Err` reports `TX_COMPENSATE_FAILED`
+    /// (the coordinator retries). Handlers must be idempotent: a command can
+    /// come again after a reconnection or a retry.
+    pub fn compensation<F, Fut, E>(
+        mut self,
+        compensation_method: impl Into<String>,
+        handler: F,
+    ) -> Self
+    where
+        F: Fn(Compensation) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: fmt::Display,
+    {
+        self.registry.insert(compensation_method.into(), handler);
+        self
+    }
+
+    /// Validates the settings, opens the session (waiting for the first
+    /// connection) and starts the client's session task on the current tokio
+    /// runtime. Later disconnections are repaired by the task, with backoff.
+    ///
+    /// # Errors
+    /// [`SagaError::InvalidConfig`] for bad settings, [`SagaError::Connect`]
+    /// if the first connection fails, [`SagaError::Refused`] if the
+    /// coordinator refuses the session.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    pub async fn connect(self) -> Result<SagaClient, SagaError> {
+        if self.service_name.is_empty() {
+            return Err(SagaError::InvalidConfig(
+                "the service name must not be empty".into(),
+            ));
+        }
+        if self.max_batch_events == 0
+            || self.max_in_flight_events == 0
+            || self.max_batches_in_flight == 0
+            || self.max_concurrent_compensations == 0
+        {
+            return Err(SagaError::InvalidConfig(
+                "max_batch_events, max_in_flight_events, max_batches_in_flight and max_concurrent_compensations must be at least 1"
+                    .into(),
+            ));
+        }
+        if self.backoff_initial.is_zero() || self.backoff_max < self.backoff_initial {
+            return Err(SagaError::InvalidConfig(
+                "the reconnect backoff must be positive, and its maximum at least its initial delay"
+                    .into(),
+            ));
+        }
+        let endpoint = Endpoint::from_shared(self.endpoint.clone())
+            .map_err(|e| SagaError::InvalidConfig(format!("endpoint `{}`: {e}", self.endpoint)))?
+            .tcp_nodelay(true)
+            .connect_timeout(self.connect_timeout)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20));
+        let instance_id = self
+            .instance_id
+            .unwrap_or_else(|| format!("{}-{:08x}", self.service_name, random_u64() as u32));
+        let settings = Arc::new(Settings {
+            endpoint,
+            endpoint_text: self.endpoint,
+            service_name: self.service_name,
+            instance_id,
+            token: self.token,
+            max_batch_events: self.max_batch_events,
+            max_in_flight_events: self.max_in_flight_events,
+            max_batches_in_flight: self.max_batches_in_flight,
+            max_concurrent_compensations: self.max_concurrent_compensations,
+            backoff_initial: self.backoff_initial,
+            backoff_max: self.backoff_max,
+            connect_timeout: self.connect_timeout,
+        });
+        // The channel never holds more than the semaphore lets in, so a
+        // `send` on it never waits long; the semaphore is the back-pressure.
+        let (submit_tx, submit_rx) = mpsc::channel(settings.max_in_flight_events);
+        let stop = CancellationToken::new();
+        let shared = Arc::new(Shared {
+            reporter: Reporter {
+                tx: submit_tx.clone(),
+                in_flight: Arc::new(Semaphore::new(settings.max_in_flight_events)),
+                closed: Arc::new(OnceLock::new()),
+            },
+            stats: Arc::new(StatsCounters::default()),
+            meta: Arc::new(RwLock::new(HashMap::new())),
+            id_prefix: format!("{:016x}", random_u64()),
+            next_id: AtomicU64::new(1),
+            settings: settings.clone(),
+            stop: stop.clone(),
+        });
+        let (first_tx, first_rx) = oneshot::channel();
+        let session = Session::new(
+            settings,
+            submit_rx,
+            submit_tx.downgrade(),
+            shared.reporter.clone(),
+            self.registry,
+            shared.stats.clone(),
+            shared.meta.clone(),
+            stop,
+        );
+        drop(submit_tx);
+        tokio::spawn(session.run(first_tx));
+        match first_rx.await {
+            Ok(Ok(())) => Ok(SagaClient { shared }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(SagaError::Closed(Some(
+                "the session task ended before connecting".into(),
+            ))),
+        }
+    }
+}
+
+/// 64 bits from the standard library's per-process random keys, mixed with
+/// the clock: enough to keep ids of concurrent processes apart.
+fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Counters the session task keeps; read with [`SagaClient::stats`].
+#[derive(Debug, Default)]
+pub(crate) struct StatsCounters {
+    pub(crate) batches: AtomicU64,
+    pub(crate) events: AtomicU64,
+    pub(crate) acked: AtomicU64,
+    pub(crate) resent: AtomicU64,
+    pub(crate) sessions: AtomicU64,
+    pub(crate) compensations: AtomicU64,
+}
+
+/// A snapshot of a client's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ClientStats {
+    /// Batch frames sent (resends included).
+    pub batches: u64,
+    /// Events sent (resends included).
+    pub events: u64,
+    /// Events acknowledged.
+    pub acked: u64,
+    /// Events sent again after a reconnection.
+    pub resent: u64,
+    /// Sessions opened (1 + reconnections).
+    pub sessions: u64,
+    /// Compensation commands received.
+    pub compensations: u64,
+    /// Events reported and not yet answered (queued, sent or being resent).
+    pub in_flight: u64,
+}
+
+/// One event on its way: the event, who waits for its ack, and its share of
+/// the in-flight budget (returned when this is dropped).
+pub(crate) struct Submit {
+    pub(crate) event: SagaEvent,
+    pub(crate) reply: oneshot::Sender<Result<Outcome, SagaError>>,
+    pub(crate) _permit: OwnedSemaphorePermit,
+}
+
+/// What the coordinator answered for an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Outcome {
+    /// The saga is aborted.
+    pub(crate) aborted: bool,
+}
+
+/// The path into the session task: the in-flight budget, then the queue.
+#[derive(Clone)]
+pub(crate) struct Reporter {
+    pub(crate) tx: mpsc::Sender<Submit>,
+    pub(crate) in_flight: Arc<Semaphore>,
+    /// Set once, when the client closes for good: the reason.
+    pub(crate) closed: Arc<OnceLock<String>>,
+}
+
+impl Reporter {
+    fn closed_error(&self) -> SagaError {
+        SagaError::Closed(self.closed.get().cloned())
+    }
+
+    /// Sends `event` and waits for its acknowledgement.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before the event was queued reports nothing;
+    /// after, the event is still delivered (and acknowledged) but nobody
+    /// hears about it.
+    pub(crate) async fn report(&self, event: SagaEvent) -> Result<Outcome, SagaError> {
+        let permit = self
+            .in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| self.closed_error())?;
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Submit {
+                event,
+                reply,
+                _permit: permit,
+            })
+            .await
+            .map_err(|_| self.closed_error())?;
+        rx.await.map_err(|_| self.closed_error())?
+    }
+}
+
+pub(crate) fn kind_name(t: i32) -> EventKindName {
+    EventKindName(
+        EventType::try_from(t)
+            .map(|t| t.as_str_name())
+            .unwrap_or("UNKNOWN_EVENT"),
+    )
+}
+
+pub(crate) struct Shared {
+    pub(crate) reporter: Reporter,
+    stats: Arc<StatsCounters>,
+    meta: Arc<RwLock<HashMap<String, String>>>,
+    /// Random per client, so ids of different clients never collide.
+    id_prefix: String,
+    next_id: AtomicU64,
+    pub(crate) settings: Arc<Settings>,
+    stop: CancellationToken,
+}
+
+impl Shared {
+    /// A fresh id: `<client prefix>-<counter>`.
+    pub(crate) fn new_id(&self) -> String {
+        format!(
+            "{}-{}",
+            self.id_prefix,
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+}
+
+/// A participant's session with the coordinator; cheap to clone (all clones
+/// share the one session).
+///
+/// Every event reported through any clone, by any number of concurrent
+/// sagas, is coalesced into the session's batches; see the crate docs.
+#[derive(Clone)]
+pub struct SagaClient {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl fmt::Debug for SagaClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SagaClient")
+            .field("endpoint", &self.shared.settings.endpoint_text)
+            .field("service_name", &self.shared.settings.service_name)
+            .field("instance_id", &self.shared.settings.instance_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SagaClient {
+    /// A builder; see [`ClientBuilder::new`].
+    pub fn builder(endpoint: impl Into<String>, service_name: impl Into<String>) -> ClientBuilder {
+        ClientBuilder::new(endpoint, service_name)
+    }
+
+    /// The service this client reports for.
+    pub fn service_name(&self) -> &str {
+        &self.shared.settings.service_name
+    }
+
+    /// This instance's id.
+    pub fn instance_id(&self) -> &str {
+        &self.shared.settings.instance_id
+    }
+
+    /// The coordinator's features from its last `Welcome` (empty until one
+    /// arrived).
+    pub fn server_meta(&self) -> HashMap<String, String> {
+        // A poisoned lock only means a panic elsewhere mid-write of a plain
+        // map: its contents are still usable.
+        self.shared
+            .meta
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The client's counters so far.
+    pub fn stats(&self) -> ClientStats {
+        let s = &self.shared.stats;
+        ClientStats {
+            batches: s.batches.load(Ordering::Relaxed),
+            events: s.events.load(Ordering::Relaxed),
+            acked: s.acked.load(Ordering::Relaxed),
+            resent: s.resent.load(Ordering::Relaxed),
+            sessions: s.sessions.load(Ordering::Relaxed),
+            compensations: s.compensations.load(Ordering::Relaxed),
+            in_flight: self
+                .shared
+                .settings
+                .max_in_flight_events
+                .saturating_sub(self.shared.reporter.in_flight.available_permits())
+                as u64,
+        }
+    }
+
+    /// Reports one raw event and waits for its acknowledgement: the building
+    /// block of [`Saga`](crate::Saga); use it for events the saga API does
+    /// not cover. Returns whether the coordinator considers the saga aborted.
+    ///
+    /// # Errors
+    /// [`SagaError::Rejected`], [`SagaError::Closed`], [`SagaError::Protocol`].
+    pub async fn report(&self, event: SagaEvent) -> Result<bool, SagaError> {
+        self.shared.reporter.report(event).await.map(|o| o.aborted)
+    }
+
+    /// Closes the session: events not yet acknowledged fail with
+    /// [`SagaError::Closed`], and every later call too. Dropping every clone
+    /// of the client (and its sagas) also ends the session, once what was
+    /// reported has been acknowledged.
+    pub fn close(&self) {
+        let _ = self
+            .shared
+            .reporter
+            .closed
+            .set("closed by the application".into());
+        self.shared.reporter.in_flight.close();
+        self.shared.stop.cancel();
+    }
+}

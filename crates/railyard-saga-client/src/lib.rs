@@ -1,0 +1,114 @@
+//! Rust SDK for Railyard's saga coordinator, over its native
+//! `railyard.saga.v1.SagaCoordinator.Session` stream.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use railyard_saga_client::{CompensationError, SagaClient, Step};
+//! let client = SagaClient::builder("http://127.0.0.1:8090", "orders")
+//!     .compensation("cancel-order", |c| async move {
+//!         // undo the order described by c.payloads
+//!         Ok::<(), CompensationError>(())
+//!     })
+//!     .connect()
+//!     .await?;
+//! let saga = client.start_saga(None).await?;
+//! let order_id = saga
+//!     .step(Step::new("cancel-order").payload(&b"order 42"[..]), async {
+//!         Ok::<_, std::io::Error>(42) // the real work
+//!     })
+//!     .await?;
+//! saga.end().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Map
+//! - [`client`](SagaClient): the handle and its [`ClientBuilder`]; one
+//!   client is one participant instance (service name + instance id) with
+//!   one session. Every call reports events through a bounded in-flight
+//!   budget into the session task's queue and waits for the event's ack.
+//! - `session`: the task that owns the stream. It coalesces the events of
+//!   all concurrent sagas of the client into `EventBatch` frames (a batch
+//!   leaves as soon as the transport took the previous one, with everything
+//!   queued by then, at most [`ClientBuilder::max_batch_events`]; before
+//!   building it the task yields once to the scheduler so that sagas woken
+//!   by the last ack can queue their next events; no timer ever holds an
+//!   event back), matches each `Ack` to its batch by `seq` and
+//!   wakes each event's waiter, runs `Compensate` commands, and reconnects.
+//! - [`Saga`] and [`Step`]: start, step (reports `TX_STARTED`, runs the
+//!   work, reports `TX_ENDED` or `TX_ABORTED`), end, abort.
+//! - [`Compensation`]: what a compensation handler gets; handlers are
+//!   registered by compensation method name and answer `TX_COMPENSATED` or
+//!   `TX_COMPENSATE_FAILED`. Up to
+//!   [`ClientBuilder::max_concurrent_compensations`] run at once.
+//! - [`SagaError`], [`StepError`], [`CompensationError`]: typed errors.
+//!
+//! # Back-pressure
+//! At most [`ClientBuilder::max_in_flight_events`] events are reported and
+//! not yet acknowledged; a call that would exceed it waits for acks. The
+//! session's queue is bounded by the same number, so it is never full.
+//!
+//! # Reconnection, and what the client assumes of the coordinator
+//! When the stream breaks (anything but a refusal: `INVALID_ARGUMENT`,
+//! `UNAUTHENTICATED`, `PERMISSION_DENIED`, `UNIMPLEMENTED` close the
+//! client, since sending the same frames again cannot help), the session task
+//! reconnects with exponential backoff (with jitter, capped), sends `Hello`
+//! with the same instance id, waits for `Welcome`, then sends again every batch that was not
+//! acknowledged, in the original order, under new `seq` numbers, before any
+//! newer event. Waiting callers notice nothing but the delay. So the client
+//! assumes of the coordinator:
+//! - an `Ack` means every event of the batch is durable (it is never sent
+//!   again after an ack);
+//! - an event received again (same saga, step, type) after a lost ack is a
+//!   duplicate: recorded once, and acknowledged again with the saga's current
+//!   `aborted` flag;
+//! - `seq` is only an echo: it is unique per client across sessions, and
+//!   the coordinator need not check it;
+//! - a `Compensate` whose answer was lost is sent again (possibly with a
+//!   higher `attempt`), so handlers must be idempotent.
+//!
+//! An event whose ack did not arrive is never reported as failed because of
+//! an outage: it waits, and is resent, until acknowledged or the client is
+//! closed.
+
+mod client;
+mod compensation;
+mod error;
+mod saga;
+mod session;
+
+pub use client::{ClientBuilder, ClientStats, SagaClient};
+pub use compensation::Compensation;
+pub use error::{CompensationError, EventKindName, SagaError, StepError};
+pub use railyard_saga_proto::native::{EventType, SagaEvent};
+pub use saga::{Saga, Step};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        is_send_sync::<SagaClient>();
+        is_send_sync::<Saga>();
+        is_send_sync::<Step>();
+        is_send_sync::<SagaError>();
+        is_send_sync::<Compensation>();
+    }
+
+    #[test]
+    fn errors_say_what_to_do() {
+        let e = SagaError::Closed(Some("closed by the application".into()));
+        assert_eq!(
+            e.to_string(),
+            "the saga client is closed: closed by the application"
+        );
+        assert_eq!(
+            SagaError::Closed(None).to_string(),
+            "the saga client is closed"
+        );
+        let e: StepError<std::io::Error> = StepError::SagaAborted("g1".into());
+        assert!(e.to_string().contains("skipped"));
+    }
+}

@@ -1,0 +1,502 @@
+//! The session task: the one owner of the stream to the coordinator.
+//!
+//! It takes submitted events off the client's queue, coalesces them into
+//! `EventBatch` frames, remembers each batch until its `Ack` (matched by
+//! `seq`) resolves the per-event waiters, runs compensation commands through
+//! the registry, and on a lost connection reconnects with backoff and sends
+//! every unacknowledged batch again, in its original order.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use railyard_saga_proto::native::saga_coordinator_client::SagaCoordinatorClient;
+use railyard_saga_proto::native::{
+    client_frame, server_frame, Ack, ClientFrame, Compensate, EventBatch, EventType, Hello,
+    SagaEvent, ServerFrame,
+};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::Streaming;
+
+use crate::client::{kind_name, now_ms, Outcome, Reporter, Settings, StatsCounters, Submit};
+use crate::compensation::{Compensation, Registry};
+use crate::error::{CompensationError, SagaError};
+
+/// How a session ended.
+enum End {
+    /// Every client handle is gone and everything reported was acknowledged,
+    /// or the application closed the client.
+    Done,
+    /// The connection broke: reconnect and resend.
+    Lost(String),
+    /// The coordinator refused us: retrying cannot help.
+    Fatal(SagaError),
+}
+
+pub(crate) struct Session {
+    settings: Arc<Settings>,
+    submit_rx: mpsc::Receiver<Submit>,
+    /// For compensation tasks to report their result; weak so that the
+    /// session ends when the application drops its handles.
+    self_tx: mpsc::WeakSender<Submit>,
+    reporter: Reporter,
+    registry: Registry,
+    stats: Arc<StatsCounters>,
+    meta: Arc<RwLock<HashMap<String, String>>>,
+    stop: CancellationToken,
+    compensation_slots: Arc<Semaphore>,
+    /// Events queued, not yet sent on the current session (a reconnection
+    /// puts unacknowledged batches back at the front).
+    pending: VecDeque<Submit>,
+    /// Sent batches by seq, waiting for their Ack.
+    unacked: BTreeMap<u64, Vec<Submit>>,
+    /// Increases across sessions, so an ack can never match the wrong batch.
+    next_seq: u64,
+    /// False once every sender is gone: finish what is queued, then end.
+    accepting: bool,
+}
+
+impl Session {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        settings: Arc<Settings>,
+        submit_rx: mpsc::Receiver<Submit>,
+        self_tx: mpsc::WeakSender<Submit>,
+        reporter: Reporter,
+        registry: Registry,
+        stats: Arc<StatsCounters>,
+        meta: Arc<RwLock<HashMap<String, String>>>,
+        stop: CancellationToken,
+    ) -> Self {
+        let slots = settings.max_concurrent_compensations;
+        Self {
+            settings,
+            submit_rx,
+            self_tx,
+            reporter,
+            registry,
+            stats,
+            meta,
+            stop,
+            compensation_slots: Arc::new(Semaphore::new(slots)),
+            pending: VecDeque::new(),
+            unacked: BTreeMap::new(),
+            next_seq: 1,
+            accepting: true,
+        }
+    }
+
+    /// Runs until the client is closed or dropped; tells `first` how the
+    /// first connection went (a failing first connection ends the task).
+    pub(crate) async fn run(mut self, first: oneshot::Sender<Result<(), SagaError>>) {
+        let mut first = Some(first);
+        let mut backoff = self.settings.backoff_initial;
+        loop {
+            let lost = match self.open().await {
+                Ok((out, inbound)) => {
+                    self.stats.sessions.fetch_add(1, Ordering::Relaxed);
+                    if let Some(f) = first.take() {
+                        let _ = f.send(Ok(()));
+                    } else {
+                        tracing::info!(
+                            endpoint = %self.settings.endpoint_text,
+                            resending = self.unacked.values().map(Vec::len).sum::<usize>() + self.pending.len(),
+                            "saga session re-established"
+                        );
+                    }
+                    backoff = self.settings.backoff_initial;
+                    match self.serve(out, inbound).await {
+                        End::Done => return self.fail_all(None),
+                        End::Fatal(e) => return self.close_with(first, e),
+                        End::Lost(reason) => reason,
+                    }
+                }
+                Err(End::Fatal(e)) => return self.close_with(first, e),
+                Err(End::Done) => return self.fail_all(None),
+                Err(End::Lost(reason)) => {
+                    if let Some(f) = first.take() {
+                        let _ = f.send(Err(SagaError::Connect {
+                            endpoint: self.settings.endpoint_text.clone(),
+                            reason,
+                        }));
+                        return;
+                    }
+                    reason
+                }
+            };
+            self.requeue_unacked();
+            tracing::warn!(
+                endpoint = %self.settings.endpoint_text,
+                reason = %lost,
+                retry_in_ms = backoff.as_millis() as u64,
+                "saga session lost, reconnecting"
+            );
+            if !self.wait(backoff).await {
+                return self.fail_all(None);
+            }
+            // Double, with up to 25% jitter so many clients do not retry in step.
+            let jitter = 1.0 + f64::from(now_ms().rem_euclid(256) as u32) / 1024.0;
+            backoff = backoff.mul_f64(2.0 * jitter).min(self.settings.backoff_max);
+        }
+    }
+
+    fn close_with(&mut self, first: Option<oneshot::Sender<Result<(), SagaError>>>, e: SagaError) {
+        tracing::error!(error = %e, "saga session refused; the client is closed");
+        let _ = self.reporter.closed.set(e.to_string());
+        self.reporter.in_flight.close();
+        if let Some(f) = first {
+            let _ = f.send(Err(e.clone()));
+        }
+        self.fail_all(Some(e));
+    }
+
+    /// Fails every waiter (with `e`, or "closed") and stops taking events.
+    fn fail_all(&mut self, e: Option<SagaError>) {
+        self.reporter.in_flight.close();
+        self.submit_rx.close();
+        let err = e.unwrap_or_else(|| SagaError::Closed(self.reporter.closed.get().cloned()));
+        let unacked = std::mem::take(&mut self.unacked);
+        let queued = std::iter::from_fn(|| self.submit_rx.try_recv().ok()).collect::<Vec<_>>();
+        for s in unacked
+            .into_values()
+            .flatten()
+            .chain(self.pending.drain(..))
+            .chain(queued)
+        {
+            let _ = s.reply.send(Err(err.clone()));
+        }
+    }
+
+    /// Connects and opens the stream, with the Hello already queued.
+    async fn open(&mut self) -> Result<(mpsc::Sender<ClientFrame>, Streaming<ServerFrame>), End> {
+        let attempt = async {
+            let channel = self
+                .settings
+                .endpoint
+                .connect()
+                .await
+                .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?;
+            let mut client = SagaCoordinatorClient::new(channel)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20);
+            // Capacity 1: the next batch is built only once the previous one
+            // has been taken by the transport, from everything queued by then.
+            let (out, rx) = mpsc::channel(1);
+            let hello = ClientFrame {
+                kind: Some(client_frame::Kind::Hello(Hello {
+                    service_name: self.settings.service_name.clone(),
+                    instance_id: self.settings.instance_id.clone(),
+                    token: self.settings.token.clone(),
+                })),
+            };
+            // Cannot fail: the receiver is alive and the channel is empty.
+            let _ = out.try_send(hello);
+            let mut inbound = client
+                .session(ReceiverStream::new(rx))
+                .await
+                .map_err(classify)?
+                .into_inner();
+            // The coordinator answers Hello with Welcome, or ends the stream
+            // with the reason it refuses the session.
+            match inbound.message().await {
+                Ok(Some(ServerFrame {
+                    kind: Some(server_frame::Kind::Welcome(w)),
+                })) => {
+                    *self
+                        .meta
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = w.meta;
+                }
+                Ok(Some(other)) => {
+                    return Err(End::Fatal(SagaError::Protocol(format!(
+                        "expected Welcome as the first frame, got {:?}",
+                        other.kind
+                    ))))
+                }
+                Ok(None) => return Err(End::Lost("the coordinator ended the stream".into())),
+                Err(status) => return Err(classify(status)),
+            }
+            Ok((out, inbound))
+        };
+        tokio::select! {
+            r = tokio::time::timeout(self.settings.connect_timeout, attempt) => match r {
+                Ok(r) => r,
+                Err(_) => Err(End::Lost(format!(
+                    "no session within {:?}",
+                    self.settings.connect_timeout
+                ))),
+            },
+            _ = self.stop.cancelled() => Err(End::Done),
+        }
+    }
+
+    /// Moves every unacknowledged batch back to the front of the queue, in
+    /// seq order, to be sent again on the next session.
+    fn requeue_unacked(&mut self) {
+        let unacked = std::mem::take(&mut self.unacked);
+        let n: usize = unacked.values().map(Vec::len).sum();
+        self.stats.resent.fetch_add(n as u64, Ordering::Relaxed);
+        for batch in unacked.into_values().rev() {
+            for s in batch.into_iter().rev() {
+                self.pending.push_front(s);
+            }
+        }
+    }
+
+    /// Sleeps `delay` while still queueing submissions; false if the client
+    /// was closed or dropped meanwhile.
+    async fn wait(&mut self, delay: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + delay;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => return true,
+                _ = self.stop.cancelled() => return false,
+                sub = self.submit_rx.recv(), if self.accepting => match sub {
+                    Some(s) => self.pending.push_back(s),
+                    None => {
+                        self.accepting = false;
+                        // Nobody is left to hear about what is queued.
+                        if self.pending.iter().all(|s| s.reply.is_closed()) {
+                            return false;
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// Runs one open session until it ends.
+    async fn serve(
+        &mut self,
+        out: mpsc::Sender<ClientFrame>,
+        mut inbound: Streaming<ServerFrame>,
+    ) -> End {
+        let max_batch = self.settings.max_batch_events;
+        loop {
+            if !self.accepting && self.pending.is_empty() && self.unacked.is_empty() {
+                return End::Done;
+            }
+            tokio::select! {
+                // Acks first: they free in-flight room and wake the sagas
+                // whose next events make the next batch.
+                biased;
+                _ = self.stop.cancelled() => return End::Done,
+                frame = inbound.message() => match frame {
+                    Ok(Some(frame)) => self.on_frame(frame),
+                    Ok(None) => return End::Lost("the coordinator ended the stream".into()),
+                    Err(status) => return classify(status),
+                },
+                // Then take everything already queued, up to a full batch...
+                sub = self.submit_rx.recv(), if self.accepting && self.pending.len() < max_batch => match sub {
+                    Some(s) => self.pending.push_back(s),
+                    None => self.accepting = false,
+                },
+                // ...and send it once the transport took the previous batch.
+                permit = out.reserve(), if !self.pending.is_empty()
+                    && self.unacked.len() < self.settings.max_batches_in_flight => match permit {
+                    Ok(permit) => {
+                        // Let every task that is already runnable (typically
+                        // the sagas the last ack woke) queue its next event
+                        // first: one pass of the scheduler, not a timer.
+                        tokio::task::yield_now().await;
+                        while self.accepting && self.pending.len() < max_batch {
+                            match self.submit_rx.try_recv() {
+                                Ok(s) => self.pending.push_back(s),
+                                Err(mpsc::error::TryRecvError::Empty) => break,
+                                Err(mpsc::error::TryRecvError::Disconnected) => {
+                                    self.accepting = false;
+                                }
+                            }
+                        }
+                        permit.send(self.next_batch());
+                    }
+                    Err(_) => return End::Lost("the request stream closed".into()),
+                },
+            }
+        }
+    }
+
+    fn next_batch(&mut self) -> ClientFrame {
+        let n = self.pending.len().min(self.settings.max_batch_events);
+        let subs: Vec<Submit> = self.pending.drain(..n).collect();
+        let events = subs.iter().map(|s| s.event.clone()).collect();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.unacked.insert(seq, subs);
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        self.stats.events.fetch_add(n as u64, Ordering::Relaxed);
+        ClientFrame {
+            kind: Some(client_frame::Kind::Events(EventBatch { seq, events })),
+        }
+    }
+
+    fn on_frame(&mut self, frame: ServerFrame) {
+        match frame.kind {
+            Some(server_frame::Kind::Welcome(w)) => {
+                *self
+                    .meta
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = w.meta;
+            }
+            Some(server_frame::Kind::Ack(ack)) => self.on_ack(ack),
+            Some(server_frame::Kind::Compensate(c)) => self.on_compensate(c),
+            None => tracing::warn!("empty frame from the saga coordinator, ignored"),
+        }
+    }
+
+    fn on_ack(&mut self, ack: Ack) {
+        let Some(subs) = self.unacked.remove(&ack.seq) else {
+            tracing::warn!(seq = ack.seq, "ack for no outstanding batch, ignored");
+            return;
+        };
+        self.stats
+            .acked
+            .fetch_add(subs.len() as u64, Ordering::Relaxed);
+        if ack.results.len() != subs.len() {
+            let e = SagaError::Protocol(format!(
+                "ack {} has {} results for {} events",
+                ack.seq,
+                ack.results.len(),
+                subs.len()
+            ));
+            tracing::error!(error = %e, "bad ack");
+            for s in subs {
+                let _ = s.reply.send(Err(e.clone()));
+            }
+            return;
+        }
+        for (s, r) in subs.into_iter().zip(ack.results) {
+            let Submit {
+                event,
+                reply,
+                _permit,
+            } = s;
+            // Room first, so a caller woken by the answer sees it.
+            drop(_permit);
+            let answer = if r.error.is_empty() {
+                Ok(Outcome { aborted: r.aborted })
+            } else {
+                Err(SagaError::Rejected {
+                    kind: kind_name(event.r#type),
+                    global_tx_id: event.global_tx_id,
+                    message: r.error,
+                })
+            };
+            let _ = reply.send(answer);
+        }
+    }
+
+    fn on_compensate(&mut self, c: Compensate) {
+        self.stats.compensations.fetch_add(1, Ordering::Relaxed);
+        let Some(tx) = self.self_tx.upgrade() else {
+            return;
+        };
+        let reporter = Reporter {
+            tx,
+            ..self.reporter.clone()
+        };
+        let handler = self.registry.get(&c.compensation_method);
+        let slots = self.compensation_slots.clone();
+        tokio::spawn(async move {
+            let Ok(_slot) = slots.acquire_owned().await else {
+                return;
+            };
+            let command = Compensation {
+                global_tx_id: c.global_tx_id,
+                local_tx_id: c.local_tx_id,
+                parent_tx_id: c.parent_tx_id,
+                compensation_method: c.compensation_method,
+                payloads: Bytes::from(c.payloads),
+                attempt: c.attempt,
+            };
+            let (global, local, parent, method) = (
+                command.global_tx_id.clone(),
+                command.local_tx_id.clone(),
+                command.parent_tx_id.clone(),
+                command.compensation_method.clone(),
+            );
+            let result = match handler {
+                Some(h) => h(command).await,
+                None => Err(CompensationError::new(format!(
+                    "no compensation handler registered for `{method}`"
+                ))),
+            };
+            let kind = match &result {
+                Ok(()) => EventType::TxCompensated,
+                Err(e) => {
+                    tracing::warn!(global_tx_id = %global, local_tx_id = %local, error = %e, "compensation failed");
+                    EventType::TxCompensateFailed
+                }
+            };
+            let event = SagaEvent {
+                r#type: kind as i32,
+                global_tx_id: global,
+                local_tx_id: local,
+                parent_tx_id: parent,
+                compensation_method: method,
+                timestamp_ms: now_ms(),
+                ..SagaEvent::default()
+            };
+            if let Err(e) = reporter.report(event).await {
+                tracing::warn!(error = %e, "reporting a compensation result failed");
+            }
+        });
+    }
+}
+
+/// Whether a failed call is worth retrying.
+fn classify(status: tonic::Status) -> End {
+    use tonic::Code;
+    match status.code() {
+        // Our frames broke the protocol (e.g. a batch above the
+        // coordinator's limit): sending them again would fail again.
+        Code::InvalidArgument
+        | Code::Unauthenticated
+        | Code::PermissionDenied
+        | Code::Unimplemented => End::Fatal(SagaError::Refused {
+            code: status.code(),
+            message: status.message().to_owned(),
+        }),
+        _ => End::Lost(format!("{}: {}", status.code(), status.message())),
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_fatal_and_outages_are_retried() {
+        assert!(matches!(
+            classify(tonic::Status::unauthenticated("bad token")),
+            End::Fatal(SagaError::Refused { .. })
+        ));
+        assert!(matches!(
+            classify(tonic::Status::invalid_argument("batch too large")),
+            End::Fatal(SagaError::Refused { .. })
+        ));
+        assert!(matches!(
+            classify(tonic::Status::unavailable("restarting")),
+            End::Lost(_)
+        ));
+        assert!(matches!(
+            classify(tonic::Status::internal("oops")),
+            End::Lost(_)
+        ));
+    }
+}

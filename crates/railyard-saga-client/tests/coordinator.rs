@@ -1,0 +1,335 @@
+//! The SDK against a real coordinator (`railyard-saga`, in-memory store) on
+//! loopback: commit, compensation in reverse order with payloads handed back,
+//! batching, back-pressure, refusal, and reconnection across a coordinator
+//! crash and restart.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use railyard_saga::{serve, Coordinator, CoordinatorConfig, MemoryStore, SagaState, SagaStore};
+use railyard_saga_client::{CompensationError, SagaClient, SagaError, Step, StepError};
+
+/// A coordinator on its own runtime (so a test can crash it: dropping the
+/// runtime closes every connection at once, as a killed process would).
+struct Node {
+    endpoint: String,
+    port: u16,
+    coordinator: Coordinator,
+    /// `None` once crashed.
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Node {
+    async fn start(store: Arc<dyn SagaStore>, cfg: CoordinatorConfig, port: u16) -> Node {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("coordinator runtime");
+        let (coordinator, port) = rt
+            .spawn(async move {
+                // The port may still be held for a moment after a crash.
+                let mut listener = None;
+                for _ in 0..100 {
+                    match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
+                        Ok(l) => {
+                            listener = Some(l);
+                            break;
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+                let listener = listener.expect("bind the coordinator's port");
+                let port = listener.local_addr().expect("local addr").port();
+                let coordinator = Coordinator::start(store, cfg).await.expect("start");
+                tokio::spawn(serve(coordinator.clone(), listener, std::future::pending()));
+                (coordinator, port)
+            })
+            .await
+            .expect("coordinator start task");
+        Node {
+            endpoint: format!("http://127.0.0.1:{port}"),
+            port,
+            coordinator,
+            rt: Some(rt),
+        }
+    }
+
+    async fn memory() -> Node {
+        Node::start(Arc::new(MemoryStore::new()), fast_config(), 0).await
+    }
+
+    /// Kills the coordinator: its runtime, tasks and sockets go at once.
+    fn crash(mut self) -> u16 {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+        self.port
+    }
+
+    /// Polls the saga's state until `want` (bounded: 10 s).
+    async fn wait_state(&self, id: &str, want: SagaState) {
+        for _ in 0..1000 {
+            if self.coordinator.state(id) == Some(want) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "saga {id} did not reach {want:?}; it is {:?}",
+            self.coordinator.state(id)
+        );
+    }
+}
+
+fn fast_config() -> CoordinatorConfig {
+    CoordinatorConfig {
+        timer_tick: Duration::from_millis(10),
+        default_retry_delay: Duration::from_millis(20),
+        default_reverse_timeout: Duration::from_secs(2),
+        ..CoordinatorConfig::default()
+    }
+}
+
+#[derive(Debug, PartialEq)]
+struct Boom;
+
+/// A compensated step and the payload its handler got.
+type Compensated = (String, Vec<u8>);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saga_with_steps_commits() {
+    let node = Node::memory().await;
+    let client = SagaClient::builder(node.endpoint.clone(), "orders")
+        .connect()
+        .await
+        .expect("connect");
+    assert_eq!(
+        client.server_meta().get("Server").map(String::as_str),
+        Some("railyard"),
+        "the Welcome's meta is kept"
+    );
+    let saga = client.start_saga(None).await.expect("start");
+    let v = saga
+        .step(Step::new("cancel").payload(&b"one"[..]), async {
+            Ok::<_, Boom>(7)
+        })
+        .await
+        .expect("step 1");
+    assert_eq!(v, 7);
+    saga.step(Step::new("cancel"), async { Ok::<_, Boom>(()) })
+        .await
+        .expect("step 2");
+    saga.end().await.expect("end");
+    node.wait_state(saga.id(), SagaState::Committed).await;
+    let view = node.coordinator.saga(saga.id());
+    assert!(
+        view.is_none() || view.is_some(),
+        "live view is optional once terminal"
+    );
+    let stats = client.stats();
+    assert_eq!(
+        stats.acked, 6,
+        "SagaStarted, 2 x (TxStarted, TxEnded), SagaEnded"
+    );
+    assert_eq!(stats.in_flight, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_step_compensates_the_ended_ones_in_reverse_order() {
+    let node = Node::memory().await;
+    let seen: Arc<Mutex<Vec<Compensated>>> = Arc::default();
+    let s = seen.clone();
+    let client = SagaClient::builder(node.endpoint.clone(), "payments")
+        .compensation("refund", move |c| {
+            s.lock()
+                .unwrap()
+                .push((c.local_tx_id.clone(), c.payloads.to_vec()));
+            async { Ok::<(), CompensationError>(()) }
+        })
+        .connect()
+        .await
+        .expect("connect");
+    let saga = client.start_saga(None).await.expect("start");
+    for (id, payload) in [("a", &b"first"[..]), ("b", &b"second"[..])] {
+        saga.step(Step::new("refund").local_id(id).payload(payload), async {
+            Ok::<_, Boom>(())
+        })
+        .await
+        .expect("ended step");
+    }
+    let failed = saga
+        .step(Step::new("refund").local_id("c"), async {
+            Err::<(), _>(Boom)
+        })
+        .await;
+    assert!(matches!(failed, Err(StepError::Failed(Boom))));
+    node.wait_state(saga.id(), SagaState::Compensated).await;
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![
+            ("b".to_owned(), b"second".to_vec()),
+            ("a".to_owned(), b"first".to_vec())
+        ],
+        "reverse order, payloads byte for byte, the failed step not compensated"
+    );
+    // The saga is aborted now: a new step is skipped, end fails.
+    let late = saga
+        .step(Step::new("refund"), async { Ok::<_, Boom>(()) })
+        .await;
+    assert!(matches!(late, Err(StepError::SagaAborted(_))), "{late:?}");
+    assert!(matches!(saga.end().await, Err(SagaError::Aborted(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_of_other_services_join_the_saga_and_are_compensated_there() {
+    let node = Node::memory().await;
+    let compensated = Arc::new(Mutex::new(Vec::new()));
+    let c = compensated.clone();
+    let starter = SagaClient::builder(node.endpoint.clone(), "front")
+        .connect()
+        .await
+        .expect("connect front");
+    let stock = SagaClient::builder(node.endpoint.clone(), "stock")
+        .compensation("release", move |cmd| {
+            c.lock().unwrap().push(cmd.local_tx_id);
+            async { Ok::<(), CompensationError>(()) }
+        })
+        .connect()
+        .await
+        .expect("connect stock");
+    let saga = starter.start_saga(None).await.expect("start");
+    stock
+        .join_saga(saga.id())
+        .step(Step::new("release").local_id("s1"), async {
+            Ok::<_, Boom>(())
+        })
+        .await
+        .expect("stock step");
+    saga.abort().await.expect("abort");
+    node.wait_state(saga.id(), SagaState::Compensated).await;
+    assert_eq!(*compensated.lock().unwrap(), vec!["s1".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sagas_share_batches_under_a_tight_in_flight_budget() {
+    let node = Node::memory().await;
+    let client = SagaClient::builder(node.endpoint.clone(), "batcher")
+        .max_in_flight_events(16)
+        .max_batch_events(8)
+        .connect()
+        .await
+        .expect("connect");
+    let mut tasks = Vec::new();
+    for _ in 0..200 {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let saga = client.start_saga(None).await?;
+            saga.step(Step::new("undo"), async { Ok::<_, Boom>(()) })
+                .await
+                .map_err(|e| match e {
+                    StepError::Saga(e) => e,
+                    other => panic!("unexpected {other:?}"),
+                })?;
+            saga.end().await?;
+            Ok::<_, SagaError>(saga.id().to_owned())
+        }));
+    }
+    let mut ids = Vec::new();
+    for t in tasks {
+        ids.push(t.await.expect("task").expect("saga"));
+    }
+    for id in &ids {
+        node.wait_state(id, SagaState::Committed).await;
+    }
+    let s = client.stats();
+    assert_eq!(s.acked, 800);
+    assert_eq!(s.in_flight, 0);
+    assert!(
+        s.batches < s.events,
+        "200 concurrent sagas must share frames: {s:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_is_refused_and_closes_the_client() {
+    let cfg = CoordinatorConfig {
+        token: Some("secret".into()),
+        ..fast_config()
+    };
+    let node = Node::start(Arc::new(MemoryStore::new()), cfg, 0).await;
+    let err = SagaClient::builder(node.endpoint.clone(), "intruder")
+        .token("guess")
+        .connect()
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(
+            err,
+            SagaError::Refused {
+                code: tonic::Code::Unauthenticated,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let ok = SagaClient::builder(node.endpoint.clone(), "member")
+        .token("secret")
+        .connect()
+        .await
+        .expect("the right token is accepted");
+    ok.start_saga(None).await.expect("start with the token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_survive_a_coordinator_crash_and_are_resent_after_reconnecting() {
+    let store: Arc<dyn SagaStore> = Arc::new(MemoryStore::new());
+    let node = Node::start(store.clone(), fast_config(), 0).await;
+    let client = SagaClient::builder(node.endpoint.clone(), "survivor")
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("connect");
+    let saga = client.start_saga(None).await.expect("start");
+    saga.step(Step::new("undo").local_id("before"), async {
+        Ok::<_, Boom>(())
+    })
+    .await
+    .expect("step before the crash");
+    let port = node.crash();
+    // Reported while the coordinator is down: waits, then is resent.
+    let pending = {
+        let saga = saga.clone();
+        tokio::spawn(async move {
+            saga.step(Step::new("undo").local_id("after"), async {
+                Ok::<_, Boom>(())
+            })
+            .await
+            .map_err(|e| format!("{e:?}"))?;
+            saga.end().await.map_err(|e| format!("{e}"))
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !pending.is_finished(),
+        "nothing can be acknowledged while the coordinator is down"
+    );
+    let node = Node::start(store, fast_config(), port).await;
+    tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("acknowledged after the restart")
+        .expect("task")
+        .expect("saga finished");
+    node.wait_state(saga.id(), SagaState::Committed).await;
+    let s = client.stats();
+    assert!(s.sessions >= 2, "{s:?}");
+    assert_eq!(s.in_flight, 0);
+}
