@@ -12,10 +12,13 @@
 //! builds the peer and sets `RAILYARD_REQUIRE_INTEROP=1`, so in CI a missing
 //! Java or jar fails this test; on a dev box without them it skips, loudly.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod support;
+
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use support::saga_node::SagaNode;
 
 use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
@@ -61,84 +64,30 @@ fn jvm_flags() -> Vec<String> {
         .collect()
 }
 
-/// A `railyard node` serving only the saga coordinator; killed on drop.
+/// The node on an embedded store in its own data directory, removed on drop.
 struct Node {
-    child: Child,
-    addr: String,
+    node: SagaNode,
     dir: PathBuf,
+}
+
+impl std::ops::Deref for Node {
+    type Target = SagaNode;
+    fn deref(&self) -> &SagaNode {
+        &self.node
+    }
 }
 
 impl Node {
     fn start() -> Node {
         let dir = std::env::temp_dir().join(format!("railyard-omega-node-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
-            .args([
-                "node",
-                "--stats-every",
-                "0",
-                "--no-http",
-                "--no-bridge",
-                "--saga-port",
-                "0",
-                "--saga-store",
-                "embedded",
-                "--saga-data-dir",
-            ])
-            .arg(&dir)
-            .env("RAILYARD_LOG", "info")
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start railyard node");
-        let stderr = child.stderr.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut seen = Vec::new();
-        while Instant::now() < deadline {
-            if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
-                if line.contains("saga coordinator listening") {
-                    let at = line.find("addr=").expect("addr field") + 5;
-                    let addr = line[at..].split_whitespace().next().unwrap().to_owned();
-                    // Keep draining so the node never blocks on a full pipe.
-                    std::thread::spawn(move || while rx.recv().is_ok() {});
-                    return Node { child, addr, dir };
-                }
-                seen.push(line);
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("the node never said its coordinator listens: {seen:?}");
-    }
-
-    /// `GET path` on the coordinator's port (its REST API): status and JSON body.
-    fn get(&self, path: &str) -> (u16, Value) {
-        let mut s = std::net::TcpStream::connect(&self.addr).expect("connect to the node");
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-            self.addr
-        )
-        .expect("send the request");
-        let mut raw = String::new();
-        s.read_to_string(&mut raw).expect("read the answer");
-        let status = raw
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or_else(|| panic!("not an HTTP answer: {raw}"));
-        let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-        (
-            status,
-            serde_json::from_str(body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {raw}")),
-        )
+        let node = SagaNode::start(&[
+            "--saga-store".as_ref(),
+            "embedded".as_ref(),
+            "--saga-data-dir".as_ref(),
+            dir.as_os_str(),
+        ]);
+        Node { node, dir }
     }
 
     /// Waits (bounded) until the REST API reports `gid` in `state`.
@@ -158,8 +107,8 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // The node (a field) is killed after this; the directory is removed
+        // here, which Linux allows while the node still has it open.
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
