@@ -65,7 +65,8 @@ impl Step {
         self
     }
 
-    /// Compensation attempts before the coordinator gives up (0: its default).
+    /// Compensation retries after the first attempt before the coordinator
+    /// gives up, so attempts = retries + 1 (0: the coordinator's default).
     pub fn reverse_retries(mut self, n: u32) -> Self {
         self.reverse_retries = n;
         self

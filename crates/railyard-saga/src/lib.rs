@@ -112,6 +112,11 @@ impl Coordinator {
     /// # Errors
     /// [`StoreError`] if the append failed: nothing was applied, nothing
     /// may be acknowledged.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped mid-append, the events may be durable but
+    /// stay unapplied until a restart replays them. Run it to completion
+    /// (e.g. on a task of its own).
     pub async fn submit(&self, events: Vec<EventRecord>) -> Result<Vec<Outcome>, StoreError> {
         self.engine.handle(events, "embedded").await
     }
@@ -185,7 +190,8 @@ pub enum ServeError {
 /// HTTP/1.1 on the same port, the REST query API ([`api::router`]) on
 /// `listener` until `shutdown` resolves. Then participant streams
 /// (`OnConnected`, `Session`) are closed, in-flight calls finish, and the
-/// function returns; the coordinator stays usable (e.g. to `flush`).
+/// function returns; the coordinator stays usable (e.g. to `flush`), but
+/// streams opened on it afterwards close at once: serve a coordinator once.
 ///
 /// # Errors
 /// [`ServeError`] if the server fails.

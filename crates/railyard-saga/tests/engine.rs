@@ -343,3 +343,60 @@ async fn many_commands_are_in_flight_to_one_instance_at_once() {
     }
     assert_eq!(got, 100);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_step_whose_tx_started_never_came_cannot_be_compensated_and_fails_the_saga() {
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
+        .await
+        .unwrap();
+    let mut rx = c.connect_local("svc", "svc-1", 16);
+    let g = "g-no-start";
+    let answers = submit(
+        &c,
+        vec![
+            start(g, 0),
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::TxAborted, g, g),
+        ],
+    )
+    .await;
+    assert_eq!(answers, [false, false, true]);
+    // No method or payloads to send: nothing is sent, the saga needs an operator.
+    assert_eq!(c.state(g), Some(SagaState::Failed));
+    assert!(try_command(&mut rx).is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn malformed_events_in_a_batch_are_refused_alone() {
+    let store = Arc::new(MemoryStore::new());
+    let c = Coordinator::start(store.clone(), config()).await.unwrap();
+    let outcomes = c
+        .submit(vec![
+            start("g", 0),
+            rec(EventKind::TxStarted, "g", ""),
+            rec(EventKind::SagaEnded, "", ""),
+            rec(EventKind::SagaTimeout, "g", "g"),
+            rec(EventKind::SagaEnded, "g", "g"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(outcomes[0], Outcome::Done { aborted: false });
+    assert!(matches!(
+        outcomes[1],
+        Outcome::Invalid(railyard_saga::InvalidEvent::NoLocalId(_))
+    ));
+    assert_eq!(
+        outcomes[2],
+        Outcome::Invalid(railyard_saga::InvalidEvent::NoGlobalId)
+    );
+    assert!(matches!(
+        outcomes[3],
+        Outcome::Invalid(railyard_saga::InvalidEvent::Reserved(_))
+    ));
+    assert_eq!(outcomes[4], Outcome::Done { aborted: false });
+    assert_eq!(c.state("g"), Some(SagaState::Committed));
+    // Only the two valid events were recorded.
+    c.flush().await.unwrap();
+    let summary = store.finished(SagaQuery::default()).await.unwrap();
+    assert_eq!(summary[0].events, 2);
+}

@@ -433,3 +433,98 @@ async fn many_concurrent_clients_are_all_acknowledged() {
     assert_eq!(ids.len(), 200);
     server.stop().await;
 }
+
+/// A store whose appends complete only once `n` of them are outstanding
+/// together: it deadlocks an engine that serializes appends.
+struct BarrierStore {
+    inner: MemoryStore,
+    barrier: tokio::sync::Barrier,
+}
+
+impl SagaStore for BarrierStore {
+    fn name(&self) -> &'static str {
+        "barrier"
+    }
+    fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.barrier.wait().await;
+            self.inner.append(events).await
+        })
+    }
+    fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.finish(done)
+    }
+    fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        self.inner.unfinished()
+    }
+    fn finished(&self, q: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
+        self.inner.finished(q)
+    }
+    fn timeline(&self, g: String) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        self.inner.timeline(g)
+    }
+    fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
+        self.inner.stats()
+    }
+}
+
+#[tokio::test]
+async fn appends_of_concurrent_events_are_outstanding_together() {
+    const N: usize = 16;
+    let store = Arc::new(BarrierStore {
+        inner: MemoryStore::new(),
+        barrier: tokio::sync::Barrier::new(N),
+    });
+    let server = Server::start(store.clone(), fast()).await;
+    let c = server.omega().await;
+    let calls: Vec<_> = (0..N)
+        .map(|i| {
+            let mut c = c.clone();
+            tokio::spawn(async move {
+                let g = format!("g-{i}");
+                send(&mut c, ev("SagaStartedEvent", &g, &g, "svc")).await
+            })
+        })
+        .collect();
+    for call in calls {
+        let aborted = tokio::time::timeout(Duration::from_secs(10), call)
+            .await
+            .expect("all appends in flight at once complete")
+            .unwrap();
+        assert!(!aborted);
+    }
+    assert_eq!(store.inner.unfinished().await.unwrap().len(), N);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn finished_sagas_are_compacted_in_the_background() {
+    let (server, store) = Server::memory(fast()).await;
+    let mut c = server.omega().await;
+    for i in 0..20 {
+        let g = format!("g-bg-{i}");
+        send(&mut c, ev("SagaStartedEvent", &g, &g, "svc")).await;
+        send(&mut c, ev("SagaEndedEvent", &g, &g, "svc")).await;
+    }
+    // No flush: the finisher task hands them to the store by itself.
+    for _ in 0..500 {
+        if store.unfinished().await.unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(store.unfinished().await.unwrap().is_empty());
+    let s = store.stats().await.unwrap();
+    assert_eq!(s.finished, [("COMMITTED".to_owned(), 20)]);
+    // OnDisconnected unregisters the instance.
+    let _inst = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
+    server.wait_instances(1).await;
+    c.on_disconnected(GrpcServiceConfig {
+        service_name: "svc".into(),
+        instance_id: "svc-1".into(),
+    })
+    .await
+    .unwrap();
+    assert!(server.coordinator.instances().is_empty());
+    server.stop().await;
+}

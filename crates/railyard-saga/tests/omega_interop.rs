@@ -83,6 +83,17 @@ fn peer_ready() -> bool {
     )
 }
 
+/// The peer's JVM flags (`peers/omega-interop/jvm.options`, '#' comments).
+fn jvm_flags() -> Vec<String> {
+    std::fs::read_to_string(peer_dir().join("jvm.options"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A coordinator served over tonic on a free loopback port.
 struct Served {
     coordinator: Coordinator,
@@ -152,12 +163,8 @@ impl Served {
 /// Runs the peer against `port` and returns its RESULT object.
 async fn run_peer(port: u16, ok: u32, failing: u32, fail_at: &str) -> Value {
     let mut child = Command::new("java")
-        .args([
-            "-Xmx256m",
-            "-XX:+UseSerialGC",
-            "-XX:TieredStopAtLevel=1",
-            "-jar",
-        ])
+        .args(jvm_flags())
+        .arg("-jar")
         .arg(peer_jar())
         .arg(format!("--alpha.cluster.address=127.0.0.1:{port}"))
         .arg(format!("--interop.ok={ok}"))

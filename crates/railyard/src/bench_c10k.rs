@@ -144,6 +144,7 @@ pub(crate) async fn run(a: C10kArgs) -> anyhow::Result<()> {
     }
     let mut node_args: Vec<String> = [
         "node",
+        "--no-saga",
         "--name",
         "c10k-bench",
         "--stats-every",

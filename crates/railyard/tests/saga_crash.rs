@@ -4,80 +4,16 @@
 //! the state those events put it in, and every aborted saga still gets its
 //! compensation.
 
+mod support;
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use railyard_saga_proto::omega::tx_event_service_client::TxEventServiceClient;
 use railyard_saga_proto::omega::{GrpcServiceConfig, GrpcTxEvent};
-
-/// A `railyard node` serving only the saga coordinator; killed on drop.
-struct Node {
-    child: Child,
-    addr: String,
-}
-
-impl Node {
-    fn start(store_args: &[String]) -> Node {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
-            .args([
-                "node",
-                "--stats-every",
-                "0",
-                "--no-http",
-                "--no-bridge",
-                "--saga-port",
-                "0",
-            ])
-            .args(store_args)
-            .env("RAILYARD_LOG", "info")
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start railyard node");
-        let stderr = child.stderr.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut seen = Vec::new();
-        while Instant::now() < deadline {
-            if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
-                if line.contains("saga coordinator listening") {
-                    let at = line.find("addr=").expect("addr field") + 5;
-                    let addr = line[at..].split_whitespace().next().unwrap().to_owned();
-                    // Keep draining so the node never blocks on a full pipe.
-                    std::thread::spawn(move || while rx.recv().is_ok() {});
-                    return Node { child, addr };
-                }
-                seen.push(line);
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!("the node never said its coordinator listens: {seen:?}");
-    }
-
-    fn kill(mut self) {
-        let _ = Command::new("kill")
-            .args(["-KILL", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use support::saga_node::SagaNode;
 
 fn event(kind: &str, g: &str, l: &str, service: &str) -> GrpcTxEvent {
     GrpcTxEvent {
@@ -149,25 +85,10 @@ async fn client_loop(
     Ok(())
 }
 
-/// GET on the coordinator's REST API; the JSON body.
-fn get_json(addr: &str, path: &str) -> serde_json::Value {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to the coordinator");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let body = out.split_once("\r\n\r\n").expect("an HTTP response").1;
-    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {out}"))
-}
-
 /// Every saga the coordinator knows, by id, with its state.
-fn states(addr: &str) -> HashMap<String, String> {
-    let v = get_json(addr, "/api/sagas?limit=10000");
+fn states(node: &SagaNode) -> HashMap<String, String> {
+    let (code, v) = node.get("/api/sagas?limit=10000");
+    assert_eq!(code, 200, "{v}");
     v["sagas"]
         .as_array()
         .expect("a list of sagas")
@@ -182,7 +103,7 @@ fn states(addr: &str) -> HashMap<String, String> {
 }
 
 async fn kill_under_load_then_recover(store_args: Vec<String>) {
-    let node = Node::start(&store_args);
+    let node = SagaNode::start(&store_args);
     // `car` is connected but does not answer compensations before the kill,
     // so every abort acknowledged then is still owed a compensation.
     let mut c = TxEventServiceClient::connect(format!("http://{}", node.addr))
@@ -241,7 +162,7 @@ async fn kill_under_load_then_recover(store_args: Vec<String>) {
     );
 
     // Restart on the same store; `car` reconnects and answers every command.
-    let node = Node::start(&store_args);
+    let node = SagaNode::start(&store_args);
     let mut c = TxEventServiceClient::connect(format!("http://{}", node.addr))
         .await
         .unwrap();
@@ -292,7 +213,7 @@ async fn kill_under_load_then_recover(store_args: Vec<String>) {
     // Every acknowledged outcome is what the coordinator reports.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let now = states(&node.addr);
+        let now = states(&node);
         let wrong: Vec<(&String, &Acked, Option<&String>)> = acked
             .iter()
             .filter(|(g, a)| {

@@ -13,8 +13,9 @@
 //! One **writer task** owns the write connection. It waits for the first
 //! request on the bounded queue (see [`queue`](super::queue) for
 //! back-pressure), drains what else is waiting, and runs one transaction:
-//! one multi-row insert for every appended event, one delete + upsert for
-//! every finished saga, then `COMMIT`. The session sets
+//! one multi-row `INSERT ... SELECT FROM UNNEST` per run of appends, one
+//! delete + upsert per finish, then `COMMIT`, all pipelined (sent in one
+//! burst, one round trip). The session sets
 //! `synchronous_commit = on`, so `COMMIT` returns only after the WAL record
 //! is flushed to disk: each waiter is answered after that. While a commit
 //! is in flight the next batch accumulates in the queue.
@@ -29,8 +30,10 @@
 //! Nothing is acknowledged that was not committed.
 //!
 //! # Schema
-//! Tables `railyard_saga_events`, `railyard_saga_summaries` and
-//! `railyard_saga_meta` (schema version), created on connect under an
+//! Tables `railyard_saga_events` (one row per saga per group commit, events
+//! packed by [`codec`](super::codec), indexed by saga id),
+//! `railyard_saga_summaries` (one per saga: finishing twice replaces it)
+//! and `railyard_saga_meta` (schema version), created on connect under an
 //! advisory lock so several coordinators may connect at once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
