@@ -50,7 +50,8 @@ enum LogFormat {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a node on embedded defaults (the event bus, optionally clustered on etcd; its TCP
-    /// bridge; the HTTP server on 8080 with metrics on 8081), until SIGINT or SIGTERM.
+    /// bridge on 7000; the HTTP server on 8080 with metrics on 8081; the saga coordinator on
+    /// 8090 with its durable log in ./railyard-data/saga), until SIGINT or SIGTERM.
     Node(Box<node::NodeArgs>),
     /// Run a benchmark scenario, optionally side by side with the original system.
     #[command(subcommand)]
