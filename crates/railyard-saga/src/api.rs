@@ -3,7 +3,7 @@
 //! | route | answer |
 //! |---|---|
 //! | `GET /api/sagas?state=&service=&since=&until=&limit=` | sagas, newest first: live ones from memory, finished ones from the store. `state` is `RUNNING`, `COMPENSATING`, `COMMITTED`, `COMPENSATED` or `FAILED`; `since`/`until` are ms since the epoch (start time); `limit` defaults to 100, at most 10000 |
-//! | `GET /api/sagas/{globalTxId}` | one saga: summary, sub-transactions (live ones) and the event timeline still in the store; 404 if unknown |
+//! | `GET /api/sagas/{globalTxId}` | one saga: summary, sub-transactions (live ones) and the event timeline still in the store; a compacted saga's kept summary; 404 if unknown |
 //! | `GET /api/stats` | live sagas by state, the store's counts, connected instances |
 //! | `GET /metrics` | the coordinator's Prometheus metrics |
 //!
@@ -200,10 +200,28 @@ async fn one(State(app): State<AppState>, Path(id): Path<String>) -> Response {
             &serde_json::json!({ "saga": null, "timeline": timeline }),
         );
     }
-    error(
-        StatusCode::NOT_FOUND,
-        format!("no saga {id:?} in memory or in the store's log; finished sagas are listed by GET /api/sagas?state=..."),
-    )
+    // Finished and compacted (and no longer in the recent cache, e.g. after
+    // a restart): its summary is all the store keeps.
+    let kept = app
+        .coordinator
+        .store()
+        .finished(SagaQuery {
+            global_tx_id: Some(id.clone()),
+            limit: 1,
+            ..SagaQuery::default()
+        })
+        .await;
+    match kept {
+        Ok(mut found) if !found.is_empty() => json(
+            StatusCode::OK,
+            &serde_json::json!({ "saga": found.swap_remove(0), "timeline": timeline }),
+        ),
+        Ok(_) => error(
+            StatusCode::NOT_FOUND,
+            format!("no saga {id:?} in memory or in the store (finished sagas are kept within the store's retention)"),
+        ),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
 }
 
 async fn stats(State(app): State<AppState>) -> Response {

@@ -137,6 +137,17 @@ async fn queries_filter_by_state_service_and_time(t: &Target) {
         .await
         .unwrap();
     assert!(none.is_empty());
+    // One saga by id (the REST API's lookup of a compacted saga).
+    let one = s
+        .finished(q(&|q| q.global_tx_id = Some("q17".into())))
+        .await
+        .unwrap();
+    assert_eq!(one, vec![all[17].clone()]);
+    let unknown = s
+        .finished(q(&|q| q.global_tx_id = Some("q-none".into())))
+        .await
+        .unwrap();
+    assert!(unknown.is_empty());
 }
 
 async fn concurrent_appends_all_land(t: &Target) {

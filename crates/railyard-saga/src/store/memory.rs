@@ -71,6 +71,12 @@ impl SagaStore for MemoryStore {
             })
             .filter(|s| query.since_ms.is_none_or(|t| s.started_ms >= t))
             .filter(|s| query.until_ms.is_none_or(|t| s.started_ms < t))
+            .filter(|s| {
+                query
+                    .global_tx_id
+                    .as_deref()
+                    .is_none_or(|g| s.global_tx_id == g)
+            })
             .take(limit)
             .cloned()
             .collect();

@@ -104,6 +104,10 @@ pub struct SagaQuery {
     pub since_ms: Option<i64>,
     /// Only sagas started before this time (ms since the epoch).
     pub until_ms: Option<i64>,
+    /// Only this saga (the REST API's lookup of one finished saga). Stores
+    /// keep no index on ids (random ids would slow every group commit), so
+    /// this scans the summaries kept, which retention bounds.
+    pub global_tx_id: Option<String>,
     /// At most this many, newest first (0 = the store's default page size).
     pub limit: usize,
 }

@@ -711,6 +711,7 @@ impl SagaStore for PostgresStore {
                            AND ($2::text IS NULL OR service_name = $2)
                            AND ($3::int8 IS NULL OR started_ms >= $3)
                            AND ($4::int8 IS NULL OR started_ms < $4)
+                           AND ($6::text IS NULL OR global_tx_id = $6)
                          ORDER BY ord DESC LIMIT $5"
                     ),
                     &[
@@ -719,6 +720,7 @@ impl SagaStore for PostgresStore {
                         &query.since_ms,
                         &query.until_ms,
                         &limit,
+                        &query.global_tx_id,
                     ],
                 )
                 .await?;

@@ -645,6 +645,7 @@ impl SagaStore for SqliteStore {
                        AND (?2 IS NULL OR service_name = ?2)
                        AND (?3 IS NULL OR started_ms >= ?3)
                        AND (?4 IS NULL OR started_ms < ?4)
+                       AND (?6 IS NULL OR global_tx_id = ?6)
                      ORDER BY ord DESC LIMIT ?5"
                 ))?;
                 let rows = st.query_map(
@@ -653,7 +654,8 @@ impl SagaStore for SqliteStore {
                         query.service_name,
                         query.since_ms,
                         query.until_ms,
-                        limit
+                        limit,
+                        query.global_tx_id
                     ],
                     summary_from_row,
                 )?;
