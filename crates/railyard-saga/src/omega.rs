@@ -140,13 +140,15 @@ impl TxEventService for OmegaService {
                 .inc();
             invalid(&e)
         })?;
-        // Run to completion on its own task: if Omega gives up on the call,
-        // an append already under way is still applied (never durable but
-        // unapplied until a restart).
+        // Runs to completion even if Omega gives up on the call: an append
+        // already under way is still applied (never durable but unapplied
+        // until a restart). Polled inline; only a call dropped mid-way moves
+        // its remainder to a task, instead of a task for every call (a few
+        // percent of Omega throughput, within this machine's run-to-run
+        // noise).
         let engine = self.engine.clone();
-        let outcomes = tokio::spawn(async move { engine.handle(vec![ev], "omega").await })
+        let outcomes = FinishOnDrop::new(async move { engine.handle(vec![ev], "omega").await })
             .await
-            .map_err(|_| Status::internal("the event's task failed"))?
             .map_err(|e| Status::unavailable(e.to_string()))?;
         match outcomes.into_iter().next() {
             Some(Outcome::Done { aborted }) => {
@@ -194,4 +196,86 @@ pub(crate) fn server_meta(akka: bool) -> HashMap<String, String> {
         ("AkkaEnabled".to_owned(), akka.to_string()),
         ("Server".to_owned(), "railyard".to_owned()),
     ])
+}
+
+/// A future that is polled by its owner but, if dropped before it is done,
+/// finishes on a task of its own: cancel safety without a task per call.
+struct FinishOnDrop<F: std::future::Future + Send + 'static> {
+    fut: Option<std::pin::Pin<Box<F>>>,
+}
+
+impl<F: std::future::Future + Send + 'static> FinishOnDrop<F> {
+    fn new(fut: F) -> Self {
+        Self {
+            fut: Some(Box::pin(fut)),
+        }
+    }
+}
+
+impl<F: std::future::Future + Send + 'static> std::future::Future for FinishOnDrop<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        // `FinishOnDrop` is `Unpin` (the inner future is boxed).
+        let Some(fut) = self.fut.as_mut() else {
+            panic!("FinishOnDrop polled after completion");
+        };
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        std::task::Poll::Ready(out)
+    }
+}
+
+impl<F: std::future::Future + Send + 'static> Drop for FinishOnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(fut) = self.fut.take() {
+            // Dropped mid-way (the caller went away): finish it anyway. Outside
+            // a runtime (process teardown) there is nothing left to finish on.
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    let _ = fut.await;
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FinishOnDrop;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_call_dropped_mid_way_still_finishes() {
+        let done = Arc::new(AtomicBool::new(false));
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let d = done.clone();
+        let call = FinishOnDrop::new(async move {
+            let _ = wait.await;
+            d.store(true, Ordering::SeqCst);
+        });
+        // The caller gives up while the work waits (as on a cancelled RPC).
+        assert!(tokio::time::timeout(Duration::from_millis(20), call)
+            .await
+            .is_err());
+        assert!(!done.load(Ordering::SeqCst));
+        go.send(()).unwrap();
+        for _ in 0..100 {
+            if done.load(Ordering::SeqCst) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the dropped call's work never finished");
+    }
+
+    #[tokio::test]
+    async fn a_call_awaited_to_the_end_returns_its_output() {
+        assert_eq!(FinishOnDrop::new(async { 7 }).await, 7);
+    }
 }
