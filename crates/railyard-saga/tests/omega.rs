@@ -327,22 +327,34 @@ async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_sag
     server.stop().await;
 }
 
-/// A store whose appends can be made to fail.
-#[derive(Default)]
-struct FlakyStore {
+/// A memory store whose every append first passes `gate`: the gate can
+/// fail it (a broken disk) or hold it (to see appends overlap).
+struct GatedStore {
     inner: MemoryStore,
-    fail: AtomicBool,
+    gate: Box<dyn Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>,
 }
 
-impl SagaStore for FlakyStore {
+impl GatedStore {
+    fn new(
+        gate: impl Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            gate: Box::new(gate),
+        }
+    }
+}
+
+impl SagaStore for GatedStore {
     fn name(&self) -> &'static str {
-        "flaky"
+        "gated"
     }
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
-        if self.fail.load(Ordering::SeqCst) {
-            return Box::pin(async { Err(StoreError::Unavailable("disk unplugged".into())) });
-        }
-        self.inner.append(events)
+        let gate = (self.gate)();
+        Box::pin(async move {
+            gate.await?;
+            self.inner.append(events).await
+        })
     }
     fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.finish(done)
@@ -363,10 +375,21 @@ impl SagaStore for FlakyStore {
 
 #[tokio::test]
 async fn a_store_failure_is_an_error_not_an_ack() {
-    let store = Arc::new(FlakyStore::default());
+    let fail = Arc::new(AtomicBool::new(false));
+    let f = fail.clone();
+    let store = Arc::new(GatedStore::new(move || {
+        let broken = f.load(Ordering::SeqCst);
+        Box::pin(async move {
+            if broken {
+                Err(StoreError::Unavailable("disk unplugged".into()))
+            } else {
+                Ok(())
+            }
+        })
+    }));
     let server = Server::start(store.clone(), fast()).await;
     let mut c = server.omega().await;
-    store.fail.store(true, Ordering::SeqCst);
+    fail.store(true, Ordering::SeqCst);
     let err = c
         .on_tx_event(ev("SagaStartedEvent", "g", "g", "svc"))
         .await
@@ -375,7 +398,7 @@ async fn a_store_failure_is_an_error_not_an_ack() {
     assert!(err.message().contains("disk unplugged"));
     // Not applied either.
     assert_eq!(server.coordinator.state("g"), None);
-    store.fail.store(false, Ordering::SeqCst);
+    fail.store(false, Ordering::SeqCst);
     assert!(!send(&mut c, ev("SagaStartedEvent", "g", "g", "svc")).await);
     let events = store.unfinished().await.unwrap();
     assert_eq!(events.len(), 1);
@@ -434,47 +457,19 @@ async fn many_concurrent_clients_are_all_acknowledged() {
     server.stop().await;
 }
 
-/// A store whose appends complete only once `n` of them are outstanding
-/// together: it deadlocks an engine that serializes appends.
-struct BarrierStore {
-    inner: MemoryStore,
-    barrier: tokio::sync::Barrier,
-}
-
-impl SagaStore for BarrierStore {
-    fn name(&self) -> &'static str {
-        "barrier"
-    }
-    fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
-        Box::pin(async move {
-            self.barrier.wait().await;
-            self.inner.append(events).await
-        })
-    }
-    fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.finish(done)
-    }
-    fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
-        self.inner.unfinished()
-    }
-    fn finished(&self, q: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
-        self.inner.finished(q)
-    }
-    fn timeline(&self, g: String) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
-        self.inner.timeline(g)
-    }
-    fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
-        self.inner.stats()
-    }
-}
-
 #[tokio::test]
 async fn appends_of_concurrent_events_are_outstanding_together() {
     const N: usize = 16;
-    let store = Arc::new(BarrierStore {
-        inner: MemoryStore::new(),
-        barrier: tokio::sync::Barrier::new(N),
-    });
+    // Appends complete only once N of them are outstanding together: an
+    // engine that serialized appends would deadlock here.
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    let store = Arc::new(GatedStore::new(move || {
+        let b = barrier.clone();
+        Box::pin(async move {
+            b.wait().await;
+            Ok(())
+        })
+    }));
     let server = Server::start(store.clone(), fast()).await;
     let c = server.omega().await;
     let calls: Vec<_> = (0..N)
