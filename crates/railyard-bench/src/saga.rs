@@ -342,6 +342,22 @@ impl WorkerTotals {
             errors: 0,
         }
     }
+
+    /// Counts one transaction that started at `started`: completed (with its
+    /// latency, and as a committed one unless it was an abort) or an error.
+    fn finish(&mut self, ok: bool, abort: bool, started: Instant, progress: &Progress) {
+        if ok {
+            self.completed += 1;
+            let us = micros(started.elapsed());
+            self.latency.push(us);
+            if !abort {
+                self.committed_latency.push(us);
+            }
+        } else {
+            self.errors += 1;
+        }
+        progress.done.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Live counters for a progress display.
@@ -813,17 +829,7 @@ async fn omega_worker(
                 }
             }
         };
-        if ok {
-            t.completed += 1;
-            let us = micros(started.elapsed());
-            t.latency.push(us);
-            if !abort {
-                t.committed_latency.push(us);
-            }
-        } else {
-            t.errors += 1;
-        }
-        progress.done.fetch_add(1, Ordering::Relaxed);
+        t.finish(ok, abort, started, progress);
     }
     t
 }
@@ -985,17 +991,7 @@ async fn native_worker(
                 true
             }
         };
-        if ok {
-            t.completed += 1;
-            let us = micros(started.elapsed());
-            t.latency.push(us);
-            if !abort {
-                t.committed_latency.push(us);
-            }
-        } else {
-            t.errors += 1;
-        }
-        progress.done.fetch_add(1, Ordering::Relaxed);
+        t.finish(ok, abort, started, progress);
     }
     t
 }
