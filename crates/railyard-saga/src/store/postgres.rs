@@ -48,7 +48,7 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use super::codec::{self, group_by_saga};
 use super::queue::{
-    answer, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
+    answer, append_run, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
 };
 use super::sqlite::parse_state;
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
@@ -401,14 +401,7 @@ impl Writer {
         let mut steps: Vec<Option<usize>> = Vec::new();
         let mut i = 0;
         while i < batch.len() {
-            let run_end = batch[i..]
-                .iter()
-                .position(|r| matches!(r.op, WriteOp::Finish(_)))
-                .map_or(batch.len(), |p| i + p);
-            let events = batch[i..run_end].iter().flat_map(|r| match &r.op {
-                WriteOp::Append(e) => e.iter(),
-                WriteOp::Finish(_) => [].iter(),
-            });
+            let (run_end, events) = append_run(batch, i);
             let groups = group_by_saga(events);
             if !groups.is_empty() {
                 let mut cols = (

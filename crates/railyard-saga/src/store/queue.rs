@@ -117,6 +117,25 @@ pub(crate) async fn submit(
     result.await.unwrap_or(Err(StoreError::Closed))
 }
 
+/// The appends of `batch[from..]` up to the next finish (writers apply a
+/// batch as runs of appends, each followed by at most one finish, so queue
+/// order holds): where the run ends (the finish's index, or the batch's
+/// end) and the run's events in queue order.
+pub(crate) fn append_run(
+    batch: &[WriteRequest],
+    from: usize,
+) -> (usize, impl Iterator<Item = &EventRecord>) {
+    let end = batch[from..]
+        .iter()
+        .position(|r| matches!(r.op, WriteOp::Finish(_)))
+        .map_or(batch.len(), |p| from + p);
+    let events = batch[from..end].iter().flat_map(|r| match &r.op {
+        WriteOp::Append(e) => e.iter(),
+        WriteOp::Finish(_) => [].iter(),
+    });
+    (end, events)
+}
+
 /// Answers every request of a batch with (a copy of) `result`.
 pub(crate) fn answer(batch: Vec<WriteRequest>, result: &Result<(), StoreError>) {
     for req in batch {

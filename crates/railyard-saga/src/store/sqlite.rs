@@ -67,7 +67,7 @@ use rusqlite::{params, Connection, OpenFlags, Row};
 use tokio::sync::mpsc;
 
 use super::codec::{self, group_by_saga};
-use super::queue::{answer, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
+use super::queue::{answer, append_run, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
 
@@ -422,14 +422,7 @@ impl Writer {
             let mut i = 0;
             while i < batch.len() {
                 // A run of appends, then at most one finish.
-                let run_end = batch[i..]
-                    .iter()
-                    .position(|r| matches!(r.op, WriteOp::Finish(_)))
-                    .map_or(batch.len(), |p| i + p);
-                let events = batch[i..run_end].iter().flat_map(|r| match &r.op {
-                    WriteOp::Append(e) => e.iter(),
-                    WriteOp::Finish(_) => [].iter(),
-                });
+                let (run_end, events) = append_run(batch, i);
                 for (g, evs) in group_by_saga(events) {
                     insert.execute(params![g, evs.len() as i64, codec::encode(evs.into_iter())])?;
                     added.entry(g).or_default().push(tx.last_insert_rowid());
