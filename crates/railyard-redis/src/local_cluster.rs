@@ -191,10 +191,18 @@ impl LocalCluster {
         create
             .arg("--cluster-replicas")
             .arg(replicas.to_string())
-            .arg("--cluster-yes");
-        let out = create
-            .output()
+            .arg("--cluster-yes")
+            .kill_on_drop(true);
+        // redis-cli waits for the nodes to join with no limit of its own:
+        // bound it by what is left of `timeout`.
+        let out = tokio::time::timeout(timeout.saturating_sub(started.elapsed()), create.output())
             .await
+            .map_err(|_| {
+                LocalClusterError::NotConverged(
+                    timeout,
+                    "redis-cli --cluster create did not finish (the nodes never joined)".into(),
+                )
+            })?
             .map_err(|source| LocalClusterError::Io {
                 context: "running redis-cli --cluster create".into(),
                 source,
