@@ -13,56 +13,16 @@
 //! Java or jar fails this test; on a dev box without them it skips, loudly.
 
 mod support;
+// The peer runner the library's interop test uses.
+#[path = "../../railyard-saga/tests/omega_peer/mod.rs"]
+mod omega_peer;
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::saga_node::SagaNode;
-
+use omega_peer::{peer_ready, run_peer, strings};
 use serde_json::Value;
-use tokio::io::AsyncBufReadExt;
-
-fn peer_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../peers/omega-interop")
-}
-
-fn peer_jar() -> PathBuf {
-    peer_dir().join("target/omega-interop-peer.jar")
-}
-
-fn have(tool: &str, arg: &str) -> bool {
-    Command::new(tool)
-        .arg(arg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// `false` means skip (the reason was printed); panics in CI instead.
-fn need(what: &str, found: bool, how: &str) -> bool {
-    if found {
-        return true;
-    }
-    let msg = format!("Omega interop test needs {what}, which is missing; {how}");
-    if std::env::var_os("RAILYARD_REQUIRE_INTEROP").is_some_and(|v| v == "1") {
-        panic!("{msg} (RAILYARD_REQUIRE_INTEROP=1)");
-    }
-    eprintln!("SKIPPED: {msg}");
-    false
-}
-
-/// The peer's JVM flags (`peers/omega-interop/jvm.options`, '#' comments).
-fn jvm_flags() -> Vec<String> {
-    std::fs::read_to_string(peer_dir().join("jvm.options"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(str::to_owned)
-        .collect()
-}
+use support::saga_node::SagaNode;
 
 /// The node on an embedded store in its own data directory, removed on drop.
 struct Node {
@@ -113,68 +73,13 @@ impl Drop for Node {
     }
 }
 
-/// Runs the peer against `addr` and returns its RESULT object.
-async fn run_peer(addr: &str) -> Value {
-    let mut child = tokio::process::Command::new("java")
-        .args(jvm_flags())
-        .arg("-jar")
-        .arg(peer_jar())
-        .arg(format!("--alpha.cluster.address={addr}"))
-        .args([
-            "--interop.ok=2",
-            "--interop.failing=2",
-            "--interop.fail-at=3,2",
-            "--interop.wait-seconds=30",
-        ])
-        .env("OMEGA_INTEROP_LOG", "WARN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the Omega peer");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("piped")).lines();
-    let result = tokio::time::timeout(Duration::from_secs(120), async {
-        let mut result = None;
-        while let Some(line) = lines.next_line().await.expect("read the peer's stdout") {
-            if let Some(json) = line.strip_prefix("RESULT ") {
-                result = Some(serde_json::from_str::<Value>(json).expect("RESULT is JSON"));
-            } else {
-                eprintln!("[omega-interop] {line}");
-            }
-        }
-        result
-    })
-    .await
-    .expect("the Omega peer finishes within 120 s")
-    .expect("the Omega peer printed a RESULT line");
-    let status = child.wait().await.expect("wait for the peer");
-    eprintln!("[omega-interop] exited {status}; RESULT {result}");
-    result
-}
-
-fn strings(v: &Value) -> Vec<&str> {
-    v.as_array()
-        .expect("an array")
-        .iter()
-        .map(|s| s.as_str().expect("a string"))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_omega_against_railyard_node() {
-    if !need(
-        "Java 17",
-        have("java", "-version"),
-        "install a JDK (apt-get install -y openjdk-17-jdk-headless)",
-    ) || !need(
-        "the peers/omega-interop jar",
-        peer_jar().is_file(),
-        "build it with `mvn -q -B package -DskipTests` in peers/omega-interop (needs Maven)",
-    ) {
+    if !peer_ready() {
         return;
     }
     let node = Node::start();
-    let r = run_peer(&node.addr).await;
+    let r = run_peer(&node.addr, 2, 2, "3,2").await;
 
     assert_eq!(r["sagas_ok"], 2, "{r}");
     assert_eq!(r["sagas_failed"], 2, "{r}");
