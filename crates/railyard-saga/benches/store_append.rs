@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
+use railyard_saga::store::encode_events;
 use railyard_saga::{
     EventKind, EventRecord, PgServer, PostgresConfig, PostgresStore, Retention, SqliteConfig,
     SqliteStore, StoreError,
@@ -100,37 +101,6 @@ struct FjallLog {
     queue: mpsc::Sender<FjallRequest>,
 }
 
-fn encode(e: &EventRecord) -> Vec<u8> {
-    let mut out = Vec::with_capacity(256);
-    for s in [
-        &e.global_tx_id,
-        &e.local_tx_id,
-        &e.parent_tx_id,
-        &e.service_name,
-        &e.instance_id,
-        &e.compensation_method,
-        &e.retry_method,
-    ] {
-        out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-        out.extend_from_slice(s.as_bytes());
-    }
-    out.extend_from_slice(&(e.payloads.len() as u32).to_le_bytes());
-    out.extend_from_slice(&e.payloads);
-    out.push(e.kind.map_or(255, EventKind::code));
-    out.extend_from_slice(&e.timestamp_ms.to_le_bytes());
-    for n in [
-        e.timeout_s,
-        e.forward_timeout_s,
-        e.forward_retries,
-        e.reverse_retries,
-        e.reverse_timeout_s,
-        e.retry_delay_ms,
-    ] {
-        out.extend_from_slice(&n.to_le_bytes());
-    }
-    out
-}
-
 impl FjallLog {
     fn open(dir: &std::path::Path) -> Self {
         let keyspace = fjall::Config::new(dir).open().expect("open fjall");
@@ -161,7 +131,7 @@ impl FjallLog {
                         .batch()
                         .durability(Some(fjall::PersistMode::SyncAll));
                     // One value per saga per commit, as the stores do.
-                    let mut per_saga: Vec<(&str, Vec<u8>)> = Vec::new();
+                    let mut per_saga: Vec<(&str, Vec<&EventRecord>)> = Vec::new();
                     let mut at = std::collections::HashMap::new();
                     for (evs, _) in &batch {
                         for e in evs {
@@ -169,10 +139,11 @@ impl FjallLog {
                                 per_saga.push((e.global_tx_id.as_str(), Vec::new()));
                                 per_saga.len() - 1
                             });
-                            per_saga[i].1.extend_from_slice(&encode(e));
+                            per_saga[i].1.push(e);
                         }
                     }
-                    for (g, value) in per_saga {
+                    for (g, evs) in per_saga {
+                        let value = encode_events(evs.iter().copied());
                         seq += 1;
                         b.insert(&events, seq.to_be_bytes(), value);
                         let mut k = g.as_bytes().to_vec();

@@ -39,7 +39,7 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
 }
 
 /// Packs `events` (all of one saga, in order).
-pub(crate) fn encode<'a>(events: impl ExactSizeIterator<Item = &'a EventRecord>) -> Vec<u8> {
+pub fn encode<'a>(events: impl ExactSizeIterator<Item = &'a EventRecord>) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + events.len() * 160);
     out.push(VERSION);
     put_len(&mut out, events.len());
