@@ -4,13 +4,9 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Context as _;
-use railyard_saga::{
-    Coordinator, CoordinatorConfig, MetricsRegistry, PostgresConfig, PostgresStore, SagaStore,
-    SqliteConfig, SqliteStore,
-};
+use railyard_saga::{Coordinator, CoordinatorConfig, MetricsRegistry, StoreChoice};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -84,31 +80,25 @@ pub(crate) async fn start(
     if args.no_saga {
         return Ok(None);
     }
-    let store: Arc<dyn SagaStore> = match args.saga_store {
-        StoreKind::Embedded => Arc::new(
-            SqliteStore::open(&args.saga_data_dir, SqliteConfig::default())
-                .await
-                .with_context(|| {
-                    format!(
-                        "opening the saga store in {} (pick another with --saga-data-dir)",
-                        args.saga_data_dir.display()
-                    )
-                })?,
+    let (choice, what) = match args.saga_store {
+        StoreKind::Embedded => (
+            StoreChoice::embedded(&args.saga_data_dir),
+            format!(
+                "opening the saga store in {} (pick another with --saga-data-dir)",
+                args.saga_data_dir.display()
+            ),
         ),
         StoreKind::Postgres => {
             let url = args.saga_postgres_url.clone().context(
                 "--saga-store postgres needs --saga-postgres-url (or RAILYARD_SAGA_POSTGRES_URL)",
             )?;
-            Arc::new(
-                PostgresStore::connect(PostgresConfig {
-                    url,
-                    ..PostgresConfig::default()
-                })
-                .await
-                .context("connecting the saga store to PostgreSQL")?,
+            (
+                StoreChoice::postgres(url),
+                "connecting the saga store to PostgreSQL".to_owned(),
             )
         }
     };
+    let store = choice.open().await.context(what)?;
     let store_name = store.name();
     let coordinator = Coordinator::start(store, config)
         .await
