@@ -1,0 +1,249 @@
+//! Consumers on event loops (one single-threaded runtime per thread) fed by
+//! senders on other loops: the path through each loop's inbox.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use railyard_bus::{BusError, Consumer, DeliveryOptions, EventBus};
+
+/// One event loop: a thread driving a current-thread runtime.
+struct Loop {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Loop {
+    fn start(name: &str) -> Self {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                let _ = rt.block_on(stopped);
+            })
+            .unwrap();
+        Self {
+            handle,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    /// Runs `fut` on this loop and waits for its output (at most 30 s).
+    fn run<F>(&self, fut: F) -> F::Output
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.handle.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("the loop answered within 30 s")
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[test]
+fn one_senders_messages_cross_loops_in_order_and_all_arrive() {
+    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    let bus = EventBus::new();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (bb, s) = (bus.clone(), seen.clone());
+    // A small buffer, so the sender keeps finding it full and waiting.
+    let consumer: Consumer = b.run(async move {
+        bb.consumer("ordered")
+            .capacity(8)
+            .handler(move |m| {
+                let s = s.clone();
+                async move {
+                    s.lock().unwrap().push(*m.body::<u64>().unwrap());
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .unwrap()
+    });
+    const N: u64 = 20_000;
+    let ba = bus.clone();
+    a.run(async move {
+        for i in 0..N {
+            ba.send_wait("ordered", i, &DeliveryOptions::new())
+                .await
+                .unwrap();
+        }
+    });
+    // Everything was accepted; wait (bounded) for the last to be handled.
+    for _ in 0..3000 {
+        if seen.lock().unwrap().len() as u64 == N {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len() as u64, N);
+    assert!(
+        seen.windows(2).all(|w| w[0] + 1 == w[1]),
+        "messages from one sender arrive in send order"
+    );
+    let stats = consumer.stats();
+    assert_eq!((stats.received, stats.delivered), (N, N));
+    assert_eq!(stats.buffered, 0);
+}
+
+#[test]
+fn a_full_consumer_on_another_loop_refuses_at_its_capacity() {
+    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    let bus = EventBus::new();
+    let bb = bus.clone();
+    let consumer = b.run(async move {
+        bb.consumer("tiny")
+            .capacity(5)
+            .paused()
+            .handler(|_m| async {})
+            .await
+            .unwrap()
+    });
+    let ba = bus.clone();
+    let (accepted, refused) = a.run(async move {
+        let mut accepted = 0;
+        let mut refused = 0;
+        for i in 0..12u64 {
+            match ba.send("tiny", i) {
+                Ok(()) => accepted += 1,
+                Err(e) => {
+                    assert_eq!(
+                        e.error,
+                        BusError::Full {
+                            address: "tiny".into()
+                        }
+                    );
+                    assert_eq!(e.into_body().downcast_ref::<u64>(), Some(&i));
+                    refused += 1;
+                }
+            }
+        }
+        (accepted, refused)
+    });
+    assert_eq!((accepted, refused), (5, 7));
+    let stats = consumer.stats();
+    assert_eq!(
+        (stats.received, stats.buffered, stats.refused_full),
+        (5, 5, 7)
+    );
+    // Let three through: the rest stay buffered, room for three more.
+    consumer.fetch(3);
+    for _ in 0..3000 {
+        if consumer.stats().delivered == 3 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(consumer.stats().delivered, 3);
+    let ba = bus.clone();
+    let more = a.run(async move { (0..5u64).filter(|i| ba.send("tiny", *i).is_ok()).count() });
+    assert_eq!(more, 3);
+}
+
+#[test]
+fn requests_across_loops_each_get_their_own_reply() {
+    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    let bus = EventBus::new();
+    let bb = bus.clone();
+    let _doubler = b.run(async move {
+        bb.consumer("double")
+            .handler(|mut m| async move {
+                let v = *m.body::<u64>().unwrap();
+                let _ = m.reply(v * 2);
+            })
+            .await
+            .unwrap()
+    });
+    let ba = bus.clone();
+    let wrong = a.run(async move {
+        let mut tasks = tokio::task::JoinSet::new();
+        for t in 0..50u64 {
+            let ba = ba.clone();
+            tasks.spawn(async move {
+                let mut wrong = 0;
+                for i in 0..200u64 {
+                    let v = t * 1000 + i;
+                    let reply = ba.request("double", v).await.unwrap();
+                    if *reply.body::<u64>().unwrap() != v * 2 {
+                        wrong += 1;
+                    }
+                }
+                wrong
+            });
+        }
+        let mut wrong = 0;
+        while let Some(w) = tasks.join_next().await {
+            wrong += w.unwrap();
+        }
+        wrong
+    });
+    assert_eq!(wrong, 0);
+}
+
+#[test]
+fn unregistering_while_other_loops_post_answers_every_request() {
+    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    let bus = EventBus::new();
+    let bb = bus.clone();
+    let echo = b.run(async move {
+        bb.consumer("going")
+            .handler(|mut m| async move {
+                let body = m.take_body();
+                let _ = m.reply(body);
+            })
+            .await
+            .unwrap()
+    });
+    let ba = bus.clone();
+    let answered = Arc::new(AtomicU64::new(0));
+    let counted = answered.clone();
+    let load = std::thread::spawn(move || {
+        a.run(async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..20 {
+                let (ba, counted) = (ba.clone(), counted.clone());
+                tasks.spawn(async move {
+                    let opts = DeliveryOptions::new().timeout(Duration::from_secs(20));
+                    for i in 0..500u64 {
+                        match ba.request_with("going", i, &opts).await {
+                            Ok(_) | Err(BusError::NoHandlers { .. }) => {
+                                counted.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => panic!("unexpected failure: {e}"),
+                        }
+                    }
+                });
+            }
+            while let Some(r) = tasks.join_next().await {
+                r.unwrap();
+            }
+        });
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    b.run(echo.unregister());
+    load.join().unwrap();
+    assert_eq!(answered.load(Ordering::Relaxed), 20 * 500);
+}
