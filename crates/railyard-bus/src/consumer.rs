@@ -10,7 +10,6 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use tokio::task::JoinHandle;
 
-use crate::home::Inbox;
 use crate::metrics::ConsumerStats;
 use crate::queue::{ConsumerQueue, Envelope, BATCH};
 use crate::{BusError, EventBus, Message, DEFAULT_CAPACITY};
@@ -65,7 +64,6 @@ impl<'a> ConsumerBuilder<'a> {
             self.local,
             self.capacity,
             self.paused,
-            Inbox::for_registration(),
         )))
     }
 

@@ -37,8 +37,6 @@
 //!   interceptors, codecs, metrics.
 //! - `queue`: the bounded buffer in front of each consumer, the one hand-off
 //!   point between a sender and a consumer.
-//! - `home`: each event loop's inbox, through which senders on other threads
-//!   reach its consumers, so a message crossing cores moves few cache lines.
 //! - [`ConsumerBuilder`], [`Consumer`], [`MessageStream`] (`consumer`): handler
 //!   tasks and streams that drain a queue in batches.
 //! - [`Message`] (`message`): what a consumer gets, and `reply` / `fail` /
@@ -72,7 +70,6 @@ mod codec;
 mod consumer;
 mod error;
 mod headers;
-mod home;
 mod interceptor;
 mod message;
 mod metrics;

@@ -6,10 +6,6 @@
 //! stored only while the consumer is idle, so a sender wakes it at most once
 //! per idle period and never while it is already scheduled.
 //!
-//! A sender on another thread than the consumer's home loop does not touch
-//! this lock: it reserves room on the `held` counter and posts the message to
-//! the home loop's inbox (`home`), whose mailman pushes it here.
-//!
 //! Why a mutex and not a lock-free ring: the critical section is a handful of
 //! instructions, uncontended locking costs about as much as one CAS, memory
 //! grows with use instead of being preallocated per consumer (bridge clients
@@ -17,15 +13,12 @@
 //! close stay trivially consistent with the buffer.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
 use crate::bus::Shared;
-use crate::home::Inbox;
 use crate::metrics::ConsumerStats;
 use crate::reply::ReplySender;
 use crate::{Body, BusError, Headers};
@@ -86,27 +79,7 @@ pub(crate) struct ConsumerQueue {
     /// Registered with `local_consumer`: never advertised to a cluster.
     pub(crate) local: bool,
     capacity: usize,
-    /// The event loop the consumer runs on, if it runs on one (see `home`).
-    home: Option<Arc<Inbox>>,
-    /// What senders on other threads touch, on its own cache line so that
-    /// they do not steal the consumer's lock from its home loop.
-    room: CachePadded<Room>,
     state: Mutex<State>,
-}
-
-#[derive(Debug, Default)]
-struct Room {
-    /// Messages held for this consumer: buffered plus posted to its home
-    /// loop and not yet buffered. Never above `capacity`: a sender reserves
-    /// one before pushing or posting.
-    held: AtomicUsize,
-    /// Mirrors `State::closed` for senders that do not take the lock.
-    closed: AtomicBool,
-    /// Pushes refused because `held` was at capacity.
-    refused_full: AtomicU64,
-    /// Messages posted through the home loop's inbox (counted as received
-    /// when posted; the ones pushed directly are counted under the lock).
-    posted: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -130,7 +103,6 @@ impl ConsumerQueue {
         local: bool,
         capacity: usize,
         paused: bool,
-        home: Option<Arc<Inbox>>,
     ) -> Self {
         Self {
             address: address.into(),
@@ -138,8 +110,6 @@ impl ConsumerQueue {
             id,
             local,
             capacity: capacity.max(1),
-            home,
-            room: CachePadded::default(),
             state: Mutex::new(State {
                 items: VecDeque::new(),
                 consumer: None,
@@ -153,52 +123,15 @@ impl ConsumerQueue {
 
     /// Appends `env` unless the buffer is full or closed.
     #[inline]
-    pub(crate) fn try_push(self: &Arc<Self>, env: Envelope) -> Result<(), (Refused, Envelope)> {
-        if self.room.closed.load(Ordering::Relaxed) {
-            return Err((Refused::Closed, env));
-        }
-        if !self.reserve() {
-            self.room.refused_full.fetch_add(1, Ordering::Relaxed);
-            return Err((Refused::Full, env));
-        }
-        self.push_reserved(env)
-    }
-
-    /// Takes one unit of room; `false` at capacity.
-    #[inline]
-    fn reserve(&self) -> bool {
-        let prior = self.room.held.fetch_add(1, Ordering::Relaxed);
-        if prior >= self.capacity {
-            // Only ever undoes an add made at or above capacity, so it never
-            // makes another sender see a buffer fuller than it is.
-            self.room.held.fetch_sub(1, Ordering::Relaxed);
-            return false;
-        }
-        true
-    }
-
-    /// Pushes a message whose room is reserved: straight into the buffer on
-    /// the home loop (or without one), else through the home loop's inbox.
-    #[inline]
-    fn push_reserved(self: &Arc<Self>, env: Envelope) -> Result<(), (Refused, Envelope)> {
-        let env = match &self.home {
-            Some(home) if !home.is_current() => match home.post(self.clone(), env) {
-                Ok(()) => {
-                    self.room.posted.fetch_add(1, Ordering::Relaxed);
-                    return Ok(());
-                }
-                // The loop is gone: push directly (nobody may drain it, as
-                // when a consumer's runtime stopped before this change).
-                Err((_, back)) => back,
-            },
-            _ => env,
-        };
+    pub(crate) fn try_push(&self, env: Envelope) -> Result<(), (Refused, Envelope)> {
         let waker = {
             let mut s = self.state.lock();
             if s.closed {
-                drop(s);
-                self.room.held.fetch_sub(1, Ordering::Relaxed);
                 return Err((Refused::Closed, env));
+            }
+            if s.items.len() >= self.capacity {
+                s.stats.refused_full += 1;
+                return Err((Refused::Full, env));
             }
             s.items.push_back(env);
             s.stats.received += 1;
@@ -215,51 +148,19 @@ impl ConsumerQueue {
         Ok(())
     }
 
-    /// The mailman's half of a post: on the home loop, buffers a message
-    /// whose room was reserved by its sender.
-    pub(crate) fn deliver_posted(&self, env: Envelope) {
-        let waker = {
-            let mut s = self.state.lock();
-            if s.closed {
-                drop(s);
-                self.undeliverable(env);
-                return;
-            }
-            s.items.push_back(env);
-            if s.demand > 0 {
-                s.consumer.take()
-            } else {
-                None
-            }
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-
-    /// A posted message that found the consumer gone: releases its room,
-    /// counts it discarded and fails a request at once.
-    pub(crate) fn undeliverable(&self, env: Envelope) {
-        self.room.held.fetch_sub(1, Ordering::Relaxed);
-        self.count_discarded();
-        env.fail_unhandled(&self.address);
-    }
-
     /// Appends the envelope in `slot` when there is room; otherwise registers
     /// for a wake-up when the consumer frees some. Leaves `slot` empty on success.
     pub(crate) fn poll_push(
-        self: &Arc<Self>,
+        &self,
         slot: &mut Option<Envelope>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), Refused>> {
-        {
-            // Reserving under the lock orders this with `poll_batch`, which
-            // frees room and wakes waiters under it: no wake-up is lost.
+        let waker = {
             let mut s = self.state.lock();
             if s.closed {
                 return Poll::Ready(Err(Refused::Closed));
             }
-            if !self.reserve() {
+            if s.items.len() >= self.capacity {
                 // Only the last waiter is checked for a repeat poll: a full
                 // scan would make many blocked senders quadratic. A duplicate
                 // costs one spurious wake-up.
@@ -272,18 +173,21 @@ impl ConsumerQueue {
                 }
                 return Poll::Pending;
             }
-        }
-        let Some(env) = slot.take() else {
-            self.room.held.fetch_sub(1, Ordering::Relaxed);
-            return Poll::Ready(Ok(()));
-        };
-        match self.push_reserved(env) {
-            Ok(()) => Poll::Ready(Ok(())),
-            Err((refused, env)) => {
-                *slot = Some(env);
-                Poll::Ready(Err(refused))
+            let Some(env) = slot.take() else {
+                return Poll::Ready(Ok(()));
+            };
+            s.items.push_back(env);
+            s.stats.received += 1;
+            if s.demand > 0 {
+                s.consumer.take()
+            } else {
+                None
             }
+        };
+        if let Some(w) = waker {
+            w.wake();
         }
+        Poll::Ready(Ok(()))
     }
 
     /// Moves up to `max` messages (bounded by demand) into `out`.
@@ -319,7 +223,6 @@ impl ConsumerQueue {
             if s.demand != FLOWING {
                 s.demand -= n as u64;
             }
-            self.room.held.fetch_sub(n, Ordering::Relaxed);
             s.stats.delivered += n as u64;
             std::mem::take(&mut s.room_waiters)
         };
@@ -380,9 +283,7 @@ impl ConsumerQueue {
                 return None;
             }
             s.closed = true;
-            self.room.closed.store(true, Ordering::Relaxed);
             let left: Vec<Envelope> = s.items.drain(..).collect();
-            self.room.held.fetch_sub(left.len(), Ordering::Relaxed);
             s.stats.discarded += left.len() as u64;
             (left, s.consumer.take(), std::mem::take(&mut s.room_waiters))
         };
@@ -393,10 +294,7 @@ impl ConsumerQueue {
     pub(crate) fn stats(&self) -> ConsumerStats {
         let s = self.state.lock();
         ConsumerStats {
-            // Including messages posted to the home loop, not yet buffered.
-            buffered: self.room.held.load(Ordering::Relaxed) as u64,
-            received: s.stats.received + self.room.posted.load(Ordering::Relaxed),
-            refused_full: self.room.refused_full.load(Ordering::Relaxed),
+            buffered: s.items.len() as u64,
             ..s.stats
         }
     }

@@ -1,5 +1,5 @@
 //! Consumers on event loops (one single-threaded runtime per thread) fed by
-//! senders on other loops: the path through each loop's inbox.
+//! senders on other loops: the cross-thread hand-off.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
