@@ -88,6 +88,7 @@ impl EventLoops {
         let mut handles = Vec::new();
         let mut stops = Vec::new();
         let mut threads = Vec::new();
+        let cpus = allowed_cpus();
         for i in 0..n.max(1) {
             // Timers only unless asked, no I/O driver: a wake from another
             // thread then costs an atomic store unless this loop is actually
@@ -103,10 +104,19 @@ impl EventLoops {
             handles.push(rt.handle().clone());
             let (stop_tx, stop_rx) = oneshot::channel::<()>();
             stops.push(stop_tx);
+            // Thread per core: with at most one loop per allowed CPU, loop i
+            // stays on the i-th. Left to the scheduler, two loops that wake
+            // each other through futexes get pulled onto one core (wake
+            // affinity) and then take turns on it (measured: 0.98 CPUs used,
+            // 48k context switches/s, half the round trips).
+            let cpu = (n <= cpus.len()).then(|| cpus[i]);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("bench-loop-{i}"))
                     .spawn(move || {
+                        if let Some(cpu) = cpu {
+                            pin_to(cpu);
+                        }
                         let _ = rt.block_on(stop_rx);
                         rt.shutdown_background();
                     })
@@ -158,5 +168,34 @@ impl Drop for EventLoops {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Vec<usize> {
+    // Safety: `sched_getaffinity` fills the zeroed set it is given, of the
+    // size passed; the CPU_* helpers only read or write within that set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// Pins the calling thread to `cpu`; on failure it stays unpinned (and says so).
+fn pin_to(cpu: usize) {
+    // Safety: as in `allowed_cpus`; `sched_setaffinity(0, ..)` applies to the
+    // calling thread only.
+    let ok = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    if !ok {
+        tracing::debug!(cpu, "could not pin an event loop; it runs unpinned");
     }
 }
