@@ -17,33 +17,40 @@ use http::header::{HeaderValue, CONNECTION};
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::histogram::Histogram;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit};
 
 use crate::body::{Body, RequestBody};
 use crate::config::HttpConfig;
-use crate::metrics::{method_label, HttpMetrics, RequestLabels};
+use crate::metrics::{method_label, CoreStats, HttpMetrics, RequestLabels, Series};
 use crate::router::{self, RouteFuture, Router};
 use crate::sendfile::{self, Run, Runs};
 use bytes::Bytes;
 
-/// Metric handles by (route id, method, status).
-type SeriesCache =
-    HashMap<(usize, &'static str, u16), (Counter, Histogram), foldhash::fast::RandomState>;
+/// This core's metric series by (route id, method, status).
+type SeriesCache = HashMap<(usize, &'static str, u16), Arc<Series>, foldhash::fast::RandomState>;
 
 /// What one core's connections share. Lives on that core only.
 pub(crate) struct Core {
     pub(crate) router: Arc<Router>,
     pub(crate) metrics: Arc<HttpMetrics>,
+    /// This core's share of the per-request metrics (written by this core
+    /// only, summed with the other cores' at scrape).
+    pub(crate) stats: Arc<CoreStats>,
     pub(crate) config: Arc<HttpConfig>,
     pub(crate) http1: hyper::server::conn::http1::Builder,
-    /// Metric handles by (route id, method, status), so the hot path skips
-    /// the shared family's lock and hash.
+    /// This core's series by (route id, method, status), so the hot path
+    /// skips a lock and the label hash.
     series: RefCell<SeriesCache>,
     pub(crate) shutdown: watch::Receiver<bool>,
+    /// Shutdown has begun (set by the core's accept loop, which watches
+    /// `shutdown`). Active connections read this flag instead of polling
+    /// the shared watch channel on every wake-up (that takes a lock shared
+    /// by every connection of every core).
+    pub(crate) stopping: Cell<bool>,
+    /// Woken (all waiters) when `stopping` is set.
+    pub(crate) stop: Notify,
     /// Connections open on this core.
     pub(crate) active: Cell<usize>,
     /// Woken when `active` drops to zero.
@@ -74,11 +81,14 @@ impl Core {
             .writev(true);
         Self {
             router,
+            stats: metrics.core_stats(),
             metrics,
             config,
             http1,
             series: RefCell::new(HashMap::default()),
             shutdown,
+            stopping: Cell::new(false),
+            stop: Notify::new(),
             active: Cell::new(0),
             idle: Notify::new(),
             park_epoch: Cell::new(0),
@@ -96,17 +106,22 @@ impl Core {
         }
     }
 
+    /// Tells this core's connections that shutdown has begun.
+    pub(crate) fn begin_stopping(&self) {
+        self.stopping.set(true);
+        self.stop.notify_waiters();
+    }
+
     fn record(&self, route: usize, method: &'static str, status: u16, secs: f64) {
         let mut series = self.series.borrow_mut();
-        let (c, h) = series.entry((route, method, status)).or_insert_with(|| {
-            self.metrics.series(&RequestLabels {
+        let s = series.entry((route, method, status)).or_insert_with(|| {
+            self.stats.series(RequestLabels {
                 route: self.router.route_names()[route].clone(),
                 method,
                 status,
             })
         });
-        c.inc();
-        h.observe(secs);
+        s.observe(secs);
     }
 }
 
@@ -229,7 +244,7 @@ pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphore
     // Deadline of a request head that arrived in pieces across parks.
     let mut head_deadline: Option<tokio::time::Instant> = None;
     loop {
-        match serve_active(&core, tcp, leftover, &state, &mut shutdown).await {
+        match serve_active(&core, tcp, leftover, &state).await {
             Phase::Parked {
                 tcp: t,
                 leftover: l,
@@ -267,7 +282,6 @@ async fn serve_active(
     tcp: TcpStream,
     leftover: Bytes,
     state: &Rc<ConnState>,
-    shutdown: &mut watch::Receiver<bool>,
 ) -> Phase {
     state.write_clean.set(true);
     state.read_blocked.set(false);
@@ -275,7 +289,7 @@ async fn serve_active(
         tcp,
         prefix: leftover,
         state: state.clone(),
-        metrics: core.metrics.clone(),
+        core: core.clone(),
     });
     let svc = ConnService {
         core: core.clone(),
@@ -286,12 +300,21 @@ async fn serve_active(
     let park = core.config.park_idle_connections;
     let mut parking = false;
     let mut stopping = false;
-    let stop = shutdown_signalled(shutdown);
+    // Registered with the core's stop notification once (this task's waker
+    // stays the same); afterwards only the core's flag is read.
+    let stop = core.stop.notified();
     tokio::pin!(stop);
+    let mut stop_registered = false;
     let res = std::future::poll_fn(|cx| loop {
-        if !stopping && stop.as_mut().poll(cx).is_ready() {
-            stopping = true;
-            Pin::new(&mut *conn).graceful_shutdown();
+        if !stopping {
+            let notified = !stop_registered && {
+                stop_registered = true;
+                stop.as_mut().poll(cx).is_ready()
+            };
+            if notified || core.stopping.get() {
+                stopping = true;
+                Pin::new(&mut *conn).graceful_shutdown();
+            }
         }
         if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
             return Poll::Ready(r);
@@ -473,7 +496,7 @@ pub(crate) struct ConnIo {
     /// Bytes read before the connection last parked, replayed first.
     prefix: Bytes,
     state: Rc<ConnState>,
-    metrics: Arc<HttpMetrics>,
+    core: Rc<Core>,
 }
 
 impl ConnIo {
@@ -506,8 +529,8 @@ impl ConnIo {
                     if run.remaining == 0 {
                         runs.pop_front();
                     }
-                    self.metrics.bytes_out.inc_by(n as u64);
-                    self.metrics.sendfile_bytes.inc_by(n as u64);
+                    self.core.stats.bytes_out.add(n as u64);
+                    self.core.metrics.sendfile_bytes.inc_by(n as u64);
                     return Poll::Ready(Ok(n));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -518,7 +541,7 @@ impl ConnIo {
 
     fn count_out(&self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
         if let Poll::Ready(Ok(n)) = r {
-            self.metrics.bytes_out.inc_by(n as u64);
+            self.core.stats.bytes_out.add(n as u64);
         }
         r
     }
@@ -546,7 +569,7 @@ impl AsyncRead for ConnIo {
                 this.state.read_blocked.set(false);
                 r?;
                 let n = buf.filled().len() - before;
-                this.metrics.bytes_in.inc_by(n as u64);
+                this.core.stats.bytes_in.add(n as u64);
                 Poll::Ready(Ok(()))
             }
         }

@@ -303,6 +303,7 @@ async fn accept_loop(
         tokio::task::spawn_local(conn::serve(core.clone(), tcp, permit));
     }
     drop(listener);
+    core.begin_stopping();
     if let Some(t) = ticker {
         t.abort();
     }
