@@ -309,7 +309,7 @@ impl Engine {
             }
         }
         let slots: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
-        let to_append: Vec<EventRecord> = events
+        let to_append: Arc<[EventRecord]> = events
             .into_iter()
             .zip(&keep)
             .filter_map(|(ev, k)| k.then_some(ev))
@@ -317,9 +317,8 @@ impl Engine {
         if !to_append.is_empty() {
             let t0 = std::time::Instant::now();
             let count = to_append.len();
-            // The store takes ownership; the engine applies its own copy
-            // once the append resolved.
-            if let Err(e) = self.store.append(to_append.clone()).await {
+            // Shared with the store (no copy); applied once durable.
+            if let Err(e) = self.store.append_shared(to_append.clone()).await {
                 self.metrics
                     .rejected
                     .get_or_create(&ReasonLabels { reason: "store" })

@@ -219,14 +219,19 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         tokio::spawn(async move {
             let _permit = permit;
             let seq = batch.seq;
-            let converted: Vec<Result<EventRecord, InvalidEvent>> = batch
+            // Valid events go to the engine (moved, not copied); the
+            // invalid ones keep their error for their slot in the ack.
+            let mut valid: Vec<EventRecord> = Vec::with_capacity(batch.events.len());
+            let invalid: Vec<Option<InvalidEvent>> = batch
                 .events
                 .into_iter()
-                .map(|e| from_native(e, &service, &instance))
-                .collect();
-            let valid: Vec<EventRecord> = converted
-                .iter()
-                .filter_map(|r| r.as_ref().ok().cloned())
+                .map(|e| match from_native(e, &service, &instance) {
+                    Ok(ev) => {
+                        valid.push(ev);
+                        None
+                    }
+                    Err(e) => Some(e),
+                })
                 .collect();
             let outcomes = match engine.handle(valid, "native").await {
                 Ok(o) => o,
@@ -236,12 +241,12 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                 }
             };
             let mut outcomes = outcomes.into_iter();
-            let results = converted
+            let results = invalid
                 .into_iter()
                 .map(|r| {
                     let o = match r {
-                        Ok(_) => outcomes.next().unwrap_or(Outcome::Done { aborted: false }),
-                        Err(e) => Outcome::Invalid(e),
+                        None => outcomes.next().unwrap_or(Outcome::Done { aborted: false }),
+                        Some(e) => Outcome::Invalid(e),
                     };
                     match o {
                         Outcome::Done { aborted } => EventResult {

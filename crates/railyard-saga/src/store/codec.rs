@@ -1,9 +1,10 @@
 //! How the durable stores pack a saga's events into one stored value.
 //!
-//! Both stores write one row per saga per group commit: its global id in a
-//! column (for lookups) and every event of that saga in the commit packed
-//! here, in order. Eight events of a saga appended together cost one row and
-//! one index entry instead of eight, which is most of the write work.
+//! The PostgreSQL store writes one row per saga per group commit: its global
+//! id in a column (for lookups) and every event of that saga in the commit
+//! packed here, in order. The embedded store puts the same packed runs,
+//! each with its saga's id, into one value per group commit
+//! ([`segment`](super::segment)).
 //!
 //! Format (version 1), integers little-endian, lengths LEB128:
 //! `1u8`, event count, then per event: kind code (`u8`), the strings
@@ -21,7 +22,7 @@ use crate::event::{EventKind, EventRecord};
 
 const VERSION: u8 = 1;
 
-fn put_len(out: &mut Vec<u8>, mut n: usize) {
+pub(crate) fn put_len(out: &mut Vec<u8>, mut n: usize) {
     loop {
         let byte = (n & 0x7f) as u8;
         n >>= 7;
@@ -33,7 +34,7 @@ fn put_len(out: &mut Vec<u8>, mut n: usize) {
     }
 }
 
-fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+pub(crate) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     put_len(out, b.len());
     out.extend_from_slice(b);
 }
@@ -41,8 +42,18 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
 /// Packs `events` (all of one saga, in order).
 pub fn encode<'a>(events: impl ExactSizeIterator<Item = &'a EventRecord>) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + events.len() * 160);
+    encode_into(&mut out, events);
+    out
+}
+
+/// Packs `events` (all of one saga, in order) at the end of `out`, as
+/// [`encode`] does, without a buffer of its own.
+pub(crate) fn encode_into<'a>(
+    out: &mut Vec<u8>,
+    events: impl ExactSizeIterator<Item = &'a EventRecord>,
+) {
     out.push(VERSION);
-    put_len(&mut out, events.len());
+    put_len(out, events.len());
     for e in events {
         out.push(e.kind.map_or(u8::MAX, EventKind::code));
         for s in [
@@ -53,9 +64,9 @@ pub fn encode<'a>(events: impl ExactSizeIterator<Item = &'a EventRecord>) -> Vec
             &e.compensation_method,
             &e.retry_method,
         ] {
-            put_bytes(&mut out, s.as_bytes());
+            put_bytes(out, s.as_bytes());
         }
-        put_bytes(&mut out, &e.payloads);
+        put_bytes(out, &e.payloads);
         out.extend_from_slice(&e.timestamp_ms.to_le_bytes());
         for n in [
             e.timeout_s,
@@ -68,15 +79,15 @@ pub fn encode<'a>(events: impl ExactSizeIterator<Item = &'a EventRecord>) -> Vec
             out.extend_from_slice(&n.to_le_bytes());
         }
     }
-    out
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
+/// A cursor over packed bytes; every read checks the length left.
+pub(crate) struct Reader<'a> {
+    pub(crate) buf: &'a [u8],
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
         if self.buf.len() < n {
             return Err(format!(
                 "truncated: wanted {n} bytes, {} left",
@@ -88,7 +99,7 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    fn len(&mut self) -> Result<usize, String> {
+    pub(crate) fn len(&mut self) -> Result<usize, String> {
         let mut n: usize = 0;
         for shift in (0..64).step_by(7) {
             let b = self.take(1)?[0];
@@ -105,7 +116,7 @@ impl<'a> Reader<'a> {
         String::from_utf8(self.take(n)?.to_vec()).map_err(|e| format!("bad UTF-8: {e}"))
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
         let mut a = [0u8; N];
         a.copy_from_slice(self.take(N)?);
         Ok(a)
@@ -114,6 +125,20 @@ impl<'a> Reader<'a> {
     fn i32(&mut self) -> Result<i32, String> {
         Ok(i32::from_le_bytes(self.array()?))
     }
+}
+
+/// How many events `data` (packed by [`encode`]) holds, without decoding
+/// them.
+///
+/// # Errors
+/// A description of what is wrong (truncated, unknown version).
+pub(crate) fn count(data: &[u8]) -> Result<usize, String> {
+    let mut r = Reader { buf: data };
+    let version = r.take(1)?[0];
+    if version != VERSION {
+        return Err(format!("unknown event encoding version {version}"));
+    }
+    r.len()
 }
 
 /// Unpacks what [`encode`] packed, appending to `out`.

@@ -22,6 +22,7 @@ mod memory;
 mod pg_server;
 mod postgres;
 mod queue;
+mod segment;
 mod sqlite;
 
 use futures::future::BoxFuture;
@@ -158,6 +159,20 @@ pub trait SagaStore: Send + Sync + 'static {
     /// [`StoreError`] if they could not be made durable: none of them may
     /// then be acknowledged.
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// [`append`](SagaStore::append) for a caller that keeps the events
+    /// (the coordinator applies them once they are durable): the same
+    /// contract, without a copy of every event. The default copies them
+    /// into `append`; the durable stores override it.
+    ///
+    /// # Errors
+    /// As `append`.
+    fn append_shared(
+        &self,
+        events: std::sync::Arc<[EventRecord]>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move { self.append(events.to_vec()).await })
+    }
 
     /// Marks sagas as finished: their events may be compacted and their
     /// summaries are kept (within the store's retention).

@@ -639,6 +639,13 @@ impl SagaStore for PostgresStore {
     }
 
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.append_shared(events.into())
+    }
+
+    fn append_shared(
+        &self,
+        events: std::sync::Arc<[EventRecord]>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             if events.is_empty() {
                 return Ok(());

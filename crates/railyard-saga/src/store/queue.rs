@@ -78,8 +78,9 @@ impl Retention {
 /// What the writer is asked to do.
 #[derive(Debug)]
 pub(crate) enum WriteOp {
-    /// Append events (in order).
-    Append(Vec<EventRecord>),
+    /// Append events (in order); shared with the caller, which applies
+    /// them once they are durable.
+    Append(std::sync::Arc<[EventRecord]>),
     /// Delete these sagas' events and keep their summaries.
     Finish(Vec<SagaSummary>),
 }

@@ -29,20 +29,24 @@
 //!   worker nor the writer (WAL readers do not block the writer).
 //!
 //! # Layout
-//! One row per saga per group commit (`events`: `seq`, saga id, event
-//! count, the events packed by [`codec`](super::codec)); no index on the
-//! saga id: ids are random UUIDs, and such an index turned every commit
-//! into hundreds of scattered page writes (one-event appends from 512
-//! callers: 20k events/s in a run with it, 72k to 116k in runs without). The writer keeps the rows of each
-//! unfinished saga in memory instead (bounded by the sagas in flight,
-//! rebuilt on open), so `finish` deletes by `seq`; `timeline` scans the
-//! unfinished rows, which compaction keeps few. Summaries are rows in
-//! `summaries`, newest first by `ord`, indexed by finish time for pruning;
-//! finishing a saga twice keeps two summaries (as [`MemoryStore`](super::MemoryStore)).
+//! One row per group commit (`segments`: `seq`, and every event and finish
+//! of that commit packed in queue order by [`segment`](super::segment)):
+//! a commit is one B-tree insert however many events it carries, instead
+//! of one row per saga (an earlier layout, which cost a row insert per
+//! event and a delete per event at compaction, since a participant's
+//! events rarely share a commit). No index on saga ids: the writer keeps
+//! an in-memory [`Index`] of which segments each unfinished saga has
+//! entries in (bounded by the sagas in flight, rebuilt on open by reading
+//! the segments' headers). Recovery and `timeline` replay the segments in
+//! order. Summaries are rows in `summaries`, newest first by `ord`,
+//! indexed by finish time for pruning; finishing a saga twice keeps two
+//! summaries (as [`MemoryStore`](super::MemoryStore)).
 //!
 //! # Bounded disk
-//! `finish` deletes a saga's rows (freed pages are reused by later
-//! appends) and keeps a summary row; summaries beyond the [`Retention`] are
+//! `finish` writes a mark in the commit's segment and keeps a summary
+//! row; a segment is deleted in the commit that makes it unneeded (no
+//! unfinished saga in it, no mark in it covering an earlier segment still
+//! stored; freed pages are reused by later appends); summaries beyond the [`Retention`] are
 //! pruned. The WAL is checkpointed by the writer every 1,000 pages (so it
 //! can restart from its beginning and stays small) and truncated to 64 MiB
 //! at most; after a prune, free pages beyond 4 MiB are returned to the file
@@ -51,10 +55,9 @@
 //! # Files
 //! `<dir>/saga.db` (+ `-wal`, `-shm`), and `<dir>/LOCK`, held with `flock`
 //! so two coordinators never share one directory. Schema version in
-//! `PRAGMA user_version` (2; version 1 is migrated on open, a newer one is
-//! refused).
+//! `PRAGMA user_version` (3; versions 1 and 2 are migrated on open, a
+//! newer one is refused).
 
-use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,23 +69,23 @@ use parking_lot::Mutex;
 use rusqlite::{params, Connection, OpenFlags, Row};
 use tokio::sync::mpsc;
 
-use super::codec::{self, group_by_saga};
-use super::queue::{answer, append_run, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
+use super::queue::{answer, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
+use super::segment::{Index, Replay, SegmentBuf};
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
 
 /// The schema this code writes; stored in `PRAGMA user_version`.
 ///
 /// - 1: events with an index on the saga id, summaries unique per saga;
-/// - 2: neither (see "Layout"); version 1 is migrated on open.
-const SCHEMA_VERSION: i64 = 2;
+/// - 2: neither; one `events` row per saga per group commit;
+/// - 3: one `segments` row per group commit (see "Layout"); versions 1
+///   and 2 are migrated on open.
+const SCHEMA_VERSION: i64 = 3;
 
 /// The current tables, created in a new store.
 const SCHEMA: &str = "
-    CREATE TABLE events (
+    CREATE TABLE segments (
         seq INTEGER PRIMARY KEY,
-        global_tx_id TEXT NOT NULL,
-        n INTEGER NOT NULL,
         data BLOB NOT NULL
     );
     CREATE TABLE summaries (
@@ -97,7 +100,7 @@ const SCHEMA: &str = "
         events INTEGER NOT NULL
     );
     CREATE INDEX summaries_by_finish ON summaries (finished_ms);
-    PRAGMA user_version = 2;";
+    PRAGMA user_version = 3;";
 
 /// Version 1 to 2: drop the saga-id index, rebuild summaries without the
 /// unique constraint (same rows, same order).
@@ -153,6 +156,8 @@ pub struct SqliteStore {
     queue: Option<mpsc::Sender<WriteRequest>>,
     reader: Arc<Mutex<Connection>>,
     commits: Arc<AtomicU64>,
+    /// Events of unfinished sagas, kept by the writer.
+    live_events: Arc<AtomicU64>,
     writer: Option<JoinHandle<()>>,
     dir: PathBuf,
     // Held for the store's life: the flock on `<dir>/LOCK`.
@@ -212,7 +217,7 @@ impl SqliteStore {
             .map_err(engine)?;
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let commits = Arc::new(AtomicU64::new(0));
-        let rows = saga_rows(&writer).map_err(engine)?;
+        let live_events = Arc::new(AtomicU64::new(0));
         let summaries: i64 = writer
             .query_row("SELECT count(*) FROM summaries", [], |r| r.get(0))
             .map_err(engine)?;
@@ -220,12 +225,17 @@ impl SqliteStore {
             conn: writer,
             config,
             commits: commits.clone(),
+            live_events: live_events.clone(),
             since_prune: u64::MAX,
-            rows,
+            index: Index::default(),
+            next_seq: 1,
             summaries: u64::try_from(summaries).unwrap_or(0),
+            buf: Vec::new(),
         };
-        // Apply the retention once at start (a smaller limit takes effect
-        // without waiting for new summaries).
+        // Index the segments (and drop those nothing needs), then apply the
+        // retention once (a smaller limit takes effect without waiting for
+        // new summaries).
+        w.load().map_err(corrupt_or_engine)?;
         w.prune().map_err(engine)?;
         w.since_prune = 0;
         let handle = std::thread::Builder::new()
@@ -236,6 +246,7 @@ impl SqliteStore {
             queue: Some(tx),
             reader: Arc::new(Mutex::new(reader)),
             commits,
+            live_events,
             writer: Some(handle),
             dir,
             _lock: lock,
@@ -329,32 +340,43 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
          PRAGMA journal_size_limit = 67108864;",
     )
     .map_err(engine)?;
-    let step = match version {
-        0 => Some(SCHEMA),
-        1 => Some(MIGRATE_1_TO_2),
-        _ => None,
-    };
-    if let Some(sql) = step {
-        let tx = conn.transaction().map_err(engine)?;
-        tx.execute_batch(sql).map_err(|e| {
-            StoreError::Corrupt(format!(
-                "cannot bring the schema from version {version} to {SCHEMA_VERSION}: {e}"
-            ))
-        })?;
-        tx.commit().map_err(engine)?;
+    if version == SCHEMA_VERSION {
+        return Ok(());
     }
+    let tx = conn.transaction().map_err(engine)?;
+    let migrated = match version {
+        0 => tx.execute_batch(SCHEMA),
+        1 => tx
+            .execute_batch(MIGRATE_1_TO_2)
+            .and_then(|()| migrate_2_to_3(&tx)),
+        _ => migrate_2_to_3(&tx),
+    };
+    migrated.map_err(|e| {
+        StoreError::Corrupt(format!(
+            "cannot bring the schema from version {version} to {SCHEMA_VERSION}: {e}"
+        ))
+    })?;
+    tx.commit().map_err(engine)?;
     Ok(())
 }
 
-/// Which rows hold each saga's events.
-fn saga_rows(conn: &Connection) -> rusqlite::Result<HashMap<String, Vec<i64>>> {
-    let mut map: HashMap<String, Vec<i64>> = HashMap::new();
-    let mut st = conn.prepare("SELECT seq, global_tx_id FROM events ORDER BY seq")?;
-    let mut rows = st.query([])?;
-    while let Some(r) = rows.next()? {
-        map.entry(r.get(1)?).or_default().push(r.get(0)?);
+/// Version 2 to 3: each `events` row (one saga's events of one commit)
+/// becomes a segment with one entry, under the same `seq`, so the order
+/// holds.
+fn migrate_2_to_3(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+    tx.execute_batch("CREATE TABLE segments (seq INTEGER PRIMARY KEY, data BLOB NOT NULL)")?;
+    {
+        let mut read = tx.prepare("SELECT seq, global_tx_id, data FROM events ORDER BY seq")?;
+        let mut write = tx.prepare("INSERT INTO segments (seq, data) VALUES (?1, ?2)")?;
+        let mut rows = read.query([])?;
+        while let Some(r) = rows.next()? {
+            let seq: i64 = r.get(0)?;
+            let g: String = r.get(1)?;
+            let data = r.get_ref(2)?.as_blob()?;
+            write.execute(params![seq, SegmentBuf::packed(&g, data)])?;
+        }
     }
-    Ok(map)
+    tx.execute_batch("DROP TABLE events; PRAGMA user_version = 3;")
 }
 
 /// The writer thread's state.
@@ -362,16 +384,21 @@ struct Writer {
     conn: Connection,
     config: SqliteConfig,
     commits: Arc<AtomicU64>,
+    /// `index.live_events`, for `stats` on other threads.
+    live_events: Arc<AtomicU64>,
     /// Summaries finished since the last prune.
     since_prune: u64,
-    /// The rows (`seq`) of every unfinished saga. The table has no index on
-    /// the saga id: saga ids are random UUIDs, and an index on them turns
-    /// every group commit into hundreds of scattered page writes, while
-    /// rows appended by `seq` fill one page after another. Bounded by the
-    /// sagas in flight; rebuilt from the table on open.
-    rows: HashMap<String, Vec<i64>>,
+    /// Which segments each unfinished saga has entries in, and what keeps
+    /// each segment (see [`segment`](super::segment)).
+    index: Index,
+    /// The next segment's `seq` (above every one stored).
+    next_seq: i64,
     /// Rows in `summaries`, so pruning by count needs no count query.
     summaries: u64,
+    /// The segment buffer, kept across commits (its capacity stays, so a
+    /// commit does not fault in fresh pages); a very large one is given
+    /// back after use.
+    buf: Vec<u8>,
 }
 
 impl Writer {
@@ -394,85 +421,140 @@ impl Writer {
             let result = self.write(&batch).map_err(engine);
             if let Err(e) = &result {
                 tracing::error!(error = %e, requests = batch.len(), "saga store commit failed");
+                // The index already counted the failed commit: rebuild it
+                // from what is stored.
+                if let Err(e) = self.load() {
+                    tracing::error!(error = %e, "re-reading the saga log after a failed commit failed");
+                }
             }
             answer(batch, &result);
         }
     }
 
-    /// One transaction for the whole batch; `commit` syncs the WAL.
+    /// (Re)builds the index from the stored segments and deletes those
+    /// nothing needs (left by a crash between a commit and the next).
+    fn load(&mut self) -> Result<(), StoreError> {
+        let mut index = Index::default();
+        let mut touched = Vec::new();
+        let mut max_seq = 0;
+        {
+            let mut st = self
+                .conn
+                .prepare_cached("SELECT seq, data FROM segments ORDER BY seq")
+                .map_err(engine)?;
+            let mut rows = st.query([]).map_err(engine)?;
+            while let Some(r) = rows.next().map_err(engine)? {
+                let seq: i64 = r.get(0).map_err(engine)?;
+                let data = r
+                    .get_ref(1)
+                    .and_then(|v| Ok(v.as_blob()?))
+                    .map_err(engine)?;
+                index
+                    .index_segment(seq, data, &mut touched)
+                    .map_err(|e| StoreError::Corrupt(format!("log segment {seq}: {e}")))?;
+                max_seq = seq;
+            }
+        }
+        let gone = index.collect(touched);
+        if !gone.is_empty() {
+            let tx = self.conn.transaction().map_err(engine)?;
+            {
+                let mut delete = tx
+                    .prepare_cached("DELETE FROM segments WHERE seq = ?1")
+                    .map_err(engine)?;
+                for seq in gone {
+                    delete.execute([seq]).map_err(engine)?;
+                }
+            }
+            tx.commit().map_err(engine)?;
+        }
+        self.live_events.store(index.live_events, Ordering::Relaxed);
+        self.index = index;
+        self.next_seq = self.next_seq.max(max_seq + 1);
+        Ok(())
+    }
+
+    /// One transaction for the whole batch: its segment, the segments it
+    /// frees, its summaries; `commit` syncs the WAL.
     ///
-    /// Requests are applied in queue order; the events of consecutive
-    /// appends are stored one row per saga (see [`codec`](super::codec)).
+    /// Requests are applied in queue order. On error the index is stale
+    /// (the caller reloads it).
     fn write(&mut self, batch: &[WriteRequest]) -> rusqlite::Result<()> {
+        let seq = self.next_seq;
+        let events: usize = batch
+            .iter()
+            .map(|r| match &r.op {
+                WriteOp::Append(e) => e.len(),
+                WriteOp::Finish(_) => 0,
+            })
+            .sum();
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.reserve(64 + events * 160);
+        let mut seg = SegmentBuf::reuse(buf);
+        let mut touched = vec![seq];
         let mut finished = 0u64;
-        // Changes to `self.rows`, applied only once the commit succeeded:
-        // sagas finished (in order), then rows added and still live.
-        let mut gone: HashSet<&str> = HashSet::new();
-        let mut added: HashMap<&str, Vec<i64>> = HashMap::new();
         let tx = self.conn.transaction()?;
         {
-            let mut insert = tx
-                .prepare_cached("INSERT INTO events (global_tx_id, n, data) VALUES (?1, ?2, ?3)")?;
-            let mut delete = tx.prepare_cached("DELETE FROM events WHERE seq = ?1")?;
             let mut keep = tx.prepare_cached(
                 "INSERT INTO summaries (global_tx_id, service_name, state, started_ms,
                     finished_ms, sub_transactions, compensated, events)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
-            let mut i = 0;
-            while i < batch.len() {
-                // A run of appends, then at most one finish.
-                let (run_end, events) = append_run(batch, i);
-                for (g, evs) in group_by_saga(events) {
-                    insert.execute(params![g, evs.len() as i64, codec::encode(evs.into_iter())])?;
-                    added.entry(g).or_default().push(tx.last_insert_rowid());
-                }
-                if let Some(WriteRequest {
-                    op: WriteOp::Finish(done),
-                    ..
-                }) = batch.get(run_end)
-                {
-                    for s in done {
-                        let g = s.global_tx_id.as_str();
-                        // Its rows from before this batch (unless an earlier
-                        // finish in it deleted them), then from this batch.
-                        let stored = self.rows.get(g).filter(|_| !gone.contains(g));
-                        for seq in stored.into_iter().flatten() {
-                            delete.execute([seq])?;
+            for req in batch {
+                match &req.op {
+                    WriteOp::Append(evs) => {
+                        // Runs of consecutive events of one saga, one entry each.
+                        for run in evs.chunk_by(|a, b| a.global_tx_id == b.global_tx_id) {
+                            let g = run[0].global_tx_id.as_str();
+                            seg.events(g, run);
+                            self.index.events(seq, g, run.len() as u64);
                         }
-                        for seq in added.remove(g).into_iter().flatten() {
-                            delete.execute([seq])?;
+                    }
+                    WriteOp::Finish(done) => {
+                        for s in done {
+                            if self.index.finish(seq, &s.global_tx_id, &mut touched) {
+                                seg.mark(&s.global_tx_id);
+                            }
+                            keep.execute(params![
+                                s.global_tx_id,
+                                s.service_name,
+                                s.state.as_str(),
+                                s.started_ms,
+                                s.finished_ms,
+                                s.sub_transactions,
+                                s.compensated,
+                                s.events,
+                            ])?;
+                            finished += 1;
                         }
-                        gone.insert(g);
-                        keep.execute(params![
-                            s.global_tx_id,
-                            s.service_name,
-                            s.state.as_str(),
-                            s.started_ms,
-                            s.finished_ms,
-                            s.sub_transactions,
-                            s.compensated,
-                            s.events,
-                        ])?;
-                        finished += 1;
                     }
                 }
-                i = run_end + 1;
             }
-        }
-        tx.commit()?;
-        self.summaries += finished;
-        for g in gone {
-            self.rows.remove(g);
-        }
-        for (g, seqs) in added {
-            match self.rows.get_mut(g) {
-                Some(v) => v.extend(seqs),
-                None => {
-                    self.rows.insert(g.to_owned(), seqs);
+            if !seg.is_empty() {
+                let done = tx
+                    .prepare_cached("INSERT INTO segments (seq, data) VALUES (?1, ?2)")?
+                    .execute(params![seq, seg.data]);
+                self.buf = seg.data;
+                done?;
+            } else {
+                self.buf = seg.data;
+            }
+            let gone = self.index.collect(touched);
+            if !gone.is_empty() {
+                let mut delete = tx.prepare_cached("DELETE FROM segments WHERE seq = ?1")?;
+                for s in gone {
+                    delete.execute([s])?;
                 }
             }
         }
+        if self.buf.capacity() > 16 << 20 {
+            self.buf = Vec::new();
+        }
+        self.next_seq += 1;
+        tx.commit()?;
+        self.live_events
+            .store(self.index.live_events, Ordering::Relaxed);
+        self.summaries += finished;
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.since_prune = self.since_prune.saturating_add(finished);
         if finished > 0 && self.since_prune >= self.config.retention.slack() {
@@ -524,21 +606,24 @@ impl Writer {
 const SUMMARY_COLUMNS: &str = "global_tx_id, service_name, state, started_ms, finished_ms,
     sub_transactions, compensated, events";
 
-/// Unpacks rows of `(global_tx_id, data)`, in order.
-fn events_from_rows(rows: &mut rusqlite::Rows<'_>) -> rusqlite::Result<Vec<EventRecord>> {
-    let mut out = Vec::new();
+/// Replays rows of `data` (segments in `seq` order): the events left of
+/// every unfinished saga, or of `only` that one, in append order.
+fn replay_rows(
+    rows: &mut rusqlite::Rows<'_>,
+    only: Option<&str>,
+) -> rusqlite::Result<Vec<EventRecord>> {
+    let mut replay = Replay::default();
     while let Some(r) = rows.next()? {
-        let g: String = r.get(0)?;
-        let data = r.get_ref(1)?.as_blob()?;
-        codec::decode(&g, data, &mut out).map_err(|e| {
+        let data = r.get_ref(0)?.as_blob()?;
+        replay.segment(data, only).map_err(|e| {
             rusqlite::Error::FromSqlConversionFailure(
-                1,
+                0,
                 rusqlite::types::Type::Blob,
-                format!("events of saga {g}: {e}").into(),
+                format!("log segment: {e}").into(),
             )
         })?;
     }
-    Ok(out)
+    Ok(replay.into_events())
 }
 
 pub(crate) fn parse_state(s: &str) -> Option<SagaState> {
@@ -576,7 +661,7 @@ fn summary_from_row(r: &Row<'_>) -> rusqlite::Result<SagaSummary> {
 
 fn corrupt_or_engine(e: StoreError) -> StoreError {
     match e {
-        StoreError::Engine(m) if m.contains("Conversion error") || m.contains("events of saga") => {
+        StoreError::Engine(m) if m.contains("Conversion error") || m.contains("log segment") => {
             StoreError::Corrupt(m)
         }
         other => other,
@@ -593,6 +678,10 @@ impl SagaStore for SqliteStore {
     }
 
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.append_shared(events.into())
+    }
+
+    fn append_shared(&self, events: Arc<[EventRecord]>) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             if events.is_empty() {
                 return Ok(());
@@ -613,10 +702,9 @@ impl SagaStore for SqliteStore {
     fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
         Box::pin(async move {
             self.read(|c| {
-                let mut st =
-                    c.prepare_cached("SELECT global_tx_id, data FROM events ORDER BY seq")?;
+                let mut st = c.prepare_cached("SELECT data FROM segments ORDER BY seq")?;
                 let mut rows = st.query([])?;
-                events_from_rows(&mut rows)
+                replay_rows(&mut rows, None)
             })
             .await
             .map_err(corrupt_or_engine)
@@ -665,11 +753,9 @@ impl SagaStore for SqliteStore {
     ) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
         Box::pin(async move {
             self.read(move |c| {
-                let mut st = c.prepare_cached(
-                    "SELECT global_tx_id, data FROM events WHERE global_tx_id = ?1 ORDER BY seq",
-                )?;
-                let mut rows = st.query([global_tx_id])?;
-                events_from_rows(&mut rows)
+                let mut st = c.prepare_cached("SELECT data FROM segments ORDER BY seq")?;
+                let mut rows = st.query([])?;
+                replay_rows(&mut rows, Some(&global_tx_id))
             })
             .await
             .map_err(corrupt_or_engine)
@@ -680,24 +766,23 @@ impl SagaStore for SqliteStore {
         Box::pin(async move {
             let commits = self.commits.load(Ordering::Relaxed);
             let db = self.dir.join("saga.db");
-            let (events, finished) = self
+            let events = self.live_events.load(Ordering::Relaxed);
+            let finished = self
                 .read(|c| {
-                    let events: i64 =
-                        c.query_row("SELECT coalesce(sum(n), 0) FROM events", [], |r| r.get(0))?;
                     let mut st = c.prepare_cached(
                         "SELECT state, count(*) FROM summaries GROUP BY state ORDER BY state",
                     )?;
                     let finished = st
                         .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?
                         .collect::<rusqlite::Result<Vec<_>>>()?;
-                    Ok((events, finished))
+                    Ok(finished)
                 })
                 .await?;
             let disk = file_len(&db)
                 + file_len(&db.with_extension("db-wal"))
                 + file_len(&db.with_extension("db-shm"));
             Ok(StoreStats {
-                events: u64::try_from(events).unwrap_or(0),
+                events,
                 finished: finished
                     .into_iter()
                     .map(|(s, n)| (s, u64::try_from(n).unwrap_or(0)))
@@ -711,6 +796,7 @@ impl SagaStore for SqliteStore {
 
 #[cfg(test)]
 mod tests {
+    use super::super::codec;
     use super::*;
     use crate::event::EventKind;
 
@@ -736,6 +822,10 @@ mod tests {
         }
     }
 
+    fn app(events: Vec<EventRecord>) -> WriteRequest {
+        req(WriteOp::Append(events.into()))
+    }
+
     fn req(op: WriteOp) -> WriteRequest {
         let (done, _) = tokio::sync::oneshot::channel();
         WriteRequest { op, done }
@@ -743,25 +833,45 @@ mod tests {
 
     fn locals(conn: &Connection) -> Vec<String> {
         let mut st = conn
-            .prepare("SELECT global_tx_id, data FROM events ORDER BY seq")
+            .prepare("SELECT data FROM segments ORDER BY seq")
             .unwrap();
         let mut rows = st.query([]).unwrap();
-        events_from_rows(&mut rows)
+        replay_rows(&mut rows, None)
             .unwrap()
             .into_iter()
             .map(|e| e.local_tx_id)
             .collect()
     }
 
-    /// A version-1 store (index on saga ids, unique summaries) opens as
-    /// version 2 with its rows intact.
+    fn writer(conn: Connection) -> Writer {
+        let mut w = Writer {
+            conn,
+            config: SqliteConfig::default(),
+            commits: Arc::new(AtomicU64::new(0)),
+            live_events: Arc::new(AtomicU64::new(0)),
+            since_prune: 0,
+            index: Index::default(),
+            next_seq: 1,
+            summaries: 0,
+            buf: Vec::new(),
+        };
+        w.load().unwrap();
+        w
+    }
+
+    fn segments(conn: &Connection) -> i64 {
+        conn.query_row("SELECT count(*) FROM segments", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    /// Version-1 and version-2 stores (one row per saga per commit) open
+    /// as version 3 with their events intact and in order.
     #[test]
-    fn migrates_version_1() {
+    fn migrates_versions_1_and_2() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("saga.db");
         {
             let c = Connection::open(&path).unwrap();
-            let data = codec::encode([ev("g", "l0")].iter());
             c.execute_batch(
                 "CREATE TABLE events (seq INTEGER PRIMARY KEY, global_tx_id TEXT NOT NULL,
                     n INTEGER NOT NULL, data BLOB NOT NULL);
@@ -776,27 +886,30 @@ mod tests {
                  PRAGMA user_version = 1;",
             )
             .unwrap();
-            c.execute(
-                "INSERT INTO events (global_tx_id, n, data) VALUES ('g', 1, ?1)",
-                [data],
-            )
-            .unwrap();
+            for (g, l) in [("g", "l0"), ("h", "h0"), ("g", "l1")] {
+                let data = codec::encode([ev(g, l)].iter());
+                c.execute(
+                    "INSERT INTO events (global_tx_id, n, data) VALUES (?1, 1, ?2)",
+                    params![g, data],
+                )
+                .unwrap();
+            }
         }
         let mut c = Connection::open(&path).unwrap();
         prepare_writer(&mut c).unwrap();
         let v: i64 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 2);
-        assert_eq!(locals(&c), ["l0"]);
-        let index: i64 = c
+        assert_eq!(v, 3);
+        assert_eq!(locals(&c), ["l0", "h0", "l1"]);
+        let old: i64 = c
             .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'events_by_saga'",
+                "SELECT count(*) FROM sqlite_master WHERE name IN ('events', 'events_by_saga')",
                 [],
                 |r| r.get(0),
             )
             .unwrap();
-        assert_eq!(index, 0);
+        assert_eq!(old, 0);
         // Summaries kept, and a second one for the same saga is accepted.
         c.execute(
             "INSERT INTO summaries (global_tx_id, service_name, state, started_ms, finished_ms,
@@ -813,8 +926,13 @@ mod tests {
             .collect::<Result<_, _>>()
             .unwrap();
         assert_eq!(ords, [7, 8]);
+        // The writer indexes the migrated segments and goes on after them.
+        let w = writer(c);
+        assert_eq!(w.index.live_events, 3);
+        assert_eq!(w.next_seq, 4);
         // And a newer schema is refused.
-        c.execute_batch("PRAGMA user_version = 3").unwrap();
+        let mut c = w.conn;
+        c.execute_batch("PRAGMA user_version = 4").unwrap();
         assert!(matches!(
             prepare_writer(&mut c),
             Err(StoreError::Corrupt(_))
@@ -822,44 +940,47 @@ mod tests {
     }
 
     /// Appends and finishes of one saga inside one group commit apply in
-    /// queue order, and the row map follows only committed changes.
+    /// queue order; segments go once nothing in them is needed, and an
+    /// index rebuilt from the file equals the one kept by the writer.
     #[test]
     fn one_group_commit_applies_requests_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = Connection::open(dir.path().join("saga.db")).unwrap();
         prepare_writer(&mut conn).unwrap();
-        let mut w = Writer {
-            conn,
-            config: SqliteConfig::default(),
-            commits: Arc::new(AtomicU64::new(0)),
-            since_prune: 0,
-            rows: HashMap::new(),
-            summaries: 0,
-        };
-        w.write(&[req(WriteOp::Append(vec![ev("a", "a0"), ev("b", "b0")]))])
-            .unwrap();
+        let mut w = writer(conn);
+        w.write(&[app(vec![ev("a", "a0"), ev("b", "b0")])]).unwrap();
         w.write(&[
-            req(WriteOp::Append(vec![ev("a", "a1")])),
-            req(WriteOp::Append(vec![ev("b", "b1"), ev("a", "a2")])),
+            app(vec![ev("a", "a1")]),
+            app(vec![ev("b", "b1"), ev("a", "a2")]),
             req(WriteOp::Finish(vec![summary("a")])),
             // A late event after its saga finished is kept (as in memory).
-            req(WriteOp::Append(vec![ev("a", "a3")])),
+            app(vec![ev("a", "a3")]),
             req(WriteOp::Finish(vec![summary("b")])),
-            req(WriteOp::Append(vec![ev("c", "c0")])),
+            app(vec![ev("c", "c0")]),
         ])
         .unwrap();
         assert_eq!(locals(&w.conn), ["a3", "c0"]);
-        assert_eq!(w.rows.len(), 2);
-        assert_eq!(w.rows, saga_rows(&w.conn).unwrap());
-        // Finishing "a" again deletes its late row too.
+        // The first segment held only finished sagas: gone.
+        assert_eq!(segments(&w.conn), 1);
+        assert_eq!(w.index.live_events, 2);
+        let mut rebuilt = writer(Connection::open(dir.path().join("saga.db")).unwrap());
+        rebuilt.next_seq = w.next_seq;
+        assert_eq!(rebuilt.index.live_events, w.index.live_events);
+        assert_eq!(rebuilt.index.segments(), w.index.segments());
+        // Finishing "a" again drops its late event too; "c" keeps the
+        // segment.
         w.write(&[req(WriteOp::Finish(vec![summary("a")]))])
             .unwrap();
         assert_eq!(locals(&w.conn), ["c0"]);
-        assert_eq!(w.rows, saga_rows(&w.conn).unwrap());
+        w.write(&[req(WriteOp::Finish(vec![summary("c")]))])
+            .unwrap();
+        assert_eq!(locals(&w.conn), Vec::<String>::new());
+        assert_eq!(segments(&w.conn), 0);
+        assert_eq!(w.index.live_events, 0);
         let summaries: i64 = w
             .conn
             .query_row("SELECT count(*) FROM summaries", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(summaries, 3);
+        assert_eq!(summaries, 4);
     }
 }

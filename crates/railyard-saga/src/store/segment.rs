@@ -1,0 +1,479 @@
+//! The embedded store's log segments: one packed value per group commit,
+//! and the in-memory index that says when a segment may be deleted.
+//!
+//! # Format (version 1)
+//! `1u8`, then entries in queue order until the end:
+//! - `1u8`, the global id (LEB128 length + UTF-8), a `u32` (little-endian)
+//!   byte length, then that saga's consecutive events packed by
+//!   [`codec`](super::codec);
+//! - `2u8`, the global id: the saga was finished here (a *mark*): its
+//!   events in this segment before the mark and in earlier segments are
+//!   dead.
+//!
+//! Reading the segments in order and applying entries and marks gives
+//! exactly what the store holds: the events of unfinished sagas in append
+//! order (an event appended after its saga's finish stays, as in
+//! [`MemoryStore`](super::MemoryStore)). Entries can be skipped by length,
+//! so indexing a segment does not decode its events.
+//!
+//! # When a segment goes
+//! [`Index`] tracks, per segment, how many unfinished sagas have entries
+//! in it (`live`) and how many of its marks still cover events in an
+//! earlier segment that exists (`pins`). A segment is deleted when both
+//! are zero: nothing in it is needed any more. Marks only point back, so
+//! the oldest segment never has pins and deletions always make progress.
+//! A saga that never finishes keeps its segments (with whatever dead
+//! entries share them): disk is bounded by the unfinished sagas times the
+//! size of a group commit.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::codec::{self, put_len, Reader};
+use crate::event::EventRecord;
+
+const VERSION: u8 = 1;
+const EVENTS: u8 = 1;
+const MARK: u8 = 2;
+
+/// The hasher of the index's tables (short random ids).
+type Hasher = foldhash::fast::RandomState;
+
+/// A segment being built by the writer.
+#[derive(Debug)]
+pub(crate) struct SegmentBuf {
+    pub(crate) data: Vec<u8>,
+    entries: usize,
+}
+
+impl SegmentBuf {
+    #[cfg(test)]
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self::reuse(Vec::with_capacity(capacity))
+    }
+
+    /// Starts a segment in `data`'s memory (the writer keeps one buffer
+    /// across commits, so that a commit does not fault in fresh pages).
+    pub(crate) fn reuse(mut data: Vec<u8>) -> Self {
+        data.clear();
+        data.push(VERSION);
+        Self { data, entries: 0 }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+
+    /// Adds consecutive events of one saga.
+    pub(crate) fn events(&mut self, global_tx_id: &str, events: &[EventRecord]) {
+        self.entries += 1;
+        self.data.push(EVENTS);
+        codec::put_bytes(&mut self.data, global_tx_id.as_bytes());
+        let at = self.data.len();
+        self.data.extend_from_slice(&[0; 4]);
+        codec::encode_into(&mut self.data, events.iter());
+        let n = u32::try_from(self.data.len() - at - 4).unwrap_or(u32::MAX);
+        self.data[at..at + 4].copy_from_slice(&n.to_le_bytes());
+    }
+
+    /// A whole segment of one entry whose events are already packed by
+    /// [`codec`] (migrating the one-row-per-saga layout).
+    pub(crate) fn packed(global_tx_id: &str, packed: &[u8]) -> Vec<u8> {
+        let mut data = Vec::with_capacity(packed.len() + global_tx_id.len() + 16);
+        data.push(VERSION);
+        data.push(EVENTS);
+        codec::put_bytes(&mut data, global_tx_id.as_bytes());
+        let n = u32::try_from(packed.len()).unwrap_or(u32::MAX);
+        data.extend_from_slice(&n.to_le_bytes());
+        data.extend_from_slice(packed);
+        data
+    }
+
+    /// Adds a finish mark.
+    pub(crate) fn mark(&mut self, global_tx_id: &str) {
+        self.entries += 1;
+        self.data.push(MARK);
+        put_len(&mut self.data, global_tx_id.len());
+        self.data.extend_from_slice(global_tx_id.as_bytes());
+    }
+}
+
+/// One entry of a stored segment.
+pub(crate) enum Entry<'a> {
+    /// Events of one saga, still packed.
+    Events {
+        global_tx_id: &'a str,
+        packed: &'a [u8],
+    },
+    /// The saga was finished.
+    Mark { global_tx_id: &'a str },
+}
+
+/// Walks a stored segment's entries, calling `f` for each in order.
+///
+/// # Errors
+/// What is wrong with the bytes (truncated, unknown version or tag).
+pub(crate) fn entries<'a>(
+    data: &'a [u8],
+    mut f: impl FnMut(Entry<'a>) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut r = Reader { buf: data };
+    let version = r.take(1)?[0];
+    if version != VERSION {
+        return Err(format!("unknown segment version {version}"));
+    }
+    while !r.buf.is_empty() {
+        let tag = r.take(1)?[0];
+        let n = r.len()?;
+        let id = std::str::from_utf8(r.take(n)?).map_err(|e| format!("bad UTF-8 id: {e}"))?;
+        match tag {
+            EVENTS => {
+                let n = u32::from_le_bytes(r.array()?) as usize;
+                f(Entry::Events {
+                    global_tx_id: id,
+                    packed: r.take(n)?,
+                })?;
+            }
+            MARK => f(Entry::Mark { global_tx_id: id })?,
+            t => return Err(format!("unknown segment entry tag {t}")),
+        }
+    }
+    Ok(())
+}
+
+/// Replays segments (in `seq` order) into the events of unfinished sagas,
+/// in append order; `only` restricts it to one saga.
+#[derive(Debug, Default)]
+pub(crate) struct Replay {
+    events: Vec<Option<EventRecord>>,
+    by_saga: HashMap<String, Vec<usize>, Hasher>,
+}
+
+impl Replay {
+    /// Applies one stored segment.
+    ///
+    /// # Errors
+    /// What is wrong with its bytes.
+    pub(crate) fn segment(&mut self, data: &[u8], only: Option<&str>) -> Result<(), String> {
+        entries(data, |e| {
+            match e {
+                Entry::Events {
+                    global_tx_id,
+                    packed,
+                } => {
+                    if only.is_some_and(|o| o != global_tx_id) {
+                        return Ok(());
+                    }
+                    let mut evs = Vec::new();
+                    codec::decode(global_tx_id, packed, &mut evs)
+                        .map_err(|e| format!("events of saga {global_tx_id}: {e}"))?;
+                    let at = self.by_saga.entry(global_tx_id.to_owned()).or_default();
+                    for ev in evs {
+                        at.push(self.events.len());
+                        self.events.push(Some(ev));
+                    }
+                }
+                Entry::Mark { global_tx_id } => {
+                    for i in self.by_saga.remove(global_tx_id).into_iter().flatten() {
+                        self.events[i] = None;
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The events left, in append order.
+    pub(crate) fn into_events(self) -> Vec<EventRecord> {
+        self.events.into_iter().flatten().collect()
+    }
+}
+
+/// An unfinished saga: the segments holding its events (ascending, each
+/// once) and how many events.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Live {
+    segs: Vec<i64>,
+    events: u64,
+}
+
+/// What the index knows of one stored segment.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Seg {
+    /// Unfinished sagas with entries in it.
+    live: u32,
+    /// Its marks that still cover entries in earlier existing segments.
+    pins: u32,
+    /// Finished sagas (keys of `Index::dead`) with entries in it whose
+    /// mark is in a later segment.
+    dead: Vec<u64>,
+}
+
+/// A finished saga whose mark still matters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Dead {
+    /// The segment holding its mark.
+    mark: i64,
+    /// Earlier segments with its entries that still exist.
+    remaining: u32,
+}
+
+/// The writer's in-memory index of the log (see the module docs). Bounded
+/// by the unfinished sagas and the segments they keep; rebuilt from the
+/// segments on open ([`Index::index_segment`]).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Index {
+    sagas: HashMap<Box<str>, Live, Hasher>,
+    segs: BTreeMap<i64, Seg>,
+    dead: HashMap<u64, Dead, Hasher>,
+    next_dead: u64,
+    /// Events of unfinished sagas.
+    pub(crate) live_events: u64,
+}
+
+impl Index {
+    /// The next segment's `seq`.
+    #[cfg(test)]
+    pub(crate) fn next_seq(&self) -> i64 {
+        self.segs.last_key_value().map_or(1, |(s, _)| s + 1)
+    }
+
+    /// Segments stored.
+    #[cfg(test)]
+    pub(crate) fn segments(&self) -> usize {
+        self.segs.len()
+    }
+
+    /// Records `n` events of `global_tx_id` in segment `seq`.
+    pub(crate) fn events(&mut self, seq: i64, global_tx_id: &str, n: u64) {
+        let live = match self.sagas.get_mut(global_tx_id) {
+            Some(l) => l,
+            None => self.sagas.entry(global_tx_id.into()).or_default(),
+        };
+        if live.segs.last() != Some(&seq) {
+            live.segs.push(seq);
+            self.segs.entry(seq).or_default().live += 1;
+        }
+        live.events += n;
+        self.live_events += n;
+    }
+
+    /// Records that `global_tx_id` finished in segment `seq`. Returns
+    /// whether a mark must be written (the saga had events stored); the
+    /// segments it may have freed are pushed on `touched`.
+    pub(crate) fn finish(&mut self, seq: i64, global_tx_id: &str, touched: &mut Vec<i64>) -> bool {
+        let Some(live) = self.sagas.remove(global_tx_id) else {
+            return false;
+        };
+        self.live_events -= live.events;
+        let id = self.next_dead;
+        let mut remaining = 0;
+        for s in live.segs {
+            if let Some(seg) = self.segs.get_mut(&s) {
+                seg.live -= 1;
+                if s < seq {
+                    seg.dead.push(id);
+                    remaining += 1;
+                }
+                touched.push(s);
+            }
+        }
+        if remaining > 0 {
+            self.next_dead += 1;
+            self.dead.insert(
+                id,
+                Dead {
+                    mark: seq,
+                    remaining,
+                },
+            );
+            self.segs.entry(seq).or_default().pins += 1;
+        }
+        true
+    }
+
+    /// Removes every segment among `touched` (and those that frees in
+    /// turn) that nothing needs any more; returns their `seq`s.
+    pub(crate) fn collect(&mut self, mut touched: Vec<i64>) -> Vec<i64> {
+        let mut gone = Vec::new();
+        while let Some(s) = touched.pop() {
+            let free = self
+                .segs
+                .get(&s)
+                .is_some_and(|g| g.live == 0 && g.pins == 0);
+            if !free {
+                continue;
+            }
+            let Some(seg) = self.segs.remove(&s) else {
+                continue;
+            };
+            gone.push(s);
+            for id in seg.dead {
+                let Some(d) = self.dead.get_mut(&id) else {
+                    continue;
+                };
+                d.remaining -= 1;
+                if d.remaining == 0 {
+                    let mark = d.mark;
+                    self.dead.remove(&id);
+                    if let Some(m) = self.segs.get_mut(&mark) {
+                        m.pins -= 1;
+                        touched.push(mark);
+                    }
+                }
+            }
+        }
+        gone
+    }
+
+    /// Indexes a stored segment while opening the store (segments in
+    /// `seq` order); segments it frees are pushed on `touched`.
+    ///
+    /// # Errors
+    /// What is wrong with its bytes.
+    pub(crate) fn index_segment(
+        &mut self,
+        seq: i64,
+        data: &[u8],
+        touched: &mut Vec<i64>,
+    ) -> Result<(), String> {
+        // A segment that holds only unneeded marks is still a segment.
+        self.segs.entry(seq).or_default();
+        touched.push(seq);
+        entries(data, |e| {
+            match e {
+                Entry::Events {
+                    global_tx_id,
+                    packed,
+                } => {
+                    let n = codec::count(packed)
+                        .map_err(|e| format!("events of saga {global_tx_id}: {e}"))?;
+                    self.events(seq, global_tx_id, n as u64);
+                }
+                Entry::Mark { global_tx_id } => {
+                    self.finish(seq, global_tx_id, touched);
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::EventKind;
+
+    fn ev(g: &str, local: &str) -> EventRecord {
+        EventRecord {
+            global_tx_id: g.into(),
+            local_tx_id: local.into(),
+            kind: Some(EventKind::TxStarted),
+            ..EventRecord::default()
+        }
+    }
+
+    /// Writes segments through the index as the writer does, then checks
+    /// that replaying what is left gives the unfinished events, and that
+    /// rebuilding the index from the stored segments gives the same index.
+    #[test]
+    fn index_deletes_only_unneeded_segments_and_replay_matches() {
+        type Op<'a> = (&'a str, Option<&'a str>); // (saga, Some(local) = event, None = finish)
+        let commits: Vec<Vec<Op>> = vec![
+            vec![("a", Some("a0")), ("b", Some("b0"))],
+            vec![("a", Some("a1")), ("c", Some("c0"))],
+            vec![("b", None)],
+            vec![("a", None), ("d", Some("d0"))],
+            // A late event after its saga finished stays.
+            vec![("a", Some("a2")), ("c", Some("c1"))],
+            vec![("x", None)],
+            vec![("c", None)],
+        ];
+        let mut index = Index::default();
+        let mut stored: BTreeMap<i64, Vec<u8>> = BTreeMap::new();
+        for (seq, ops) in (1..).zip(&commits) {
+            assert!(index.next_seq() <= seq);
+            let mut buf = SegmentBuf::new(64);
+            let mut touched = vec![seq];
+            for (g, op) in ops {
+                match op {
+                    Some(l) => {
+                        buf.events(g, &[ev(g, l)]);
+                        index.events(seq, g, 1);
+                    }
+                    None => {
+                        if index.finish(seq, g, &mut touched) {
+                            buf.mark(g);
+                        }
+                    }
+                }
+            }
+            if !buf.is_empty() {
+                stored.insert(seq, buf.data);
+            }
+            for gone in index.collect(touched) {
+                stored.remove(&gone);
+            }
+        }
+        let mut replay = Replay::default();
+        for data in stored.values() {
+            replay.segment(data, None).unwrap();
+        }
+        let left: Vec<String> = replay
+            .into_events()
+            .into_iter()
+            .map(|e| e.local_tx_id)
+            .collect();
+        assert_eq!(left, ["d0", "a2"]);
+        assert_eq!(index.live_events, 2);
+        // Segments 1-3 are gone; 4 holds d0 (and a's mark, which covers
+        // nothing earlier any more), 5 holds a2 (and c1, dead), 7 the mark
+        // that says c1 is dead; the empty commit 6 was never stored.
+        assert_eq!(stored.keys().copied().collect::<Vec<_>>(), [4, 5, 7]);
+        let mut rebuilt = Index::default();
+        let mut touched = Vec::new();
+        for (seq, data) in &stored {
+            rebuilt.index_segment(*seq, data, &mut touched).unwrap();
+        }
+        assert!(rebuilt.collect(touched).is_empty());
+        assert_eq!(rebuilt.live_events, 2);
+        assert_eq!(rebuilt.segments(), 3);
+    }
+
+    /// A mark keeps its segment while an earlier segment with the saga's
+    /// events exists, so a restart never sees a finished saga again.
+    #[test]
+    fn marks_pin_their_segment_until_earlier_entries_are_gone() {
+        let mut index = Index::default();
+        index.events(1, "long", 1);
+        index.events(1, "a", 1);
+        let mut t = vec![];
+        assert!(index.finish(2, "a", &mut t));
+        // Segment 1 is kept by "long"; segment 2 (the mark) by the pin.
+        assert!(index.collect(t).is_empty());
+        let mut t = vec![];
+        index.finish(3, "long", &mut t);
+        let mut gone = index.collect(t);
+        gone.sort_unstable();
+        // Segment 3's mark covered only segment 1: all three go.
+        assert_eq!(gone, [1, 2, 3]);
+        assert_eq!(index.segments(), 0, "{index:?}");
+        assert_eq!(index.live_events, 0);
+    }
+
+    #[test]
+    fn damaged_segments_are_refused() {
+        let mut buf = SegmentBuf::new(64);
+        buf.events("g", &[ev("g", "l")]);
+        buf.mark("g");
+        let data = buf.data;
+        // (A cut between entries is a shorter valid segment: SQLite stores a
+        // value whole, so only damage inside one is looked for.)
+        for cut in [0, 3, data.len() - 1] {
+            assert!(Replay::default().segment(&data[..cut], None).is_err());
+        }
+        let mut bad = data.clone();
+        bad[0] = 9;
+        assert!(Replay::default().segment(&bad, None).is_err());
+        assert!(Replay::default().segment(&data, None).is_ok());
+    }
+}
