@@ -40,8 +40,6 @@ fn need(what: &str, found: bool, how: &str) -> bool {
     false
 }
 
-/// Java present and the peer jar built (built here with Maven if missing
-/// and Maven is present).
 /// Whether Java and the peer's jar are there (building the jar with Maven
 /// if it can); `false` means skip (the reason was printed), and with
 /// `RAILYARD_REQUIRE_INTEROP=1` a missing piece panics instead.
@@ -55,9 +53,16 @@ pub(crate) fn peer_ready() -> bool {
     }
     if !peer_jar().is_file() && have("mvn", "-v") {
         eprintln!("building peers/omega-interop with Maven (first run only)...");
-        let _ = std::process::Command::new("mvn")
-            .args(["-q", "-B", "package", "-DskipTests"])
-            .current_dir(peer_dir())
+        // Two test binaries (this crate's and the node's) may get here at
+        // once; two Maven builds in one directory leave a jar without the
+        // app's classes. `flock` serializes them, and the second one finds
+        // the jar built and does nothing.
+        let dir = peer_dir();
+        let script = "[ -f target/omega-interop-peer.jar ] || mvn -q -B package -DskipTests";
+        let _ = std::process::Command::new("flock")
+            .arg(std::env::temp_dir().join("railyard-omega-peer-build.lock"))
+            .args(["sh", "-c", script])
+            .current_dir(dir)
             .status();
     }
     need(
