@@ -192,6 +192,10 @@ impl ServerUnderTest {
             .args([
                 "node",
                 "--no-saga",
+                "--http-port",
+                "0",
+                "--admin-port",
+                "0",
                 "--stats-every",
                 "0",
                 "--name",

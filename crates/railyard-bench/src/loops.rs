@@ -104,12 +104,15 @@ impl EventLoops {
             handles.push(rt.handle().clone());
             let (stop_tx, stop_rx) = oneshot::channel::<()>();
             stops.push(stop_tx);
-            // Thread per core: with at most one loop per allowed CPU, loop i
-            // stays on the i-th. Left to the scheduler, two loops that wake
-            // each other through futexes get pulled onto one core (wake
+            // Thread per core: when the loops are as many as the allowed CPUs,
+            // loop i stays on the i-th. Left to the scheduler, two loops that
+            // wake each other through futexes get pulled onto one core (wake
             // affinity) and then take turns on it (measured: 0.98 CPUs used,
-            // 48k context switches/s, half the round trips).
-            let cpu = (n <= cpus.len()).then(|| cpus[i]);
+            // 48k context switches/s, half the round trips). Fewer loops than
+            // CPUs are left unpinned: with `--nodes 2` each process runs half
+            // the loops, and two processes pinning "their first loop" would
+            // share one core.
+            let cpu = (n == cpus.len()).then(|| cpus[i]);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("bench-loop-{i}"))

@@ -212,6 +212,9 @@ fn spawn_service(cfg: &RunConfig, port: u16) -> Result<Child, RunError> {
             let mut c = Command::new(exe);
             c.arg("node")
                 .arg("--no-saga")
+                // Only `/test` is measured: nothing on the bridge's or the
+                // HTTP server's default ports, which may be taken.
+                .args(["--no-bridge", "--http-port", "0", "--admin-port", "0"])
                 .arg("--stats-every")
                 .arg("0")
                 .arg("--redis-cluster")

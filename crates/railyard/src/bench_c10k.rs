@@ -145,6 +145,8 @@ pub(crate) async fn run(a: C10kArgs) -> anyhow::Result<()> {
     let mut node_args: Vec<String> = [
         "node",
         "--no-saga",
+        // Only the HTTP server is measured: no listener on the bridge's default port.
+        "--no-bridge",
         "--name",
         "c10k-bench",
         "--stats-every",

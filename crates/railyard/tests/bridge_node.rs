@@ -41,7 +41,14 @@ fn node_serves_the_bridge_with_permissions_from_its_config_file() {
     )
     .unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
-        .args(["node", "--no-saga", "--stats-every", "0", "--config"])
+        .args([
+            "node",
+            "--no-saga",
+            "--no-http",
+            "--stats-every",
+            "0",
+            "--config",
+        ])
         .arg(&config)
         .env("RAILYARD_LOG_FORMAT", "json")
         .stderr(Stdio::piped())

@@ -130,6 +130,11 @@ fn node_serves_the_seed_service_over_the_double() {
         .args([
             "node",
             "--no-saga",
+            "--no-bridge",
+            "--http-port",
+            "0",
+            "--admin-port",
+            "0",
             "--stats-every",
             "0",
             "--redis-cluster",
