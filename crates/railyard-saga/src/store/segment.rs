@@ -360,17 +360,8 @@ impl Index {
 
 #[cfg(test)]
 mod tests {
+    use super::super::sqlite::tests::ev;
     use super::*;
-    use crate::event::EventKind;
-
-    fn ev(g: &str, local: &str) -> EventRecord {
-        EventRecord {
-            global_tx_id: g.into(),
-            local_tx_id: local.into(),
-            kind: Some(EventKind::TxStarted),
-            ..EventRecord::default()
-        }
-    }
 
     /// Writes segments through the index as the writer does, then checks
     /// that replaying what is left gives the unfinished events, and that

@@ -795,12 +795,13 @@ impl SagaStore for SqliteStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::codec;
     use super::*;
     use crate::event::EventKind;
 
-    fn ev(g: &str, local: &str) -> EventRecord {
+    /// A TxStarted of `local` in saga `g` (also used by `segment`'s tests).
+    pub(crate) fn ev(g: &str, local: &str) -> EventRecord {
         EventRecord {
             global_tx_id: g.into(),
             local_tx_id: local.into(),
