@@ -89,6 +89,7 @@ impl EventLoops {
         let mut stops = Vec::new();
         let mut threads = Vec::new();
         let cpus = allowed_cpus();
+        let pin = std::env::var_os("RAILYARD_PIN_LOOPS").is_some_and(|v| v == "1");
         for i in 0..n.max(1) {
             // Timers only unless asked, no I/O driver: a wake from another
             // thread then costs an atomic store unless this loop is actually
@@ -104,15 +105,18 @@ impl EventLoops {
             handles.push(rt.handle().clone());
             let (stop_tx, stop_rx) = oneshot::channel::<()>();
             stops.push(stop_tx);
-            // Thread per core: when the loops are as many as the allowed CPUs,
-            // loop i stays on the i-th. Left to the scheduler, two loops that
+            // Thread per core, opt-in (`RAILYARD_PIN_LOOPS=1`): when the loops
+            // are as many as the allowed CPUs, loop i stays on the i-th. Left to the scheduler, two loops that
             // wake each other through futexes get pulled onto one core (wake
             // affinity) and then take turns on it (measured: 0.98 CPUs used,
             // 48k context switches/s, half the round trips). Fewer loops than
             // CPUs are left unpinned: with `--nodes 2` each process runs half
             // the loops, and two processes pinning "their first loop" would
             // share one core.
-            let cpu = (n == cpus.len()).then(|| cpus[i]);
+            // Off by default: on a machine shared with other work a pinned
+            // loop cannot leave a core another process holds, and the other
+            // loop then waits for it (docs/benchmarks.md, "Noise").
+            let cpu = (pin && n == cpus.len()).then(|| cpus[i]);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("bench-loop-{i}"))
