@@ -302,6 +302,13 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                 f(med(&rs, |r| r.latency_ms.p99)),
                 f(med(&rs, |r| r.latency_ms.p999)),
                 f(med(&rs, |r| r.latency_ms.max)),
+                {
+                    let h: Vec<f64> = rs
+                        .iter()
+                        .filter_map(|r| r.handler_ms.map(|h| h.p999))
+                        .collect();
+                    median(&h).map_or_else(|| "-".to_owned(), f)
+                },
                 format!("{:.2}%", med(&rs, |r| r.success_ratio) * 100.0),
                 format!("{:.0}", med(&rs, |r| r.process_cpu_ms)),
                 rs.iter()
@@ -331,6 +338,7 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                 "p99 ms",
                 "p99.9 ms",
                 "max ms",
+                "handler p99.9 ms",
                 "success",
                 "process cpu ms",
                 "refresh cpu ms/period",
