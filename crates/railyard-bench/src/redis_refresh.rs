@@ -114,6 +114,40 @@ pub struct Latency {
     pub max: f64,
 }
 
+/// Railyard only: how long the service's `/test` handlers took (client and
+/// Redis), ms, over the measured attack; the rest of vegeta's figure is
+/// spent outside the handler (sockets, scheduling, vegeta itself).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct HandlerLatency {
+    /// Handlers timed.
+    pub count: u64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p999: f64,
+    /// Maximum.
+    pub max: f64,
+}
+
+impl HandlerLatency {
+    fn from_stats(v: &serde_json::Value) -> Option<Self> {
+        let h = &v["test_handler_us"];
+        let ms = |k: &str| Some(h[k].as_f64()? / 1e3);
+        Some(Self {
+            count: h["count"].as_u64()?,
+            p50: ms("p50")?,
+            p90: ms("p90")?,
+            p99: ms("p99")?,
+            p999: ms("p999")?,
+            max: ms("max")?,
+        })
+    }
+}
+
 /// One result row.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RedisRefreshResult {
@@ -153,6 +187,9 @@ pub struct RedisRefreshResult {
     pub checks: Option<u64>,
     /// Railyard only: CPU of the last full refresh, ms.
     pub last_full_refresh_cpu_ms: Option<f64>,
+    /// Railyard only: the service's own `/test` handler times.
+    #[serde(default)]
+    pub handler_ms: Option<HandlerLatency>,
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -421,6 +458,9 @@ pub async fn run_one(cfg: &RunConfig, work_dir: &Path) -> Result<RedisRefreshRes
         last_full_refresh_cpu_ms: stats_after
             .as_ref()
             .and_then(|v| v["refresh"]["last_full_cpu_ms"].as_f64()),
+        // Reading /stats before the attack reset the handler times, so this
+        // covers the measured attack only.
+        handler_ms: stats_after.as_ref().and_then(HandlerLatency::from_stats),
     })
 }
 

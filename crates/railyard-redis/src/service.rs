@@ -1,7 +1,12 @@
 //! Seed 002's service on hyper: `GET /test` does a `SET key ok` and a
 //! `GET key` through the cluster client and answers the value (2 bytes), as
 //! the seed's Spring Boot app does. `GET /stats` answers the refresher's
-//! counters as JSON (the bench reads them).
+//! counters as JSON (the bench reads them), and the time `/test` handlers
+//! took from their start to their answer (`test_handler_us`: percentiles of
+//! the requests since the previous `/stats` request, which resets them), so
+//! a load tool's end-to-end tail can be split into the part spent in the
+//! client and Redis and the part spent outside the handler (sockets, the
+//! scheduler, the load tool itself).
 //!
 //! This is a small stand-alone router so the Redis crate does not depend on
 //! the HTTP server crate; `app` is testable without a socket.
@@ -9,14 +14,17 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
+use hdrhistogram::Histogram;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -27,7 +35,13 @@ use crate::client::ClusterClient;
 pub struct TestService {
     client: ClusterClient,
     key: Bytes,
+    /// `/test` handler times in µs since the previous `/stats` request. The
+    /// lock is held for one record (tens of ns), never across an await.
+    handler_us: Arc<Mutex<Histogram<u64>>>,
 }
+
+/// Handler times above this (µs) are recorded as this.
+const HANDLER_US_MAX: u64 = 60_000_000;
 
 /// Connections served at once; further ones wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 10_000;
@@ -35,9 +49,12 @@ const MAX_CONNECTIONS: usize = 10_000;
 impl TestService {
     /// A service using `client`, reading and writing `key`.
     pub fn new(client: ClusterClient, key: &str) -> Self {
+        let hist =
+            Histogram::new_with_bounds(1, HANDLER_US_MAX, 3).expect("valid histogram bounds");
         Self {
             client,
             key: Bytes::copy_from_slice(key.as_bytes()),
+            handler_us: Arc::new(Mutex::new(hist)),
         }
     }
 
@@ -62,11 +79,16 @@ impl TestService {
         }
         match path {
             "/test" => {
+                let started = Instant::now();
                 let r = async {
                     self.client.set(&self.key, "ok").await?;
                     self.client.get(&self.key).await
                 }
                 .await;
+                let us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+                self.handler_us
+                    .lock()
+                    .saturating_record(us.clamp(1, HANDLER_US_MAX));
                 match r {
                     Ok(v) => reply(StatusCode::OK, v.unwrap_or_default(), false),
                     Err(e) => {
@@ -81,8 +103,23 @@ impl TestService {
                 }
             }
             "/stats" => {
+                let handler = {
+                    let mut h = self.handler_us.lock();
+                    let q = |p: f64| h.value_at_quantile(p);
+                    let v = serde_json::json!({
+                        "count": h.len(),
+                        "p50": q(0.5),
+                        "p90": q(0.9),
+                        "p99": q(0.99),
+                        "p999": q(0.999),
+                        "max": h.max(),
+                    });
+                    h.reset();
+                    v
+                };
                 let body = serde_json::json!({
                     "refresh": self.client.refresh_stats(),
+                    "test_handler_us": handler,
                     "connected_nodes": self.client.connected_nodes(),
                     "shards": self.client.table().shards().len(),
                 });

@@ -204,6 +204,13 @@ async fn the_seed_service_sets_and_gets_through_the_cluster() {
         serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(stats["shards"], 3);
     assert_eq!(stats["refresh"]["full_refreshes"], 1);
+    // One /test so far; reading /stats resets the handler times.
+    assert_eq!(stats["test_handler_us"]["count"], 1);
+    assert!(stats["test_handler_us"]["max"].as_u64().unwrap() >= 1);
+    let r = svc.app(&hyper::Method::GET, "/stats").await;
+    let stats: serde_json::Value =
+        serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(stats["test_handler_us"]["count"], 0);
     assert_eq!(svc.app(&hyper::Method::GET, "/nope").await.status(), 404);
     assert_eq!(svc.app(&hyper::Method::POST, "/test").await.status(), 405);
 }

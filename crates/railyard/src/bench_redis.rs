@@ -60,6 +60,13 @@ pub(crate) struct RedisRefreshArgs {
     /// First port of the real cluster (reused if `railyard dev redis-cluster` runs there).
     #[arg(long, default_value_t = 17000)]
     base_port: u16,
+    /// `cluster-node-timeout` of a cluster the bench starts (Redis's default,
+    /// 15s). Shorter timeouts make every node ping every other node more
+    /// often: at 96 nodes and 5s the idle cluster's gossip is thousands of
+    /// process wake-ups a second, which on a small machine sets the tail of
+    /// everything else (see docs/benchmarks.md, seed 002).
+    #[arg(long, default_value = "15s", value_parser = crate::bench_cmd::parse_duration)]
+    node_timeout: Duration,
     /// Write every run as a JSON array to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -176,8 +183,22 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
             .filter(|c| c.ports().len() == a.nodes);
         let cluster = match existing {
             Some(c) => {
+                // Its node timeout sets how much gossip runs beside the bench.
+                let timeout = tokio::process::Command::new("redis-cli")
+                    .args(["-p", &a.base_port.to_string()])
+                    .args(["config", "get", "cluster-node-timeout"])
+                    .output()
+                    .await
+                    .ok()
+                    .and_then(|o| {
+                        String::from_utf8_lossy(&o.stdout)
+                            .lines()
+                            .nth(1)
+                            .map(|ms| format!("{ms} ms"))
+                    })
+                    .unwrap_or_else(|| "unknown".to_owned());
                 eprintln!(
-                    "reusing the redis cluster on base port {} ({} nodes)",
+                    "reusing the redis cluster on base port {} ({} nodes, cluster-node-timeout {timeout})",
                     a.base_port, a.nodes
                 );
                 c
@@ -194,7 +215,7 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                     masters,
                     a.replicas,
                     a.base_port,
-                    Duration::from_secs(5),
+                    a.node_timeout,
                     Duration::from_secs(600),
                     true,
                 )
@@ -302,6 +323,13 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                 f(med(&rs, |r| r.latency_ms.p99)),
                 f(med(&rs, |r| r.latency_ms.p999)),
                 f(med(&rs, |r| r.latency_ms.max)),
+                {
+                    let h: Vec<f64> = rs
+                        .iter()
+                        .filter_map(|r| r.handler_ms.map(|h| h.p999))
+                        .collect();
+                    median(&h).map_or_else(|| "-".to_owned(), f)
+                },
                 format!("{:.2}%", med(&rs, |r| r.success_ratio) * 100.0),
                 format!("{:.0}", med(&rs, |r| r.process_cpu_ms)),
                 rs.iter()
@@ -331,6 +359,7 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                 "p99 ms",
                 "p99.9 ms",
                 "max ms",
+                "handler p99.9 ms",
                 "success",
                 "process cpu ms",
                 "refresh cpu ms/period",
