@@ -691,13 +691,7 @@ async fn run_omega(
             omega_worker(client, k, range, ratio, &prefix, &comps, &progress).await
         }));
     }
-    let mut totals = Vec::with_capacity(workers.len());
-    for w in workers {
-        match w.await {
-            Ok(t) => totals.push(t),
-            Err(e) => return Err(SagaBenchError::Runtime(std::io::Error::other(e))),
-        }
-    }
+    let totals = join_workers(workers).await?;
     let elapsed = t0.elapsed();
     drain(&comps, cfg.drain_timeout, &progress).await;
     let cpu = cpu0.zip(cpu_seconds_self()).map(|(a, b)| b - a);
@@ -884,13 +878,7 @@ async fn run_native(
             native_worker(row, range, ratio, &comps, &progress).await
         }));
     }
-    let mut totals = Vec::with_capacity(workers.len());
-    for w in workers {
-        match w.await {
-            Ok(t) => totals.push(t),
-            Err(e) => return Err(SagaBenchError::Runtime(std::io::Error::other(e))),
-        }
-    }
+    let totals = join_workers(workers).await?;
     let elapsed = t0.elapsed();
     let deadline = Instant::now() + cfg.drain_timeout;
     drain(&comps, cfg.drain_timeout, &progress).await;
@@ -994,6 +982,20 @@ async fn native_worker(
         t.finish(ok, abort, started, progress);
     }
     t
+}
+
+/// Waits for every worker task and collects their totals, in spawn order.
+async fn join_workers<T>(
+    workers: Vec<tokio::task::JoinHandle<T>>,
+) -> Result<Vec<T>, SagaBenchError> {
+    let mut totals = Vec::with_capacity(workers.len());
+    for w in workers {
+        totals.push(
+            w.await
+                .map_err(|e| SagaBenchError::Runtime(std::io::Error::other(e)))?,
+        );
+    }
+    Ok(totals)
 }
 
 #[cfg(test)]
