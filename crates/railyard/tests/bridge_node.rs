@@ -1,7 +1,9 @@
 //! `railyard node --config FILE` serves the TCP bridge with the file's
 //! permissions; a raw client reaches the node's echo service through it.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod support;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -57,12 +59,7 @@ fn node_serves_the_bridge_with_permissions_from_its_config_file() {
         .expect("start railyard node");
     let stderr = child.stderr.take().unwrap();
     let _reap = Reap(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let rx = support::log::lines(stderr);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut addr = None;
     while addr.is_none() && Instant::now() < deadline {

@@ -1,7 +1,8 @@
 //! The binary's front door: `railyard node` starts and stops cleanly on
 //! SIGTERM; bad options give clear errors.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -36,12 +37,7 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
         .spawn()
         .expect("start railyard node");
     let stderr = child.stderr.take().expect("piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let rx = support::log::lines(stderr);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut started = false;
     let mut addrs = None;

@@ -2,7 +2,7 @@
 //! saga tests of this crate (`mod support;` in each test file).
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -37,12 +37,7 @@ impl SagaNode {
             .spawn()
             .expect("start railyard node");
         let stderr = child.stderr.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
+        let rx = super::log::lines(stderr);
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut seen = Vec::new();
         while Instant::now() < deadline {
