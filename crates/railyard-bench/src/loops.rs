@@ -90,6 +90,7 @@ impl EventLoops {
         let mut threads = Vec::new();
         let cpus = allowed_cpus();
         let pin = std::env::var_os("RAILYARD_PIN_LOOPS").is_some_and(|v| v == "1");
+        let dispatch = std::env::var_os("RAILYARD_LOOP_DISPATCH").is_none_or(|v| v != "0");
         for i in 0..n.max(1) {
             // Timers only unless asked, no I/O driver: a wake from another
             // thread then costs an atomic store unless this loop is actually
@@ -124,7 +125,16 @@ impl EventLoops {
                         if let Some(cpu) = cpu {
                             pin_to(cpu);
                         }
-                        let _ = rt.block_on(stop_rx);
+                        let _ = rt.block_on(async move {
+                            // Handler consumers registered on this loop run on
+                            // its dispatcher (railyard_bus::enable_loop_dispatch);
+                            // `RAILYARD_LOOP_DISPATCH=0` keeps a task per consumer,
+                            // for comparing the two.
+                            if dispatch {
+                                railyard_bus::enable_loop_dispatch();
+                            }
+                            stop_rx.await
+                        });
                         rt.shutdown_background();
                     })
                     .expect("spawn an event loop thread"),

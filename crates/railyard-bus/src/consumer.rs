@@ -10,8 +10,9 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use tokio::task::JoinHandle;
 
+use crate::dispatch::{self, HandlerRunner};
 use crate::metrics::ConsumerStats;
-use crate::queue::{ConsumerQueue, Envelope, BATCH};
+use crate::queue::{ConsumerQueue, Dispatched, Envelope, BATCH};
 use crate::{BusError, EventBus, Message, DEFAULT_CAPACITY};
 
 /// Builds a consumer registration; see [`EventBus::consumer`].
@@ -51,7 +52,7 @@ impl<'a> ConsumerBuilder<'a> {
         self
     }
 
-    fn queue(&self) -> Result<Arc<ConsumerQueue>, BusError> {
+    fn queue(&self, dispatch: Option<Dispatched>) -> Result<Arc<ConsumerQueue>, BusError> {
         if self.address.is_empty() {
             return Err(BusError::InvalidAddress {
                 address: String::new(),
@@ -64,6 +65,7 @@ impl<'a> ConsumerBuilder<'a> {
             self.local,
             self.capacity,
             self.paused,
+            dispatch,
         )))
     }
 
@@ -83,6 +85,10 @@ impl<'a> ConsumerBuilder<'a> {
     /// message at a time, in arrival order. Resolves once the registration is
     /// visible to senders.
     ///
+    /// On a thread that called [`enable_loop_dispatch`](crate::enable_loop_dispatch)
+    /// the handler is run by that event loop's dispatcher task instead of a
+    /// task of its own; the guarantees are the same.
+    ///
     /// A panicking handler is caught and logged; the consumer keeps running and
     /// the request it was handling fails with [`BusError::NoReply`].
     ///
@@ -96,7 +102,17 @@ impl<'a> ConsumerBuilder<'a> {
         F: Fn(Message) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let queue = self.queue()?;
+        if let Some(dispatcher) = dispatch::this_loop() {
+            let runner = HandlerRunner::new(handler, self.address.as_str().into());
+            let queue = self.queue(Some(Dispatched::new(dispatcher, Box::new(runner))))?;
+            self.advertise(&queue).await?;
+            return Ok(Consumer {
+                queue,
+                bus: self.bus.clone(),
+                task: None,
+            });
+        }
+        let queue = self.queue(None)?;
         self.advertise(&queue).await?;
         let task = tokio::spawn(run_handler(queue.clone(), handler));
         Ok(Consumer {
@@ -112,7 +128,7 @@ impl<'a> ConsumerBuilder<'a> {
     /// # Errors
     /// [`BusError::InvalidAddress`] for an empty address.
     pub async fn stream(self) -> Result<MessageStream, BusError> {
-        let queue = self.queue()?;
+        let queue = self.queue(None)?;
         self.advertise(&queue).await?;
         Ok(MessageStream {
             queue,
@@ -156,7 +172,7 @@ where
 
 /// Turns an envelope into a message and runs inbound interceptors.
 #[inline]
-fn admit(queue: &Arc<ConsumerQueue>, env: Envelope) -> Option<Message> {
+pub(crate) fn admit(queue: &Arc<ConsumerQueue>, env: Envelope) -> Option<Message> {
     let mut msg = Message::delivered(env, queue);
     if let Err(e) = queue.shared.inbound_check(&mut msg) {
         queue.count_discarded();
@@ -244,6 +260,9 @@ impl Consumer {
             // A handler panic is caught inside the task, so join errors only
             // mean cancellation at runtime shutdown: nothing left to do.
             let _ = task.await;
+        } else {
+            // Dispatched: wait for the batch in progress, if any.
+            self.queue.wait_idle().await;
         }
     }
 }

@@ -13,12 +13,15 @@
 //! close stay trivially consistent with the buffer.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use parking_lot::Mutex;
+use tokio::sync::Notify;
 
 use crate::bus::Shared;
+use crate::dispatch::{Dispatcher, Runner};
 use crate::metrics::ConsumerStats;
 use crate::reply::ReplySender;
 use crate::{Body, BusError, Headers};
@@ -80,6 +83,51 @@ pub(crate) struct ConsumerQueue {
     pub(crate) local: bool,
     capacity: usize,
     state: Mutex<State>,
+    /// Set for a handler consumer run by an event loop's dispatcher
+    /// (`dispatch`); `None` for a consumer with its own task or a stream.
+    dispatch: Option<Dispatched>,
+}
+
+/// How a dispatched consumer is run, and how `unregister` waits for it.
+pub(crate) struct Dispatched {
+    dispatcher: Arc<Dispatcher>,
+    runner: Box<dyn Runner>,
+    /// A batch is being handled (by the dispatcher or the consumer's task).
+    active: AtomicBool,
+    /// Mirrors `State::closed` for the lock-free end-of-batch check.
+    closed: AtomicBool,
+    /// Told when a batch ends after the queue was closed.
+    idle: Notify,
+}
+
+impl Dispatched {
+    pub(crate) fn new(dispatcher: Arc<Dispatcher>, runner: Box<dyn Runner>) -> Self {
+        Self {
+            dispatcher,
+            runner,
+            active: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            idle: Notify::new(),
+        }
+    }
+}
+
+/// What a push or a demand change asks for after the lock is released.
+enum Wake {
+    /// Wake the consumer's task (or stream).
+    Task(Waker),
+    /// Put the consumer on its dispatcher's ready list.
+    Schedule,
+}
+
+/// What the dispatcher got from a scheduled consumer.
+pub(crate) enum Take {
+    /// The consumer is finishing a batch on its own task; it reschedules itself.
+    Skip,
+    /// Nothing to run (empty, paused or closed): no longer scheduled.
+    Empty,
+    /// A batch was taken; `more` when messages remain and it stays scheduled.
+    Batch { more: bool },
 }
 
 #[derive(Debug)]
@@ -92,6 +140,11 @@ struct State {
     /// Messages the consumer may still take; `FLOWING` when not paused.
     demand: u64,
     closed: bool,
+    /// Dispatched consumers: on the dispatcher's ready list, being run, or on
+    /// their own task. A sender schedules the consumer only when this is unset.
+    scheduled: bool,
+    /// Dispatched consumers: finishing a batch on their own task.
+    in_task: bool,
     stats: ConsumerStats,
 }
 
@@ -103,6 +156,7 @@ impl ConsumerQueue {
         local: bool,
         capacity: usize,
         paused: bool,
+        dispatch: Option<Dispatched>,
     ) -> Self {
         Self {
             address: address.into(),
@@ -116,15 +170,151 @@ impl ConsumerQueue {
                 room_waiters: Vec::new(),
                 demand: if paused { 0 } else { FLOWING },
                 closed: false,
+                scheduled: false,
+                in_task: false,
                 stats: ConsumerStats::default(),
             }),
+            dispatch,
+        }
+    }
+
+    /// Who must learn of a message that just became takeable, if anyone.
+    /// Called under the lock.
+    #[inline]
+    fn wake_for(&self, s: &mut State) -> Option<Wake> {
+        if s.demand == 0 {
+            return None;
+        }
+        if self.dispatch.is_some() {
+            if s.scheduled {
+                return None;
+            }
+            s.scheduled = true;
+            return Some(Wake::Schedule);
+        }
+        s.consumer.take().map(Wake::Task)
+    }
+
+    /// Acts on `wake_for`'s answer, outside the lock (so the consumer never
+    /// blocks on it right away).
+    #[inline]
+    fn wake(self: &Arc<Self>, wake: Option<Wake>) {
+        match wake {
+            None => {}
+            Some(Wake::Task(w)) => w.wake(),
+            Some(Wake::Schedule) => {
+                if let Some(d) = &self.dispatch {
+                    d.dispatcher.schedule(self.clone());
+                }
+            }
+        }
+    }
+
+    pub(crate) fn runner(&self) -> Option<&dyn Runner> {
+        self.dispatch.as_ref().map(|d| &*d.runner)
+    }
+
+    pub(crate) fn dispatcher(&self) -> Option<&Arc<Dispatcher>> {
+        self.dispatch.as_ref().map(|d| &d.dispatcher)
+    }
+
+    /// The dispatcher's side of `poll_batch`: takes up to `max` messages
+    /// (bounded by demand) from a scheduled consumer, and unschedules it when
+    /// none are left. Marks a batch active until `batch_done` / `leave_task`.
+    pub(crate) fn take_scheduled(&self, out: &mut VecDeque<Envelope>, max: usize) -> Take {
+        let Some(d) = &self.dispatch else {
+            return Take::Empty;
+        };
+        let waiters = {
+            let mut s = self.state.lock();
+            if s.in_task {
+                return Take::Skip;
+            }
+            if s.closed || s.items.is_empty() || s.demand == 0 {
+                s.scheduled = false;
+                return Take::Empty;
+            }
+            let n = max
+                .min(s.items.len())
+                .min(usize::try_from(s.demand).unwrap_or(usize::MAX));
+            if n == s.items.len() && out.is_empty() {
+                std::mem::swap(&mut s.items, out);
+            } else {
+                out.extend(s.items.drain(..n));
+            }
+            if s.demand != FLOWING {
+                s.demand -= n as u64;
+            }
+            s.stats.delivered += n as u64;
+            let more = !s.items.is_empty() && s.demand > 0;
+            s.scheduled = more;
+            // Ordered by the lock against `close`, which `unregister` takes
+            // before it looks at `active`.
+            d.active.store(true, Ordering::Relaxed);
+            (std::mem::take(&mut s.room_waiters), more)
+        };
+        let (waiters, more) = waiters;
+        for w in waiters {
+            w.wake();
+        }
+        Take::Batch { more }
+    }
+
+    /// The dispatcher finished a batch taken by `take_scheduled`.
+    pub(crate) fn batch_done(&self) {
+        if let Some(d) = &self.dispatch {
+            d.active.store(false, Ordering::SeqCst);
+            if d.closed.load(Ordering::SeqCst) {
+                d.idle.notify_waiters();
+            }
+        }
+    }
+
+    /// The batch in progress continues on the consumer's own task: keep
+    /// senders from scheduling the consumer until `leave_task`.
+    pub(crate) fn enter_task(&self) {
+        let mut s = self.state.lock();
+        s.in_task = true;
+        s.scheduled = true;
+    }
+
+    /// The consumer's task finished its batch: back to the dispatcher.
+    pub(crate) fn leave_task(self: &Arc<Self>) {
+        let wake = {
+            let mut s = self.state.lock();
+            s.in_task = false;
+            s.scheduled = false;
+            if s.items.is_empty() || s.closed {
+                None
+            } else {
+                self.wake_for(&mut s)
+            }
+        };
+        self.batch_done();
+        self.wake(wake);
+    }
+
+    /// Resolves once no batch of this (closed) dispatched consumer is being
+    /// handled; at once for other consumers.
+    pub(crate) async fn wait_idle(&self) {
+        let Some(d) = &self.dispatch else {
+            return;
+        };
+        loop {
+            let notified = d.idle.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if !d.active.load(Ordering::SeqCst) {
+                return;
+            }
+            notified.await;
         }
     }
 
     /// Appends `env` unless the buffer is full or closed.
     #[inline]
-    pub(crate) fn try_push(&self, env: Envelope) -> Result<(), (Refused, Envelope)> {
-        let waker = {
+    pub(crate) fn try_push(self: &Arc<Self>, env: Envelope) -> Result<(), (Refused, Envelope)> {
+        let wake = {
             let mut s = self.state.lock();
             if s.closed {
                 return Err((Refused::Closed, env));
@@ -135,27 +325,20 @@ impl ConsumerQueue {
             }
             s.items.push_back(env);
             s.stats.received += 1;
-            if s.demand > 0 {
-                s.consumer.take()
-            } else {
-                None
-            }
+            self.wake_for(&mut s)
         };
-        // Wake outside the lock so the consumer never blocks on it right away.
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.wake(wake);
         Ok(())
     }
 
     /// Appends the envelope in `slot` when there is room; otherwise registers
     /// for a wake-up when the consumer frees some. Leaves `slot` empty on success.
     pub(crate) fn poll_push(
-        &self,
+        self: &Arc<Self>,
         slot: &mut Option<Envelope>,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), Refused>> {
-        let waker = {
+        let wake = {
             let mut s = self.state.lock();
             if s.closed {
                 return Poll::Ready(Err(Refused::Closed));
@@ -178,15 +361,9 @@ impl ConsumerQueue {
             };
             s.items.push_back(env);
             s.stats.received += 1;
-            if s.demand > 0 {
-                s.consumer.take()
-            } else {
-                None
-            }
+            self.wake_for(&mut s)
         };
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.wake(wake);
         Poll::Ready(Ok(()))
     }
 
@@ -238,12 +415,12 @@ impl ConsumerQueue {
     }
 
     /// Takes every message again.
-    pub(crate) fn resume(&self) {
+    pub(crate) fn resume(self: &Arc<Self>) {
         self.set_demand(|_| FLOWING);
     }
 
     /// Allows `n` more messages while paused.
-    pub(crate) fn fetch(&self, n: u64) {
+    pub(crate) fn fetch(self: &Arc<Self>, n: u64) {
         self.set_demand(|d| {
             if d == FLOWING {
                 FLOWING
@@ -253,19 +430,17 @@ impl ConsumerQueue {
         });
     }
 
-    fn set_demand(&self, f: impl FnOnce(u64) -> u64) {
-        let waker = {
+    fn set_demand(self: &Arc<Self>, f: impl FnOnce(u64) -> u64) {
+        let wake = {
             let mut s = self.state.lock();
             s.demand = f(s.demand);
-            if s.demand > 0 && !s.items.is_empty() {
-                s.consumer.take()
-            } else {
+            if s.items.is_empty() || s.in_task {
                 None
+            } else {
+                self.wake_for(&mut s)
             }
         };
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.wake(wake);
     }
 
     /// Counts a message the consumer took but then dropped (inbound veto).
@@ -283,6 +458,9 @@ impl ConsumerQueue {
                 return None;
             }
             s.closed = true;
+            if let Some(d) = &self.dispatch {
+                d.closed.store(true, Ordering::SeqCst);
+            }
             let left: Vec<Envelope> = s.items.drain(..).collect();
             s.stats.discarded += left.len() as u64;
             (left, s.consumer.take(), std::mem::take(&mut s.room_waiters))

@@ -1,12 +1,14 @@
 //! Consumers on event loops (one single-threaded runtime per thread) fed by
-//! senders on other loops: the cross-thread hand-off.
+//! senders on other loops: the cross-thread hand-off. Each test runs twice:
+//! with a task per consumer, and with the loops' dispatchers
+//! (`enable_loop_dispatch`).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use railyard_bus::{BusError, Consumer, DeliveryOptions, EventBus};
+use railyard_bus::{enable_loop_dispatch, BusError, Consumer, DeliveryOptions, EventBus};
 
 /// One event loop: a thread driving a current-thread runtime.
 struct Loop {
@@ -16,7 +18,7 @@ struct Loop {
 }
 
 impl Loop {
-    fn start(name: &str) -> Self {
+    fn start(name: &str, dispatch: bool) -> Self {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
@@ -26,7 +28,12 @@ impl Loop {
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
-                let _ = rt.block_on(stopped);
+                let _ = rt.block_on(async move {
+                    if dispatch {
+                        assert!(enable_loop_dispatch());
+                    }
+                    stopped.await
+                });
             })
             .unwrap();
         Self {
@@ -64,7 +71,15 @@ impl Drop for Loop {
 
 #[test]
 fn one_senders_messages_cross_loops_in_order_and_all_arrive() {
-    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    one_senders_messages_cross_loops_in_order_and_all_arrive_with(false);
+    one_senders_messages_cross_loops_in_order_and_all_arrive_with(true);
+}
+
+fn one_senders_messages_cross_loops_in_order_and_all_arrive_with(dispatch: bool) {
+    let (a, b) = (
+        Loop::start("loop-a", dispatch),
+        Loop::start("loop-b", dispatch),
+    );
     let bus = EventBus::new();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (bb, s) = (bus.clone(), seen.clone());
@@ -111,7 +126,15 @@ fn one_senders_messages_cross_loops_in_order_and_all_arrive() {
 
 #[test]
 fn a_full_consumer_on_another_loop_refuses_at_its_capacity() {
-    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    a_full_consumer_on_another_loop_refuses_at_its_capacity_with(false);
+    a_full_consumer_on_another_loop_refuses_at_its_capacity_with(true);
+}
+
+fn a_full_consumer_on_another_loop_refuses_at_its_capacity_with(dispatch: bool) {
+    let (a, b) = (
+        Loop::start("loop-a", dispatch),
+        Loop::start("loop-b", dispatch),
+    );
     let bus = EventBus::new();
     let bb = bus.clone();
     let consumer = b.run(async move {
@@ -165,7 +188,15 @@ fn a_full_consumer_on_another_loop_refuses_at_its_capacity() {
 
 #[test]
 fn requests_across_loops_each_get_their_own_reply() {
-    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    requests_across_loops_each_get_their_own_reply_with(false);
+    requests_across_loops_each_get_their_own_reply_with(true);
+}
+
+fn requests_across_loops_each_get_their_own_reply_with(dispatch: bool) {
+    let (a, b) = (
+        Loop::start("loop-a", dispatch),
+        Loop::start("loop-b", dispatch),
+    );
     let bus = EventBus::new();
     let bb = bus.clone();
     let _doubler = b.run(async move {
@@ -205,7 +236,15 @@ fn requests_across_loops_each_get_their_own_reply() {
 
 #[test]
 fn unregistering_while_other_loops_post_answers_every_request() {
-    let (a, b) = (Loop::start("loop-a"), Loop::start("loop-b"));
+    unregistering_while_other_loops_post_answers_every_request_with(false);
+    unregistering_while_other_loops_post_answers_every_request_with(true);
+}
+
+fn unregistering_while_other_loops_post_answers_every_request_with(dispatch: bool) {
+    let (a, b) = (
+        Loop::start("loop-a", dispatch),
+        Loop::start("loop-b", dispatch),
+    );
     let bus = EventBus::new();
     let bb = bus.clone();
     let echo = b.run(async move {

@@ -1,0 +1,342 @@
+//! Event-loop dispatch: handler consumers run by one task per loop instead of
+//! one task each.
+//!
+//! A tokio task per consumer makes every hand-off to an idle consumer a task
+//! wake-up: a state transition on the task header, a push onto the runtime's
+//! run queue (a locked inject queue and an unpark when the sender is on
+//! another thread), then a poll through the task harness. A send-send chain's
+//! reply consumer is idle between any two messages, so it pays that on every
+//! message. Vert.x instead pushes a closure onto the target event loop's
+//! queue, and the loop runs it.
+//!
+//! This module is that model for tokio. A thread that runs one current-thread
+//! runtime for its life (an event loop) calls [`enable_loop_dispatch`]; from
+//! then on, handler consumers registered on that thread are *scheduled* on
+//! the loop's [`Dispatcher`] instead of woken as tasks:
+//! - a sender that finds the consumer idle marks it scheduled (under the
+//!   queue's lock it already holds) and appends it to the dispatcher's ready
+//!   list: a plain `VecDeque` when the sender is the dispatcher itself (a
+//!   handler sending on its own loop: no atomic operation at all), a locked
+//!   `Vec` otherwise, with a wake-up only when the dispatcher is parked;
+//! - the dispatcher takes a batch from each ready consumer and calls its
+//!   handler on each message, polling the returned future in place;
+//! - a handler future that does not finish on its first poll moves the
+//!   consumer onto a task of its own until that batch is done (order is kept:
+//!   the consumer is not scheduled again meanwhile), then it comes back.
+//!
+//! Everything the queue promises (capacity, pause / fetch, per-sender order,
+//! counters, unregister) is unchanged: only who runs the handler differs.
+
+use std::cell::{Cell, RefCell, UnsafeCell};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use parking_lot::Mutex;
+use tokio::runtime::{Handle, RuntimeFlavor};
+
+use crate::consumer::admit;
+use crate::queue::{ConsumerQueue, Envelope, Take, BATCH};
+use crate::Message;
+
+thread_local! {
+    /// The dispatcher whose task this thread is polling right now, if any.
+    static RUNNING: Cell<*const Dispatcher> = const { Cell::new(std::ptr::null()) };
+    /// The dispatcher of the loop this thread runs (set by [`enable_loop_dispatch`]).
+    static THIS_LOOP: RefCell<Option<Arc<Dispatcher>>> = const { RefCell::new(None) };
+}
+
+/// Makes handler consumers registered from this thread from now on run on a
+/// dispatcher task of the current runtime instead of one task each (see the
+/// module docs for why). Returns `false`, and changes nothing, unless called
+/// from inside a current-thread tokio runtime.
+///
+/// Call it once, from the loop itself, on a thread that runs one
+/// current-thread runtime for its whole life: consumers registered on this
+/// thread afterwards are run by that runtime, so a second runtime on the
+/// same thread would not run them. Handler consumers registered elsewhere,
+/// and every [`MessageStream`](crate::MessageStream), keep their own tasks.
+pub fn enable_loop_dispatch() -> bool {
+    let Ok(handle) = Handle::try_current() else {
+        return false;
+    };
+    if handle.runtime_flavor() != RuntimeFlavor::CurrentThread {
+        return false;
+    }
+    let dispatcher = Arc::new(Dispatcher::new());
+    handle.spawn(DispatchTask(dispatcher.clone()));
+    THIS_LOOP.with(|d| *d.borrow_mut() = Some(dispatcher));
+    true
+}
+
+/// The dispatcher of this thread's loop, when enabled and still running.
+pub(crate) fn this_loop() -> Option<Arc<Dispatcher>> {
+    THIS_LOOP.with(|d| {
+        d.borrow()
+            .as_ref()
+            .filter(|d| d.alive.load(Ordering::Acquire))
+            .cloned()
+    })
+}
+
+/// One loop's ready list of consumers and its task's parking spot.
+pub(crate) struct Dispatcher {
+    /// Consumers scheduled by the dispatcher's own thread while it runs.
+    /// Touched only inside `DispatchTask::poll` (checked through `RUNNING`),
+    /// which tokio never runs on two threads at once.
+    local: UnsafeCell<VecDeque<Arc<ConsumerQueue>>>,
+    /// Consumers scheduled from anywhere else.
+    remote: Mutex<Remote>,
+    /// Cleared when the dispatcher's task is dropped (runtime shut down).
+    alive: AtomicBool,
+}
+
+// Safety: `local` is only accessed by the thread polling this dispatcher's
+// task (see `schedule` and `DispatchTask::poll`), one thread at a time; every
+// other field is thread-safe.
+unsafe impl Sync for Dispatcher {}
+// Safety: as above; nothing in it is tied to a thread.
+unsafe impl Send for Dispatcher {}
+
+#[derive(Default)]
+struct Remote {
+    ready: Vec<Arc<ConsumerQueue>>,
+    /// The dispatcher task's waker, present only while it is parked.
+    parked: Option<Waker>,
+}
+
+impl Dispatcher {
+    fn new() -> Self {
+        Self {
+            local: UnsafeCell::new(VecDeque::new()),
+            remote: Mutex::new(Remote::default()),
+            alive: AtomicBool::new(true),
+        }
+    }
+
+    /// Puts a consumer that has work on the ready list. The caller has just
+    /// marked it scheduled, so it is on no list already.
+    #[inline]
+    pub(crate) fn schedule(&self, queue: Arc<ConsumerQueue>) {
+        if RUNNING.with(Cell::get) == std::ptr::from_ref(self) {
+            // Safety: this thread is inside this dispatcher's poll (see `local`).
+            unsafe { (*self.local.get()).push_back(queue) };
+            return;
+        }
+        let parked = {
+            let mut r = self.remote.lock();
+            r.ready.push(queue);
+            r.parked.take()
+        };
+        if let Some(w) = parked {
+            w.wake();
+        }
+    }
+}
+
+/// Most consumer runs per poll before the dispatcher yields to the other
+/// tasks of its runtime (timers, sockets, plain tasks).
+const RUNS_PER_POLL: usize = 256;
+
+/// The task that runs a loop's ready consumers.
+struct DispatchTask(Arc<Dispatcher>);
+
+impl Drop for DispatchTask {
+    fn drop(&mut self) {
+        self.0.alive.store(false, Ordering::Release);
+        // Break the queue -> dispatcher -> queue cycle of consumers still listed.
+        let left = std::mem::take(&mut self.0.remote.lock().ready);
+        drop(left);
+        // Safety: the task is being dropped, so nobody is polling it; `local`
+        // is not borrowed.
+        let local = unsafe { std::mem::take(&mut *self.0.local.get()) };
+        drop(local);
+    }
+}
+
+/// Sets `RUNNING` for the duration of one poll, and resets it even on unwind.
+struct RunningGuard(*const Dispatcher);
+
+impl RunningGuard {
+    fn enter(d: &Dispatcher) -> Self {
+        Self(RUNNING.with(|r| r.replace(std::ptr::from_ref(d))))
+    }
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        RUNNING.with(|r| r.set(self.0));
+    }
+}
+
+impl Future for DispatchTask {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let d = &*self.0;
+        let _running = RunningGuard::enter(d);
+        let mut batch: VecDeque<Envelope> = VecDeque::new();
+        let mut runs = 0;
+        loop {
+            // Safety: inside this dispatcher's poll; the borrow ends before
+            // any handler runs (handlers may schedule onto `local`).
+            let next = unsafe { (*d.local.get()).pop_front() };
+            let queue = match next {
+                Some(q) => q,
+                None => {
+                    let mut r = d.remote.lock();
+                    if r.ready.is_empty() {
+                        match &r.parked {
+                            Some(w) if w.will_wake(cx.waker()) => {}
+                            _ => r.parked = Some(cx.waker().clone()),
+                        }
+                        return Poll::Pending;
+                    }
+                    let ready = std::mem::take(&mut r.ready);
+                    r.parked = None;
+                    drop(r);
+                    // Safety: as above.
+                    unsafe { (*d.local.get()).extend(ready) };
+                    continue;
+                }
+            };
+            run_consumer(&queue, &mut batch, cx);
+            runs += 1;
+            if runs >= RUNS_PER_POLL {
+                // Let the runtime's other tasks in, and come back at once.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+/// Runs one batch of a scheduled consumer's messages.
+fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: &mut Context<'_>) {
+    let Some(runner) = queue.runner() else {
+        return;
+    };
+    let more = match queue.take_scheduled(batch, BATCH) {
+        Take::Skip | Take::Empty => return,
+        Take::Batch { more } => more,
+    };
+    while let Some(env) = batch.pop_front() {
+        let Some(msg) = admit(queue, env) else {
+            continue;
+        };
+        if runner.start(msg, cx).is_pending() {
+            // The handler awaits something: finish this batch on a task of
+            // its own so the loop's other consumers keep running.
+            queue.enter_task();
+            let rest: VecDeque<Envelope> = std::mem::take(batch);
+            tokio::spawn(finish_on_task(queue.clone(), rest));
+            return;
+        }
+    }
+    queue.batch_done();
+    if more {
+        // Still scheduled: back of the line, after the consumers that waited
+        // (`schedule` from inside the dispatcher's poll appends to `local`).
+        if let Some(d) = queue.dispatcher() {
+            d.schedule(queue.clone());
+        }
+    }
+}
+
+/// A consumer's batch whose handler did not finish in one poll.
+async fn finish_on_task(queue: Arc<ConsumerQueue>, rest: VecDeque<Envelope>) {
+    let runner = queue.runner().expect("a dispatched consumer has a runner");
+    std::future::poll_fn(|cx| runner.resume(cx)).await;
+    for env in rest {
+        let Some(msg) = admit(&queue, env) else {
+            continue;
+        };
+        let mut msg = Some(msg);
+        std::future::poll_fn(|cx| match msg.take() {
+            Some(m) => runner.start(m, cx),
+            None => runner.resume(cx),
+        })
+        .await;
+    }
+    queue.leave_task();
+}
+
+/// A handler with its message type erased, polled in place.
+pub(crate) trait Runner: Send + Sync {
+    /// Calls the handler on `msg` and polls its future once. `Pending` leaves
+    /// the future in the runner for [`resume`](Runner::resume).
+    fn start(&self, msg: Message, cx: &mut Context<'_>) -> Poll<()>;
+    /// Polls the future `start` left pending.
+    fn resume(&self, cx: &mut Context<'_>) -> Poll<()>;
+}
+
+/// The [`Runner`] of one consumer: its handler and one reusable slot for the
+/// future in progress (pinned once, on the heap, so no message allocates).
+pub(crate) struct HandlerRunner<F, Fut> {
+    handler: F,
+    /// Only the consumer's current runner (the dispatcher during a batch, or
+    /// the consumer's task) polls it, so the lock is never contended.
+    slot: Mutex<Pin<Box<Option<Fut>>>>,
+    address: Arc<str>,
+}
+
+impl<F, Fut> HandlerRunner<F, Fut> {
+    pub(crate) fn new(handler: F, address: Arc<str>) -> Self {
+        Self {
+            handler,
+            slot: Mutex::new(Box::pin(None)),
+            address,
+        }
+    }
+}
+
+impl<F, Fut> HandlerRunner<F, Fut>
+where
+    Fut: Future<Output = ()>,
+{
+    fn poll_slot(&self, slot: &mut Pin<Box<Option<Fut>>>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(fut) = slot.as_mut().as_pin_mut() else {
+            return Poll::Ready(());
+        };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(())) => {
+                slot.set(None);
+                Poll::Ready(())
+            }
+            Err(_) => {
+                slot.set(None);
+                tracing::error!(address = %self.address, "consumer handler panicked; message dropped");
+                Poll::Ready(())
+            }
+        }
+    }
+}
+
+impl<F, Fut> Runner for HandlerRunner<F, Fut>
+where
+    F: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    fn start(&self, msg: Message, cx: &mut Context<'_>) -> Poll<()> {
+        let fut = match std::panic::catch_unwind(AssertUnwindSafe(|| (self.handler)(msg))) {
+            Ok(f) => f,
+            Err(_) => {
+                tracing::error!(address = %self.address, "consumer handler panicked; message dropped");
+                return Poll::Ready(());
+            }
+        };
+        let mut slot = self.slot.lock();
+        slot.set(Some(fut));
+        self.poll_slot(&mut slot, cx)
+    }
+
+    fn resume(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut slot = self.slot.lock();
+        self.poll_slot(&mut slot, cx)
+    }
+}
