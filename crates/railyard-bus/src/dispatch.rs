@@ -228,7 +228,9 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
         let Some(msg) = admit(queue, env) else {
             continue;
         };
-        if runner.start(msg, cx).is_pending() {
+        // Safety: this dispatcher holds the consumer's run token from
+        // `take_scheduled` until `batch_done` or `enter_task`.
+        if unsafe { runner.start(msg, cx) }.is_pending() {
             // The handler awaits something: finish this batch on a task of
             // its own so the loop's other consumers keep running.
             queue.enter_task();
@@ -250,15 +252,17 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
 /// A consumer's batch whose handler did not finish in one poll.
 async fn finish_on_task(queue: Arc<ConsumerQueue>, rest: VecDeque<Envelope>) {
     let runner = queue.runner().expect("a dispatched consumer has a runner");
-    std::future::poll_fn(|cx| runner.resume(cx)).await;
+    // Safety (here and below): this task holds the consumer's run token
+    // from `enter_task` until `leave_task`.
+    std::future::poll_fn(|cx| unsafe { runner.resume(cx) }).await;
     for env in rest {
         let Some(msg) = admit(&queue, env) else {
             continue;
         };
         let mut msg = Some(msg);
         std::future::poll_fn(|cx| match msg.take() {
-            Some(m) => runner.start(m, cx),
-            None => runner.resume(cx),
+            Some(m) => unsafe { runner.start(m, cx) },
+            None => unsafe { runner.resume(cx) },
         })
         .await;
     }
@@ -266,21 +270,32 @@ async fn finish_on_task(queue: Arc<ConsumerQueue>, rest: VecDeque<Envelope>) {
 }
 
 /// A handler with its message type erased, polled in place.
+///
+/// Its methods may only be called by the holder of the consumer's *run
+/// token*: the dispatcher from a `Take::Batch` until `batch_done` or
+/// `enter_task`, or the consumer's task from `enter_task` until `leave_task`.
+/// The queue's `scheduled` / `in_task` flags, changed under its lock, let
+/// at most one party hold it, so the future slot needs no lock of its own.
 pub(crate) trait Runner: Send + Sync {
     /// Calls the handler on `msg` and polls its future once. `Pending` leaves
     /// the future in the runner for [`resume`](Runner::resume).
-    fn start(&self, msg: Message, cx: &mut Context<'_>) -> Poll<()>;
+    ///
+    /// # Safety
+    /// The caller holds the consumer's run token.
+    unsafe fn start(&self, msg: Message, cx: &mut Context<'_>) -> Poll<()>;
     /// Polls the future `start` left pending.
-    fn resume(&self, cx: &mut Context<'_>) -> Poll<()>;
+    ///
+    /// # Safety
+    /// As [`start`](Runner::start).
+    unsafe fn resume(&self, cx: &mut Context<'_>) -> Poll<()>;
 }
 
 /// The [`Runner`] of one consumer: its handler and one reusable slot for the
 /// future in progress (pinned once, on the heap, so no message allocates).
 pub(crate) struct HandlerRunner<F, Fut> {
     handler: F,
-    /// Only the consumer's current runner (the dispatcher during a batch, or
-    /// the consumer's task) polls it, so the lock is never contended.
-    slot: Mutex<Pin<Box<Option<Fut>>>>,
+    /// Touched only by the holder of the run token (see [`Runner`]).
+    slot: UnsafeCell<Pin<Box<Option<Fut>>>>,
     address: Arc<str>,
 }
 
@@ -288,11 +303,15 @@ impl<F, Fut> HandlerRunner<F, Fut> {
     pub(crate) fn new(handler: F, address: Arc<str>) -> Self {
         Self {
             handler,
-            slot: Mutex::new(Box::pin(None)),
+            slot: UnsafeCell::new(Box::pin(None)),
             address,
         }
     }
 }
+
+// Safety: the slot is used by one thread at a time (the run token holder),
+// and the future in it is `Send`; the handler is `Sync`.
+unsafe impl<F: Sync, Fut: Send> Sync for HandlerRunner<F, Fut> {}
 
 impl<F, Fut> HandlerRunner<F, Fut>
 where
@@ -322,7 +341,7 @@ where
     F: Fn(Message) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    fn start(&self, msg: Message, cx: &mut Context<'_>) -> Poll<()> {
+    unsafe fn start(&self, msg: Message, cx: &mut Context<'_>) -> Poll<()> {
         let fut = match std::panic::catch_unwind(AssertUnwindSafe(|| (self.handler)(msg))) {
             Ok(f) => f,
             Err(_) => {
@@ -330,13 +349,15 @@ where
                 return Poll::Ready(());
             }
         };
-        let mut slot = self.slot.lock();
+        // Safety: the caller holds the run token, so nobody else uses the slot.
+        let slot = unsafe { &mut *self.slot.get() };
         slot.set(Some(fut));
-        self.poll_slot(&mut slot, cx)
+        self.poll_slot(slot, cx)
     }
 
-    fn resume(&self, cx: &mut Context<'_>) -> Poll<()> {
-        let mut slot = self.slot.lock();
-        self.poll_slot(&mut slot, cx)
+    unsafe fn resume(&self, cx: &mut Context<'_>) -> Poll<()> {
+        // Safety: as in `start`.
+        let slot = unsafe { &mut *self.slot.get() };
+        self.poll_slot(slot, cx)
     }
 }

@@ -18,7 +18,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use parking_lot::Mutex;
-use tokio::sync::Notify;
 
 use crate::bus::Shared;
 use crate::dispatch::{Dispatcher, Runner};
@@ -93,11 +92,10 @@ pub(crate) struct Dispatched {
     dispatcher: Arc<Dispatcher>,
     runner: Box<dyn Runner>,
     /// A batch is being handled (by the dispatcher or the consumer's task).
+    /// Cleared with a plain store: `unregister` polls it (see `wait_idle`)
+    /// rather than the hot path paying a locked instruction per batch to
+    /// tell it.
     active: AtomicBool,
-    /// Mirrors `State::closed` for the lock-free end-of-batch check.
-    closed: AtomicBool,
-    /// Told when a batch ends after the queue was closed.
-    idle: Notify,
 }
 
 impl Dispatched {
@@ -106,8 +104,6 @@ impl Dispatched {
             dispatcher,
             runner,
             active: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-            idle: Notify::new(),
         }
     }
 }
@@ -263,10 +259,7 @@ impl ConsumerQueue {
     /// The dispatcher finished a batch taken by `take_scheduled`.
     pub(crate) fn batch_done(&self) {
         if let Some(d) = &self.dispatch {
-            d.active.store(false, Ordering::SeqCst);
-            if d.closed.load(Ordering::SeqCst) {
-                d.idle.notify_waiters();
-            }
+            d.active.store(false, Ordering::Release);
         }
     }
 
@@ -300,14 +293,17 @@ impl ConsumerQueue {
         let Some(d) = &self.dispatch else {
             return;
         };
-        loop {
-            let notified = d.idle.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if !d.active.load(Ordering::SeqCst) {
-                return;
+        // The queue is closed, so no new batch starts: only the one in
+        // progress can keep `active` set. A few yields cover a synchronous
+        // handler on this loop; then check every millisecond.
+        let mut checks = 0u32;
+        while d.active.load(Ordering::Acquire) {
+            if checks < 8 {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
-            notified.await;
+            checks += 1;
         }
     }
 
@@ -458,9 +454,6 @@ impl ConsumerQueue {
                 return None;
             }
             s.closed = true;
-            if let Some(d) = &self.dispatch {
-                d.closed.store(true, Ordering::SeqCst);
-            }
             let left: Vec<Envelope> = s.items.drain(..).collect();
             s.stats.discarded += left.len() as u64;
             (left, s.consumer.take(), std::mem::take(&mut s.room_waiters))
