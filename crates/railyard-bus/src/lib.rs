@@ -39,6 +39,8 @@
 //!   point between a sender and a consumer.
 //! - [`ConsumerBuilder`], [`Consumer`], [`MessageStream`] (`consumer`): handler
 //!   tasks and streams that drain a queue in batches.
+//! - [`enable_loop_dispatch`] (`dispatch`): on an event loop, handler
+//!   consumers run by one dispatcher task per loop instead of a task each.
 //! - [`Message`] (`message`): what a consumer gets, and `reply` / `fail` /
 //!   `reply_and_request`.
 //! - [`PendingReply`] (`reply`): a request's future; the reply travels
@@ -54,13 +56,14 @@
 //! `send(addr, v)`: wrap `v` in a [`Body`] (one `Arc`) → outbound
 //! interceptors (skipped by one flag check when none) → look `addr` up in the
 //! registry snapshot → pick a consumer round-robin → push onto its queue
-//! under a short lock → wake its task only if it was idle. The consumer task
-//! takes up to 64 messages per lock, runs inbound interceptors and awaits the
-//! handler for each, in order.
+//! under a short lock → wake its task only if it was idle (on an event loop
+//! with dispatch enabled: put it on the loop's ready list). The consumer task
+//! (or the loop's dispatcher) takes up to 64 messages per lock, runs inbound
+//! interceptors and awaits the handler for each, in order.
 //!
 //! # What is hand-written and why
 //! The hot path (registry snapshot, queue, round-robin cursors, sharded
-//! counters) is Railyard's own: it is the product. Everything else uses crates
+//! counters, the event-loop dispatcher) is Railyard's own: it is the product. Everything else uses crates
 //! (`tokio` for tasks, timers and the reply slot, `arc-swap`, `parking_lot`,
 //! `serde_json`).
 
@@ -78,6 +81,7 @@ mod options;
 mod queue;
 mod remote;
 mod reply;
+mod spin;
 mod timeouts;
 
 pub use body::Body;

@@ -1,13 +1,14 @@
 //! The bounded buffer in front of each consumer: the bus's hand-off point.
 //!
-//! One `parking_lot` mutex guards a `VecDeque`, the consumer's waker and the
-//! waiters for room. A sender takes the lock once per message; the consumer
+//! One spin lock (`spin`: its release is a plain store) guards a `VecDeque`,
+//! the consumer's waker and the waiters for room. A sender takes the lock once per message; the consumer
 //! takes it once per batch (up to [`BATCH`] messages). The consumer's waker is
 //! stored only while the consumer is idle, so a sender wakes it at most once
 //! per idle period and never while it is already scheduled.
 //!
-//! Why a mutex and not a lock-free ring: the critical section is a handful of
-//! instructions, uncontended locking costs about as much as one CAS, memory
+//! Why a lock and not a lock-free ring: the critical section is a handful of
+//! instructions, uncontended locking costs one CAS (and the release a plain
+//! store), memory
 //! grows with use instead of being preallocated per consumer (bridge clients
 //! and send-send chains register many small consumers), and pause / fetch /
 //! close stay trivially consistent with the buffer.
@@ -17,12 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use parking_lot::Mutex;
-
 use crate::bus::Shared;
 use crate::dispatch::{Dispatcher, Runner};
 use crate::metrics::ConsumerStats;
 use crate::reply::ReplySender;
+use crate::spin::SpinLock;
 use crate::{Body, BusError, Headers};
 
 /// Most messages a consumer takes per lock acquisition.
@@ -81,7 +81,7 @@ pub(crate) struct ConsumerQueue {
     /// Registered with `local_consumer`: never advertised to a cluster.
     pub(crate) local: bool,
     capacity: usize,
-    state: Mutex<State>,
+    state: SpinLock<State>,
     /// Set for a handler consumer run by an event loop's dispatcher
     /// (`dispatch`); `None` for a consumer with its own task or a stream.
     dispatch: Option<Dispatched>,
@@ -160,7 +160,7 @@ impl ConsumerQueue {
             id,
             local,
             capacity: capacity.max(1),
-            state: Mutex::new(State {
+            state: SpinLock::new(State {
                 items: VecDeque::new(),
                 consumer: None,
                 room_waiters: Vec::new(),
