@@ -28,6 +28,63 @@ type Locals = Box<[Arc<ConsumerQueue>]>;
 type Remotes = Box<[Arc<dyn RemoteNode>]>;
 type Table = HashMap<Arc<str>, Arc<AddressEntry>, foldhash::fast::RandomState>;
 
+/// Source of [`Inner::id`].
+static NEXT_BUS_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's cached snapshot: (bus id, generation, table). No drop
+    /// glue, so reading it is a plain thread-local load.
+    static CACHED: std::cell::Cell<(u64, u64, *const Table)> =
+        const { std::cell::Cell::new((0, 0, std::ptr::null())) };
+    /// Set while a cached snapshot is borrowed (see `EventBus::snapshot`).
+    static IN_USE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Owns the table `CACHED` points to; clears `CACHED` when the thread exits.
+    static OWNED: OwnedTable = const { OwnedTable(std::cell::RefCell::new(None)) };
+}
+
+/// The owner of a thread's cached snapshot.
+struct OwnedTable(std::cell::RefCell<Option<Arc<Table>>>);
+
+impl OwnedTable {
+    fn replace(&self, table: Option<Arc<Table>>) -> Option<Arc<Table>> {
+        std::mem::replace(&mut *self.0.borrow_mut(), table)
+    }
+}
+
+impl Drop for OwnedTable {
+    fn drop(&mut self) {
+        // The pointer must not outlive the table it points to.
+        let _ = CACHED.try_with(|c| c.set((0, 0, std::ptr::null())));
+    }
+}
+
+/// A registry snapshot: this thread's cached one, or a fresh `ArcSwap` guard.
+enum Snapshot<'a> {
+    Cached(&'a Table),
+    Loaded(arc_swap::Guard<Arc<Table>>),
+}
+
+impl std::ops::Deref for Snapshot<'_> {
+    type Target = Table;
+
+    #[inline]
+    fn deref(&self) -> &Table {
+        match self {
+            Snapshot::Cached(t) => t,
+            Snapshot::Loaded(g) => g,
+        }
+    }
+}
+
+impl Drop for Snapshot<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        if matches!(self, Snapshot::Cached(_)) {
+            IN_USE.set(false);
+        }
+    }
+}
+
 /// The consumers at one address. Immutable once published in the table:
 /// a registration change builds a new entry.
 struct AddressEntry {
@@ -77,6 +134,11 @@ pub(crate) struct Inner {
     /// Lock-free snapshot read on every send; replaced (copy on write) on
     /// every registration change.
     table: ArcSwap<Table>,
+    /// This bus, for the per-thread snapshot cache (never reused, unlike an address).
+    id: u64,
+    /// Bumped after every `table` store: a thread's cached snapshot is
+    /// current while the generation it was taken at is.
+    generation: AtomicU64,
     /// Serializes registry writers so no update is lost between load and store.
     /// Never held across an await, never taken on the send path.
     write: Mutex<()>,
@@ -205,6 +267,8 @@ impl EventBus {
         Self {
             inner: Arc::new(Inner {
                 table: ArcSwap::from_pointee(Table::default()),
+                id: NEXT_BUS_ID.fetch_add(1, Ordering::Relaxed),
+                generation: AtomicU64::new(0),
                 write: Mutex::new(()),
                 retired: Mutex::new(ConsumerStats::default()),
                 hook: RwLock::new(None),
@@ -429,7 +493,7 @@ impl EventBus {
             return Err(SendError::new(e, env.body));
         }
         self.inner.shared.counters.published.add(1);
-        let table = self.inner.table.load();
+        let table = self.snapshot();
         let mut report = PublishReport::default();
         if let Some(entry) = table.get(address) {
             for q in entry.consumers.iter() {
@@ -606,7 +670,7 @@ impl EventBus {
         mut env: Envelope,
         options: &DeliveryOptions,
     ) -> Result<(), (BusError, Envelope, Option<Room>)> {
-        let table = self.inner.table.load();
+        let table = self.snapshot();
         let entry = table.get(address);
         let (locals, remotes) = entry.map_or((0, 0), |e| {
             let remotes = if options.local_only {
@@ -718,6 +782,49 @@ impl EventBus {
         })
     }
 
+    /// The registry snapshot for one send or publish.
+    ///
+    /// Each thread keeps the snapshot it last used with the generation it
+    /// was taken at; while no registration changed since, this costs one
+    /// atomic load instead of `ArcSwap::load`, whose guard claims and then
+    /// releases a debt slot with two locked instructions (measured: 15% of
+    /// a local send-send round trip's CPU). A nested use on the same thread
+    /// (none exists today: routing runs no user code) or another bus falls
+    /// back to `ArcSwap::load`.
+    #[inline]
+    fn snapshot(&self) -> Snapshot<'_> {
+        let generation = self.inner.generation.load(Ordering::Acquire);
+        let (bus, at, table) = CACHED.get();
+        if bus == self.inner.id && at == generation && !table.is_null() && !IN_USE.get() {
+            IN_USE.set(true);
+            // Safety: `table` came from `Arc::into_raw` of the Arc that
+            // `OWNED` keeps; only `refresh_cache` replaces it, which never
+            // runs while `IN_USE` is set (this snapshot clears it on drop).
+            return Snapshot::Cached(unsafe { &*table });
+        }
+        self.refresh_cache(generation)
+    }
+
+    #[cold]
+    fn refresh_cache(&self, generation: u64) -> Snapshot<'_> {
+        if !IN_USE.get() {
+            let table = self.inner.table.load_full();
+            let raw = Arc::as_ptr(&table);
+            let replaced = OWNED.with(|o| o.replace(Some(table)));
+            CACHED.set((self.inner.id, generation, raw));
+            drop(replaced);
+        }
+        Snapshot::Loaded(self.inner.table.load())
+    }
+
+    /// Publishes a new registry snapshot, then bumps the generation (in
+    /// that order: a thread that sees the new generation loads at least
+    /// this snapshot).
+    fn store_table(&self, table: Table) {
+        self.inner.table.store(Arc::new(table));
+        self.inner.generation.fetch_add(1, Ordering::Release);
+    }
+
     pub(crate) fn next_id(&self) -> u64 {
         self.inner.shared.next_id.fetch_add(1, Ordering::Relaxed)
     }
@@ -742,7 +849,7 @@ impl EventBus {
                 queue.address.clone(),
                 Arc::new(AddressEntry::new(consumers, remotes)),
             );
-            self.inner.table.store(Arc::new(table));
+            self.store_table(table);
             first_public
         };
         if !first_public {
@@ -777,7 +884,7 @@ impl EventBus {
                             Arc::new(AddressEntry::new(rest, e.remotes.clone())),
                         );
                     }
-                    self.inner.table.store(Arc::new(table));
+                    self.store_table(table);
                 }
             }
         }
@@ -839,7 +946,7 @@ impl EventBus {
                 Arc::new(AddressEntry::new(consumers, nodes.into_boxed_slice())),
             );
         }
-        self.inner.table.store(Arc::new(table));
+        self.store_table(table);
     }
 
     /// Delivers a request that came from another node: `sink.reply(id, ..)`

@@ -904,3 +904,32 @@ mod remote {
         );
     }
 }
+
+/// Each thread caches the registry snapshot it last sent with: a change in
+/// registrations, or another bus on the same thread, must never be routed
+/// with a stale one.
+#[tokio::test]
+async fn registry_changes_and_other_buses_are_seen_by_the_next_send() {
+    let (one, two) = (EventBus::new(), EventBus::new());
+    let mut s1 = one.consumer("a").stream().await.unwrap();
+    let mut s2 = two.consumer("a").stream().await.unwrap();
+    for i in 0..10u32 {
+        one.send("a", i).unwrap();
+        two.send("a", 100 + i).unwrap();
+    }
+    for i in 0..10u32 {
+        assert_eq!(s1.next().await.unwrap().body::<u32>(), Some(&i));
+        assert_eq!(s2.next().await.unwrap().body::<u32>(), Some(&(100 + i)));
+    }
+    // A new address right after a send on this thread: found at once.
+    let mut b = one.consumer("b").stream().await.unwrap();
+    one.send("b", 7u32).unwrap();
+    assert_eq!(b.next().await.unwrap().body::<u32>(), Some(&7));
+    // Gone: the next send says so instead of using the cached entry.
+    drop(s1);
+    let e = one.send("a", 1u32).unwrap_err();
+    assert_eq!(e.kind(), FailureKind::NoHandlers);
+    // The other bus is untouched.
+    two.send("a", 5u32).unwrap();
+    assert_eq!(s2.next().await.unwrap().body::<u32>(), Some(&5));
+}
