@@ -18,6 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
+use crossbeam_utils::CachePadded;
+
 use crate::bus::Shared;
 use crate::dispatch::{Dispatcher, Runner};
 use crate::metrics::ConsumerStats;
@@ -71,6 +73,12 @@ impl std::fmt::Debug for ConsumerQueue {
 /// Demand value meaning "flowing": the consumer takes whatever arrives.
 const FLOWING: u64 = u64::MAX;
 
+/// Aligned so that, inside its `Arc`, the reference counts (changed by every
+/// scheduling on an event loop, from either core) sit on lines of their own,
+/// apart from the fields both cores only read; `state` (written by every
+/// hand-off) is padded onto its own lines too. Without this, each write to
+/// one of them evicts the read-mostly fields from the other core's cache.
+#[repr(align(128))]
 pub(crate) struct ConsumerQueue {
     /// This consumer's own copy: messages clone it on the consumer's thread
     /// only, so its reference count never bounces between cores.
@@ -81,7 +89,7 @@ pub(crate) struct ConsumerQueue {
     /// Registered with `local_consumer`: never advertised to a cluster.
     pub(crate) local: bool,
     capacity: usize,
-    state: SpinLock<State>,
+    state: CachePadded<SpinLock<State>>,
     /// Set for a handler consumer run by an event loop's dispatcher
     /// (`dispatch`); `None` for a consumer with its own task or a stream.
     dispatch: Option<Dispatched>,
@@ -160,7 +168,7 @@ impl ConsumerQueue {
             id,
             local,
             capacity: capacity.max(1),
-            state: SpinLock::new(State {
+            state: CachePadded::new(SpinLock::new(State {
                 items: VecDeque::new(),
                 consumer: None,
                 room_waiters: Vec::new(),
@@ -169,7 +177,7 @@ impl ConsumerQueue {
                 scheduled: false,
                 in_task: false,
                 stats: ConsumerStats::default(),
-            }),
+            })),
             dispatch,
         }
     }
