@@ -19,6 +19,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crossbeam_utils::Backoff;
 
 /// A spin lock around `T`; see the module docs for when it fits.
+///
+/// `repr(C)`: the flag comes first, so it shares a cache line with the
+/// first fields of `T` (the consumer queue puts its hottest ones there).
+#[repr(C)]
 pub(crate) struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,
