@@ -299,8 +299,8 @@ fn dispatched_consumers_switching_to_tasks_lose_and_reorder_nothing() {
     let (a, b) = (Loop::start("loop-a", true), Loop::start("loop-b", true));
     let bus = EventBus::new();
     // seen[c]: (sender, sequence) pairs in the order consumer c handled them.
-    let seen: Arc<Vec<Mutex<Vec<(u64, u64)>>>> =
-        Arc::new((0..3).map(|_| Mutex::new(Vec::new())).collect());
+    type Handled = Mutex<Vec<(u64, u64)>>;
+    let seen: Arc<Vec<Handled>> = Arc::new((0..3).map(|_| Mutex::new(Vec::new())).collect());
     let mut consumers = Vec::new();
     for c in 0..3usize {
         let (bus, seen) = (bus.clone(), seen.clone());
