@@ -160,6 +160,27 @@ struct State {
     stats: ConsumerStats,
 }
 
+impl State {
+    /// Moves up to `max` messages, bounded by demand, into `out` and counts
+    /// them delivered. The caller has checked that some may be taken.
+    #[inline]
+    fn take_into(&mut self, out: &mut VecDeque<Envelope>, max: usize) {
+        let n = max
+            .min(self.items.len())
+            .min(usize::try_from(self.demand).unwrap_or(usize::MAX));
+        if n == self.items.len() && out.is_empty() {
+            // The common case: take everything by swapping buffers, O(1).
+            std::mem::swap(&mut self.items, out);
+        } else {
+            out.extend(self.items.drain(..n));
+        }
+        if self.demand != FLOWING {
+            self.demand -= n as u64;
+        }
+        self.stats.delivered += n as u64;
+    }
+}
+
 impl ConsumerQueue {
     pub(crate) fn new(
         address: &str,
@@ -247,18 +268,7 @@ impl ConsumerQueue {
                 s.scheduled = false;
                 return Take::Empty;
             }
-            let n = max
-                .min(s.items.len())
-                .min(usize::try_from(s.demand).unwrap_or(usize::MAX));
-            if n == s.items.len() && out.is_empty() {
-                std::mem::swap(&mut s.items, out);
-            } else {
-                out.extend(s.items.drain(..n));
-            }
-            if s.demand != FLOWING {
-                s.demand -= n as u64;
-            }
-            s.stats.delivered += n as u64;
+            s.take_into(out, max);
             let more = !s.items.is_empty() && s.demand > 0;
             s.scheduled = more;
             // Ordered by the lock against `close`, which `unregister` takes
@@ -401,19 +411,7 @@ impl ConsumerQueue {
                 }
                 return Poll::Pending;
             }
-            let n = max
-                .min(s.items.len())
-                .min(usize::try_from(s.demand).unwrap_or(usize::MAX));
-            if n == s.items.len() && out.is_empty() {
-                // The common case: take everything by swapping buffers, O(1).
-                std::mem::swap(&mut s.items, out);
-            } else {
-                out.extend(s.items.drain(..n));
-            }
-            if s.demand != FLOWING {
-                s.demand -= n as u64;
-            }
-            s.stats.delivered += n as u64;
+            s.take_into(out, max);
             std::mem::take(&mut s.room_waiters)
         };
         for w in waiters {

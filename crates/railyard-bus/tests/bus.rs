@@ -2,7 +2,6 @@
 //! ordering, interceptors, codecs, metrics. No timing assertions: timeouts use
 //! tokio's paused clock.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,6 +9,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use railyard_bus::*;
 use tokio::sync::mpsc;
+
+mod common;
 
 /// A consumer at `addr` that replies with the `u64` body plus one.
 async fn adder(bus: &EventBus, addr: &str) -> Consumer {
@@ -219,33 +220,7 @@ async fn request_chains_reply_to_a_reply() {
 
 #[tokio::test]
 async fn send_round_robins_fairly() {
-    let bus = EventBus::new();
-    let counts: Arc<Vec<AtomicUsize>> = Arc::new((0..3).map(|_| AtomicUsize::new(0)).collect());
-    let mut consumers = vec![];
-    for i in 0..3 {
-        let counts = counts.clone();
-        consumers.push(
-            bus.consumer("rr")
-                .handler(move |_m| {
-                    counts[i].fetch_add(1, Ordering::Relaxed);
-                    async {}
-                })
-                .await
-                .unwrap(),
-        );
-    }
-    assert_eq!(bus.consumer_count("rr"), 3);
-    for i in 0..300u64 {
-        bus.send("rr", i).unwrap();
-    }
-    while bus.metrics().delivered() < 300 {
-        tokio::task::yield_now().await;
-    }
-    for c in consumers {
-        c.unregister().await;
-    }
-    let got: Vec<usize> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
-    assert_eq!(got, vec![100, 100, 100]);
+    common::send_round_robins_fairly(&EventBus::new()).await;
 }
 
 #[tokio::test]
@@ -346,42 +321,7 @@ async fn full_buffer_refuses_send_and_hands_the_body_back() {
 
 #[tokio::test]
 async fn pause_fetch_resume_control_delivery() {
-    let bus = EventBus::new();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let c = bus
-        .consumer("gated")
-        .paused()
-        .handler(move |m| {
-            let tx = tx.clone();
-            async move { tx.send(*m.body::<u64>().unwrap()).unwrap() }
-        })
-        .await
-        .unwrap();
-    for i in 0..10u64 {
-        bus.send("gated", i).unwrap();
-    }
-    tokio::task::yield_now().await;
-    assert!(rx.try_recv().is_err(), "paused: nothing delivered");
-    c.fetch(3);
-    for want in 0..3u64 {
-        assert_eq!(rx.recv().await, Some(want));
-    }
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    assert!(
-        rx.try_recv().is_err(),
-        "fetch(3) lets exactly three through"
-    );
-    assert_eq!(c.stats().buffered, 7);
-    c.resume();
-    for want in 3..10u64 {
-        assert_eq!(rx.recv().await, Some(want));
-    }
-    c.pause();
-    bus.send("gated", 10u64).unwrap();
-    tokio::task::yield_now().await;
-    assert!(rx.try_recv().is_err());
+    common::pause_fetch_resume_control_delivery(&EventBus::new()).await;
 }
 
 #[tokio::test]

@@ -11,6 +11,8 @@ use futures::StreamExt;
 use railyard_bus::*;
 use tokio::sync::mpsc;
 
+mod common;
+
 #[test]
 fn dispatch_is_enabled_only_on_a_current_thread_runtime() {
     let on_current = tokio::runtime::Builder::new_current_thread()
@@ -56,32 +58,7 @@ async fn requests_get_replies_and_failures() {
 #[tokio::test]
 async fn send_round_robins_fairly() {
     assert!(enable_loop_dispatch());
-    let bus = EventBus::new();
-    let counts: Arc<Vec<AtomicUsize>> = Arc::new((0..3).map(|_| AtomicUsize::new(0)).collect());
-    let mut consumers = vec![];
-    for i in 0..3 {
-        let counts = counts.clone();
-        consumers.push(
-            bus.consumer("rr")
-                .handler(move |_m| {
-                    counts[i].fetch_add(1, Ordering::Relaxed);
-                    async {}
-                })
-                .await
-                .unwrap(),
-        );
-    }
-    for i in 0..300u64 {
-        bus.send("rr", i).unwrap();
-    }
-    while bus.metrics().delivered() < 300 {
-        tokio::task::yield_now().await;
-    }
-    for c in consumers {
-        c.unregister().await;
-    }
-    let got: Vec<usize> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
-    assert_eq!(got, vec![100, 100, 100]);
+    common::send_round_robins_fairly(&EventBus::new()).await;
 }
 
 /// A handler that awaits (so its consumer moves onto a task of its own for
@@ -173,40 +150,7 @@ async fn chains_of_sends_within_the_loop_complete() {
 #[tokio::test]
 async fn pause_fetch_resume_control_delivery() {
     assert!(enable_loop_dispatch());
-    let bus = EventBus::new();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let c = bus
-        .consumer("gated")
-        .paused()
-        .handler(move |m| {
-            let tx = tx.clone();
-            async move { tx.send(*m.body::<u64>().unwrap()).unwrap() }
-        })
-        .await
-        .unwrap();
-    for i in 0..10u64 {
-        bus.send("gated", i).unwrap();
-    }
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    assert!(rx.try_recv().is_err(), "paused: nothing delivered");
-    c.fetch(3);
-    for want in 0..3u64 {
-        assert_eq!(rx.recv().await, Some(want));
-    }
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    assert!(
-        rx.try_recv().is_err(),
-        "fetch(3) lets exactly three through"
-    );
-    assert_eq!(c.stats().buffered, 7);
-    c.resume();
-    for want in 3..10u64 {
-        assert_eq!(rx.recv().await, Some(want));
-    }
+    common::pause_fetch_resume_control_delivery(&EventBus::new()).await;
 }
 
 #[tokio::test]
