@@ -48,6 +48,13 @@ thread_local! {
     static RUNNING: Cell<*const Dispatcher> = const { Cell::new(std::ptr::null()) };
     /// The dispatcher of the loop this thread runs (set by [`enable_loop_dispatch`]).
     static THIS_LOOP: RefCell<Option<Arc<Dispatcher>>> = const { RefCell::new(None) };
+    /// Its address identifies this thread among live threads, without the
+    /// reference count `std::thread::current()` would touch.
+    static THREAD_MARK: u8 = const { 0 };
+}
+
+fn thread_mark() -> usize {
+    THREAD_MARK.with(|m| std::ptr::from_ref(m) as usize)
 }
 
 /// Makes handler consumers registered from this thread from now on run on a
@@ -89,6 +96,21 @@ pub(crate) struct Dispatcher {
     /// Touched only inside `DispatchTask::poll` (checked through `RUNNING`),
     /// which tokio never runs on two threads at once.
     local: UnsafeCell<VecDeque<Arc<ConsumerQueue>>>,
+    /// Consumers scheduled by the loop's own thread outside the dispatcher's
+    /// poll (plain tasks of the loop: a requester, a link reader). Touched
+    /// only on the `owner` thread, which never runs two things at once.
+    nearby: UnsafeCell<Vec<Arc<ConsumerQueue>>>,
+    /// The dispatcher task's waker while it is parked, for `nearby`
+    /// schedulers (owner thread only).
+    nearby_parked: UnsafeCell<Option<Waker>>,
+    /// `thread_mark()` of the thread that enabled dispatch.
+    owner: usize,
+    /// Set for good if the task is ever polled on another thread (the
+    /// runtime moved, against `enable_loop_dispatch`'s contract): then
+    /// `nearby` is no longer used, so it is never touched from two threads.
+    migrated: AtomicBool,
+    /// A hint, read without the lock: `remote` has consumers.
+    has_remote: AtomicBool,
     /// Consumers scheduled from anywhere else.
     remote: Mutex<Remote>,
     /// An empty list with room, swapped with `Remote::ready` on each drain so
@@ -117,6 +139,11 @@ impl Dispatcher {
     fn new() -> Self {
         Self {
             local: UnsafeCell::new(VecDeque::new()),
+            nearby: UnsafeCell::new(Vec::new()),
+            nearby_parked: UnsafeCell::new(None),
+            owner: thread_mark(),
+            migrated: AtomicBool::new(false),
+            has_remote: AtomicBool::new(false),
             remote: Mutex::new(Remote::default()),
             spare: UnsafeCell::new(Vec::new()),
             alive: AtomicBool::new(true),
@@ -132,9 +159,22 @@ impl Dispatcher {
             unsafe { (*self.local.get()).push_back(queue) };
             return;
         }
+        if thread_mark() == self.owner && !self.migrated.load(Ordering::Relaxed) {
+            // Safety: on the owner thread, outside this dispatcher's poll (the
+            // check above), and the task was never polled elsewhere: nothing
+            // else touches `nearby` or `nearby_parked` now.
+            unsafe {
+                (*self.nearby.get()).push(queue);
+                if let Some(w) = (*self.nearby_parked.get()).take() {
+                    w.wake();
+                }
+            }
+            return;
+        }
         let parked = {
             let mut r = self.remote.lock();
             r.ready.push(queue);
+            self.has_remote.store(true, Ordering::Relaxed);
             r.parked.take()
         };
         if let Some(w) = parked {
@@ -143,9 +183,49 @@ impl Dispatcher {
     }
 }
 
+impl Dispatcher {
+    /// Moves consumers scheduled by the loop's other tasks (`nearby`, on the
+    /// owner thread) and by other threads (`remote`: only if its hint is
+    /// set, unless `always`) onto `local`. Returns whether there were any.
+    /// Inside this dispatcher's poll only.
+    fn take_others(&self, on_owner: bool, always: bool) -> bool {
+        let mut any = false;
+        if on_owner {
+            // Safety: owner thread, inside the poll; no borrow outlives this.
+            unsafe {
+                let nearby = &mut *self.nearby.get();
+                if !nearby.is_empty() {
+                    (*self.local.get()).extend(nearby.drain(..));
+                    any = true;
+                }
+                *self.nearby_parked.get() = None;
+            }
+        }
+        if always || self.has_remote.load(Ordering::Relaxed) {
+            let mut r = self.remote.lock();
+            self.has_remote.store(false, Ordering::Relaxed);
+            r.parked = None;
+            if !r.ready.is_empty() {
+                // Safety: as above (`spare` is used like `local`).
+                let spare = unsafe { &mut *self.spare.get() };
+                std::mem::swap(&mut r.ready, spare);
+                drop(r);
+                // Safety: as above.
+                unsafe { (*self.local.get()).extend(spare.drain(..)) };
+                any = true;
+            }
+        }
+        any
+    }
+}
+
 /// Most consumer runs per poll before the dispatcher yields to the other
 /// tasks of its runtime (timers, sockets, plain tasks).
 const RUNS_PER_POLL: usize = 256;
+
+/// Consumer runs between two looks at what other tasks and threads
+/// scheduled, so they are not starved by a loop that never runs dry.
+const OTHERS_EVERY: usize = 16;
 
 /// The task that runs a loop's ready consumers.
 struct DispatchTask(Arc<Dispatcher>);
@@ -160,6 +240,13 @@ impl Drop for DispatchTask {
         // is not borrowed.
         let local = unsafe { std::mem::take(&mut *self.0.local.get()) };
         drop(local);
+        if thread_mark() == self.0.owner && !self.0.migrated.load(Ordering::Relaxed) {
+            // Safety: owner thread, and this task (the only reader) is being
+            // dropped. Elsewhere `nearby` is left alone (a leak at shutdown
+            // rather than a race).
+            let nearby = unsafe { std::mem::take(&mut *self.0.nearby.get()) };
+            drop(nearby);
+        }
     }
 }
 
@@ -184,32 +271,39 @@ impl Future for DispatchTask {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let d = &*self.0;
         let _running = RunningGuard::enter(d);
+        let on_owner = thread_mark() == d.owner && !d.migrated.load(Ordering::Relaxed);
+        if !on_owner {
+            d.migrated.store(true, Ordering::Relaxed);
+        }
         let mut batch: VecDeque<Envelope> = VecDeque::new();
         let mut runs = 0;
         loop {
+            if runs % OTHERS_EVERY == 0 {
+                d.take_others(on_owner, false);
+            }
             // Safety: inside this dispatcher's poll; the borrow ends before
             // any handler runs (handlers may schedule onto `local`).
             let next = unsafe { (*d.local.get()).pop_front() };
-            let queue = match next {
-                Some(q) => q,
-                None => {
-                    let mut r = d.remote.lock();
-                    if r.ready.is_empty() {
-                        match &r.parked {
-                            Some(w) if w.will_wake(cx.waker()) => {}
-                            _ => r.parked = Some(cx.waker().clone()),
-                        }
-                        return Poll::Pending;
-                    }
-                    // Safety: as above (`spare` is used like `local`).
-                    let spare = unsafe { &mut *d.spare.get() };
-                    std::mem::swap(&mut r.ready, spare);
-                    r.parked = None;
-                    drop(r);
-                    // Safety: as above.
-                    unsafe { (*d.local.get()).extend(spare.drain(..)) };
+            let Some(queue) = next else {
+                if d.take_others(on_owner, true) {
                     continue;
                 }
+                // Park. `remote` is checked once more under its lock, with
+                // the waker stored in the same critical section.
+                let mut r = d.remote.lock();
+                if !r.ready.is_empty() {
+                    continue;
+                }
+                match &r.parked {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => r.parked = Some(cx.waker().clone()),
+                }
+                drop(r);
+                if on_owner {
+                    // Safety: on the owner thread, inside the poll.
+                    unsafe { *d.nearby_parked.get() = Some(cx.waker().clone()) };
+                }
+                return Poll::Pending;
             };
             run_consumer(&queue, &mut batch, cx);
             runs += 1;
