@@ -107,7 +107,10 @@ pub(crate) struct Dispatcher {
     owner: usize,
     /// Set for good if the task is ever polled on another thread (the
     /// runtime moved, against `enable_loop_dispatch`'s contract): then
-    /// `nearby` is no longer used, so it is never touched from two threads.
+    /// `nearby` is no longer filled, since only the owner thread drains it.
+    /// (Safety does not rest on this flag: every access to `nearby` checks
+    /// that it runs on the owner thread, and no two live threads share a
+    /// `thread_mark`.)
     migrated: AtomicBool,
     /// A hint, read without the lock: `remote` has consumers.
     has_remote: AtomicBool,
@@ -160,9 +163,9 @@ impl Dispatcher {
             return;
         }
         if thread_mark() == self.owner && !self.migrated.load(Ordering::Relaxed) {
-            // Safety: on the owner thread, outside this dispatcher's poll (the
-            // check above), and the task was never polled elsewhere: nothing
-            // else touches `nearby` or `nearby_parked` now.
+            // Safety: only the owner thread touches `nearby` and
+            // `nearby_parked`, and this thread is not inside this
+            // dispatcher's poll (checked above), the only other place it does.
             unsafe {
                 (*self.nearby.get()).push(queue);
                 if let Some(w) = (*self.nearby_parked.get()).take() {
