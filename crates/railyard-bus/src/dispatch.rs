@@ -67,6 +67,10 @@ fn thread_mark() -> usize {
 /// thread afterwards are run by that runtime, so a second runtime on the
 /// same thread would not run them. Handler consumers registered elsewhere,
 /// and every [`MessageStream`](crate::MessageStream), keep their own tasks.
+///
+/// The runtime needs its timer (`Builder::enable_time`): `unregister` on a
+/// consumer whose handler is in the middle of an await checks every
+/// millisecond until that handler is done.
 pub fn enable_loop_dispatch() -> bool {
     let Ok(handle) = Handle::try_current() else {
         return false;
