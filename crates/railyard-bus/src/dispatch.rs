@@ -188,14 +188,12 @@ impl Dispatcher {
             w.wake();
         }
     }
-}
 
-impl Dispatcher {
     /// Moves consumers scheduled by the loop's other tasks (`nearby`, on the
-    /// owner thread) and by other threads (`remote`: only if its hint is
-    /// set, unless `always`) onto `local`. Returns whether there were any.
-    /// Inside this dispatcher's poll only.
-    fn take_others(&self, on_owner: bool, always: bool) -> bool {
+    /// owner thread) and by other threads (`remote`, when its hint is set)
+    /// onto `local`. Returns whether there were any. Inside this
+    /// dispatcher's poll only.
+    fn take_others(&self, on_owner: bool) -> bool {
         let mut any = false;
         if on_owner {
             // Safety: owner thread, inside the poll; no borrow outlives this.
@@ -208,7 +206,7 @@ impl Dispatcher {
                 *self.nearby_parked.get() = None;
             }
         }
-        if always || self.has_remote.load(Ordering::Relaxed) {
+        if self.has_remote.load(Ordering::Relaxed) {
             let mut r = self.remote.lock();
             self.has_remote.store(false, Ordering::Relaxed);
             r.parked = None;
@@ -286,17 +284,19 @@ impl Future for DispatchTask {
         let mut runs = 0;
         loop {
             if runs % OTHERS_EVERY == 0 {
-                d.take_others(on_owner, false);
+                d.take_others(on_owner);
             }
             // Safety: inside this dispatcher's poll; the borrow ends before
             // any handler runs (handlers may schedule onto `local`).
             let next = unsafe { (*d.local.get()).pop_front() };
             let Some(queue) = next else {
-                if d.take_others(on_owner, true) {
+                if d.take_others(on_owner) {
                     continue;
                 }
-                // Park. `remote` is checked once more under its lock, with
-                // the waker stored in the same critical section.
+                // Park. `remote` is checked under its lock, with the waker
+                // stored in the same critical section; if something came,
+                // its scheduler set the hint under this lock, so the next
+                // `take_others` takes it.
                 let mut r = d.remote.lock();
                 if !r.ready.is_empty() {
                     continue;

@@ -445,7 +445,9 @@ impl ConsumerQueue {
         let wake = {
             let mut s = self.state.lock();
             s.demand = f(s.demand);
-            if s.items.is_empty() || s.in_task {
+            // (While on its own task a dispatched consumer stays scheduled,
+            // so `wake_for` asks for nothing.)
+            if s.items.is_empty() {
                 None
             } else {
                 self.wake_for(&mut s)

@@ -857,6 +857,9 @@ async fn registry_changes_and_other_buses_are_seen_by_the_next_send() {
         one.send("a", i).unwrap();
         two.send("a", 100 + i).unwrap();
     }
+    // A send enqueues before it returns: each bus's consumer holds its own
+    // ten (a snapshot of the other bus would have put all twenty in one).
+    assert_eq!((s1.stats().buffered, s2.stats().buffered), (10, 10));
     for i in 0..10u32 {
         assert_eq!(s1.next().await.unwrap().body::<u32>(), Some(&i));
         assert_eq!(s2.next().await.unwrap().body::<u32>(), Some(&(100 + i)));
@@ -869,6 +872,11 @@ async fn registry_changes_and_other_buses_are_seen_by_the_next_send() {
     drop(s1);
     let e = one.send("a", 1u32).unwrap_err();
     assert_eq!(e.kind(), FailureKind::NoHandlers);
+    // And a new consumer there is found by the very next send (a stale
+    // snapshot would list only the closed one).
+    let s1b = one.consumer("a").stream().await.unwrap();
+    one.send("a", 2u32).unwrap();
+    assert_eq!(s1b.stats().buffered, 1);
     // The other bus is untouched.
     two.send("a", 5u32).unwrap();
     assert_eq!(s2.next().await.unwrap().body::<u32>(), Some(&5));
