@@ -520,6 +520,7 @@ impl EventBus {
                         codec: options.codec.clone(),
                         reply: None,
                     };
+                    crate::dispatch::note_sent_away();
                     match node.deliver(msg) {
                         Ok(()) => report.delivered += 1,
                         Err(u) if matches!(u.error, BusError::Full { .. }) => {
@@ -768,6 +769,7 @@ impl EventBus {
             codec: options.codec.clone(),
             reply: env.reply.map(|tx| ReplyHandle { tx }),
         };
+        crate::dispatch::note_sent_away();
         node.deliver(msg).map_err(|u| {
             let Undelivered { error, message: m } = *u;
             (

@@ -70,6 +70,7 @@ impl ReplySender {
             ReplySender::Local(tx) => tx.send(result),
             ReplySender::Remote(mut r) => {
                 r.done = true;
+                crate::dispatch::note_sent_away();
                 r.sink.reply(r.id, result);
                 Ok(())
             }

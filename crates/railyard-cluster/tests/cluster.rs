@@ -9,10 +9,18 @@ use railyard_cluster::{ClusterConfig, ClusterNode, InProcessRegistry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn start(reg: &InProcessRegistry, id: &str) -> (EventBus, ClusterNode) {
+    start_pinging(reg, id, Duration::from_millis(100)).await
+}
+
+async fn start_pinging(
+    reg: &InProcessRegistry,
+    id: &str,
+    ping_interval: Duration,
+) -> (EventBus, ClusterNode) {
     let bus = EventBus::new();
     let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
-    cfg.ping_interval = Duration::from_millis(100);
-    cfg.ping_timeout = Duration::from_millis(1500);
+    cfg.ping_interval = ping_interval;
+    cfg.ping_timeout = ping_interval * 15;
     let node = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
         .await
         .expect("node starts");
@@ -347,4 +355,76 @@ async fn a_full_link_makes_requests_wait_not_fail() {
         full > 0,
         "a 4-message link queue must fill under 2000 sends"
     );
+}
+
+/// A burst far larger than the link's read chunk: the receiving link
+/// handles it a chunk at a time and writes answers in between, and still
+/// delivers one sender's messages in order and answers every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_larger_than_a_read_chunk_keep_order_and_answers() {
+    const SENDS: u64 = 2_000;
+    const REQUESTS: u64 = 500;
+    let reg = InProcessRegistry::new();
+    // No pings during the test: a frame left unhandled in the read buffer
+    // would then wait forever (and fail the test) instead of being picked
+    // up when the next ping arrives.
+    let quiet = Duration::from_secs(3600);
+    let (a, _na) = start_pinging(&reg, "a", quiet).await;
+    let (b, _nb) = start_pinging(&reg, "b", quiet).await;
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    // Every message to "burst" is recorded and answered with a send back
+    // to node a (send-send), while more frames of the burst are pending.
+    let _c = b
+        .consumer("burst")
+        .capacity(4 * SENDS as usize)
+        .handler({
+            let b = b.clone();
+            move |m| {
+                let n = *m.body::<u64>().unwrap();
+                s2.lock().push(n);
+                let _ = b.send("back", n);
+                std::future::ready(())
+            }
+        })
+        .await
+        .unwrap();
+    let _back = a
+        .consumer("back")
+        .capacity(4 * SENDS as usize)
+        .handler(move |m| {
+            let _ = done_tx.send(*m.body::<u64>().unwrap());
+            std::future::ready(())
+        })
+        .await
+        .unwrap();
+    let _e = echo(&b, "echo").await;
+    routed(&a, "burst").await;
+    routed(&a, "echo").await;
+    routed(&b, "back").await;
+
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let a = a.clone();
+            tokio::spawn(async move { (i, a.request("echo", i).await) })
+        })
+        .collect();
+    for n in 0..SENDS {
+        a.send("burst", n).unwrap();
+    }
+    for r in requests {
+        let (i, reply) = r.await.unwrap();
+        assert_eq!(*reply.unwrap().body::<u64>().unwrap(), i);
+    }
+    let mut back = Vec::new();
+    while back.len() < SENDS as usize {
+        let n = tokio::time::timeout(Duration::from_secs(10), done_rx.recv())
+            .await
+            .expect("every message comes back within 10 s")
+            .unwrap();
+        back.push(n);
+    }
+    assert_eq!(*seen.lock(), (0..SENDS).collect::<Vec<_>>());
+    assert_eq!(back, (0..SENDS).collect::<Vec<_>>());
 }
