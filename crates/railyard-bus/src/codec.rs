@@ -182,15 +182,18 @@ where
 /// `Vec<u8>`, `String`, `&'static str` and `serde_json::Value`.
 #[derive(Clone)]
 pub struct CodecRegistry {
-    by_name: HashMap<Arc<str>, Arc<dyn MessageCodec>>,
-    defaults: HashMap<TypeId, Arc<str>>,
+    // foldhash, not SipHash: every message that crosses nodes looks up its
+    // codec here (by type, then by name), and the keys are not attacker-chosen
+    // in a way that could hurt (codecs are registered by the application).
+    by_name: HashMap<Arc<str>, Arc<dyn MessageCodec>, foldhash::fast::RandomState>,
+    defaults: HashMap<TypeId, Arc<str>, foldhash::fast::RandomState>,
 }
 
 impl Default for CodecRegistry {
     fn default() -> Self {
         let mut r = Self {
-            by_name: HashMap::new(),
-            defaults: HashMap::new(),
+            by_name: HashMap::default(),
+            defaults: HashMap::default(),
         };
         // The names are distinct, so registration cannot fail.
         let _ = r.register(Arc::new(BytesCodec));

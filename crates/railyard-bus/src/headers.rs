@@ -92,7 +92,7 @@ impl Headers {
     }
 
     /// All (name, value) pairs in insertion order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&str, &str)> {
         self.entries().iter().map(|(n, v)| (n.as_str(), v.as_str()))
     }
 }

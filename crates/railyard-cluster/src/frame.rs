@@ -172,18 +172,10 @@ impl Frame {
                 codec,
                 body,
             } => {
-                out.put_u8(MSG);
-                out.put_u8(match mode {
-                    Mode::Send => 0,
-                    Mode::Publish => 1,
-                    Mode::Request => 2,
-                });
-                out.put_u64(*id);
-                out.put_u32(*timeout_ms);
-                put_str(out, address);
-                put_headers(out, headers);
-                put_str(out, codec);
-                put_blob(out, body);
+                out.truncate(start);
+                let headers = headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+                encode_msg(out, *mode, *id, *timeout_ms, address, headers, codec, body);
+                return;
             }
             Frame::Reply {
                 id,
@@ -191,11 +183,10 @@ impl Frame {
                 codec,
                 body,
             } => {
-                out.put_u8(REPLY);
-                out.put_u64(*id);
-                put_headers(out, headers);
-                put_str(out, codec);
-                put_blob(out, body);
+                out.truncate(start);
+                let headers = headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+                encode_reply(out, *id, headers, codec, body);
+                return;
             }
             Frame::Fail {
                 id,
@@ -322,13 +313,72 @@ fn put_blob(out: &mut BytesMut, b: &[u8]) {
     out.put_slice(b);
 }
 
-fn put_headers(out: &mut BytesMut, h: &[(String, String)]) {
+fn put_headers<'a>(out: &mut BytesMut, h: impl ExactSizeIterator<Item = (&'a str, &'a str)>) {
     let n = h.len().min(u16::MAX as usize);
     out.put_u16(n as u16);
-    for (k, v) in &h[..n] {
+    for (k, v) in h.take(n) {
         put_str(out, k);
         put_str(out, v);
     }
+}
+
+/// Appends the length prefix's place; [`end_frame`] fills it in.
+fn begin_frame(out: &mut BytesMut) -> usize {
+    let start = out.len();
+    out.put_u32(0);
+    start
+}
+
+fn end_frame(out: &mut BytesMut, start: usize) {
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Appends a [`Frame::Msg`] from borrowed parts: what a link writes for
+/// every message, without building an owned `Frame` (an address, codec
+/// name and header copy per message) first.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn encode_msg<'a>(
+    out: &mut BytesMut,
+    mode: Mode,
+    id: u64,
+    timeout_ms: u32,
+    address: &str,
+    headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+    codec: &str,
+    body: &[u8],
+) {
+    let start = begin_frame(out);
+    out.put_u8(MSG);
+    out.put_u8(match mode {
+        Mode::Send => 0,
+        Mode::Publish => 1,
+        Mode::Request => 2,
+    });
+    out.put_u64(id);
+    out.put_u32(timeout_ms);
+    put_str(out, address);
+    put_headers(out, headers);
+    put_str(out, codec);
+    put_blob(out, body);
+    end_frame(out, start);
+}
+
+/// Appends a [`Frame::Reply`] from borrowed parts (see [`encode_msg`]).
+pub(crate) fn encode_reply<'a>(
+    out: &mut BytesMut,
+    id: u64,
+    headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+    codec: &str,
+    body: &[u8],
+) {
+    let start = begin_frame(out);
+    out.put_u8(REPLY);
+    out.put_u64(id);
+    put_headers(out, headers);
+    put_str(out, codec);
+    put_blob(out, body);
+    end_frame(out, start);
 }
 
 fn need(b: &Bytes, n: usize, what: &'static str) -> Result<(), FrameError> {

@@ -35,7 +35,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
-use crate::frame::{FailKind, Frame, Mode, VERSION};
+use crate::frame::{self, FailKind, Frame, Mode, VERSION};
 use crate::metrics::ClusterCounters;
 
 /// Settings shared by every link of a node.
@@ -548,12 +548,6 @@ async fn handle_buffered(
     Ok(true)
 }
 
-fn headers_vec(h: &Headers) -> Vec<(String, String)> {
-    h.iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
-}
-
 fn headers_from(v: Vec<(String, String)>) -> Headers {
     let mut h = Headers::new();
     for (k, val) in v {
@@ -600,16 +594,16 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut) {
                         u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
                     ),
                 };
-                Frame::Msg {
+                frame::encode_msg(
+                    buf,
                     mode,
                     id,
                     timeout_ms,
-                    address: msg.address.to_string(),
-                    headers: headers_vec(&msg.headers),
-                    codec: codec.to_string(),
-                    body,
-                }
-                .encode(buf);
+                    &msg.address,
+                    msg.headers.iter(),
+                    &codec,
+                    &body,
+                );
                 link.counters.frames_out.add(1);
             }
             Err(e) => {
@@ -631,12 +625,10 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut) {
                 Ok(mut m) => {
                     let body = m.take_body();
                     match bus.encode_body(&body, None) {
-                        Ok((codec, bytes)) => Frame::Reply {
-                            id,
-                            headers: headers_vec(m.headers()),
-                            codec: codec.to_string(),
-                            body: bytes,
-                        },
+                        Ok((codec, bytes)) => {
+                            frame::encode_reply(buf, id, m.headers().iter(), &codec, &bytes);
+                            return;
+                        }
                         Err(e) => fail_frame(
                             id,
                             &BusError::Cluster {
