@@ -150,8 +150,7 @@ pub enum FrameError {
 impl Frame {
     /// Appends this frame, length prefix included, to `out`.
     pub fn encode(&self, out: &mut BytesMut) {
-        let start = out.len();
-        out.put_u32(0); // patched below
+        let start = begin_frame(out);
         match self {
             Frame::Hello {
                 version,
@@ -172,10 +171,8 @@ impl Frame {
                 codec,
                 body,
             } => {
-                out.truncate(start);
                 let headers = headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-                encode_msg(out, *mode, *id, *timeout_ms, address, headers, codec, body);
-                return;
+                put_msg(out, *mode, *id, *timeout_ms, address, headers, codec, body);
             }
             Frame::Reply {
                 id,
@@ -183,10 +180,8 @@ impl Frame {
                 codec,
                 body,
             } => {
-                out.truncate(start);
                 let headers = headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
-                encode_reply(out, *id, headers, codec, body);
-                return;
+                put_reply(out, *id, headers, codec, body);
             }
             Frame::Fail {
                 id,
@@ -214,8 +209,7 @@ impl Frame {
                 out.put_u64(*n);
             }
         }
-        let len = (out.len() - start - 4) as u32;
-        out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+        end_frame(out, start);
     }
 
     /// Takes one frame off the front of `buf` if it is complete.
@@ -349,6 +343,22 @@ pub(crate) fn encode_msg<'a>(
     body: &[u8],
 ) {
     let start = begin_frame(out);
+    put_msg(out, mode, id, timeout_ms, address, headers, codec, body);
+    end_frame(out, start);
+}
+
+/// A `Msg` frame's kind and fields, without the length prefix.
+#[allow(clippy::too_many_arguments)]
+fn put_msg<'a>(
+    out: &mut BytesMut,
+    mode: Mode,
+    id: u64,
+    timeout_ms: u32,
+    address: &str,
+    headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+    codec: &str,
+    body: &[u8],
+) {
     out.put_u8(MSG);
     out.put_u8(match mode {
         Mode::Send => 0,
@@ -361,7 +371,6 @@ pub(crate) fn encode_msg<'a>(
     put_headers(out, headers);
     put_str(out, codec);
     put_blob(out, body);
-    end_frame(out, start);
 }
 
 /// Appends a [`Frame::Reply`] from borrowed parts (see [`encode_msg`]).
@@ -373,12 +382,23 @@ pub(crate) fn encode_reply<'a>(
     body: &[u8],
 ) {
     let start = begin_frame(out);
+    put_reply(out, id, headers, codec, body);
+    end_frame(out, start);
+}
+
+/// A `Reply` frame's kind and fields, without the length prefix.
+fn put_reply<'a>(
+    out: &mut BytesMut,
+    id: u64,
+    headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+    codec: &str,
+    body: &[u8],
+) {
     out.put_u8(REPLY);
     out.put_u64(id);
     put_headers(out, headers);
     put_str(out, codec);
     put_blob(out, body);
-    end_frame(out, start);
 }
 
 fn need(b: &Bytes, n: usize, what: &'static str) -> Result<(), FrameError> {
