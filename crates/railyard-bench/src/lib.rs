@@ -18,6 +18,7 @@
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
 //! - [`dtm`]: runs DTM (`peers/dtm/run`), the saga scenario's peer.
 //! - [`report`]: tables, medians, the JSON results file.
+//! - [`plot`]: SVG charts of a results file (`railyard bench plot`).
 //!
 //! Every scenario returns a serializable result row carrying `scenario`,
 //! `system` and its full configuration, so rows from different runs join.
@@ -30,6 +31,7 @@ pub mod echo;
 pub mod loops;
 pub mod peer;
 pub mod pingpong;
+pub mod plot;
 pub mod redis_refresh;
 pub mod report;
 pub mod saga;

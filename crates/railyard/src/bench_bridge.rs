@@ -220,7 +220,7 @@ pub(crate) async fn run(a: BridgeArgs) -> anyhow::Result<()> {
             .map(serde_json::to_value)
             .collect::<Result<_, _>>()?;
         write_json(path, &json).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {} result rows to {}", json.len(), path.display());
+        crate::bench_plot::announce_json(path, json.len());
     }
     Ok(())
 }

@@ -224,7 +224,7 @@ pub(crate) async fn run(a: C10kArgs) -> anyhow::Result<()> {
             .map(serde_json::to_value)
             .collect::<Result<_, _>>()?;
         write_json(path, &rows).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {} result rows to {}", rows.len(), path.display());
+        crate::bench_plot::announce_json(path, rows.len());
     }
     Ok(())
 }

@@ -27,6 +27,8 @@ pub(crate) enum BenchCommand {
     RedisRefresh(crate::bench_redis::RedisRefreshArgs),
     /// Seed 003: the alpha-benchmark saga profile against the saga coordinator (omega or native).
     Saga(crate::bench_saga::SagaArgs),
+    /// SVG charts of result files written with --json (bars per configuration and system, latency percentiles).
+    Plot(crate::bench_plot::PlotArgs),
     /// The second node of a `--nodes 2` run (started by the bench itself).
     #[command(hide = true)]
     Serve(ServeArgs),
@@ -239,6 +241,7 @@ pub(crate) async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Serve(a) => run_serve(a).await,
         BenchCommand::RedisRefresh(a) => crate::bench_redis::run(a).await,
         BenchCommand::Saga(a) => crate::bench_saga::run(a).await,
+        BenchCommand::Plot(a) => crate::bench_plot::run(&a),
     }
 }
 
@@ -325,7 +328,7 @@ fn vertx_peer(c: &CommonArgs) -> JavaPeer {
 fn finish(rows: &[serde_json::Value], c: &CommonArgs) -> anyhow::Result<()> {
     if let Some(path) = &c.json {
         write_json(path, rows).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {} result rows to {}", rows.len(), path.display());
+        crate::bench_plot::announce_json(path, rows.len());
     }
     Ok(())
 }

@@ -354,7 +354,7 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
             .collect::<Result<_, _>>()?;
         json.extend(theirs.iter().cloned());
         write_json(path, &json).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {} result rows to {}", json.len(), path.display());
+        crate::bench_plot::announce_json(path, json.len());
     }
     Ok(())
 }

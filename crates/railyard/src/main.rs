@@ -12,6 +12,7 @@ use mimalloc::MiMalloc;
 mod bench_bridge;
 mod bench_c10k;
 mod bench_cmd;
+mod bench_plot;
 mod bench_redis;
 mod bench_saga;
 mod bridge_node;

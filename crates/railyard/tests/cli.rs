@@ -241,6 +241,47 @@ fn short_bench_runs_write_json_rows() {
     assert!(
         rows[0]["all_replies_ms"].as_f64().unwrap() >= rows[0]["first_reply_ms"].as_f64().unwrap()
     );
+
+    // The files just written chart with `bench plot`: one SVG each (neither
+    // scenario has a latency chart), titled in stdout.
+    let charts = dir.join("charts");
+    let out = railyard()
+        .args(["bench", "plot", "--out"])
+        .arg(&charts)
+        .arg(dir.join("echo.json"))
+        .arg(dir.join("pingpong.json"))
+        .output()
+        .expect("run railyard bench plot");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("echo.svg: echo: median of runs"),
+        "{stdout}"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&charts)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["echo.svg", "pingpong.svg"]);
+    let svg = std::fs::read_to_string(charts.join("echo.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("\nrailyard\n"), "the legend names the system");
+
+    // A file that is not a results array is a clear error, not a panic.
+    std::fs::write(dir.join("bad.json"), "{\"scenario\": \"echo\"}").unwrap();
+    let out = railyard()
+        .args(["bench", "plot"])
+        .arg(dir.join("bad.json"))
+        .output()
+        .expect("run railyard bench plot");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a JSON array of result rows"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
