@@ -667,16 +667,25 @@ fn bar_chart(
                     Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour.filled())
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(draw_err)?;
-        root.present().map_err(draw_err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::UpperRight)?;
     }
     Ok(svg)
+}
+
+/// Draws the legend at `position` and writes the chart out.
+fn finish<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    root: &DrawingArea<SVGBackend<'a>, Shift>,
+    position: SeriesLabelPosition,
+) -> Result<(), PlotError> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(draw_err)?;
+    root.present().map_err(draw_err)
 }
 
 fn latency_chart(title: &str, lines: &[Line]) -> Result<String, PlotError> {
@@ -727,14 +736,7 @@ fn latency_chart(title: &str, lines: &[Line]) -> Result<String, PlotError> {
                 .draw_series(pts.iter().map(|p| Circle::new(*p, 3, colour.filled())))
                 .map_err(draw_err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(draw_err)?;
-        root.present().map_err(draw_err)?;
+        finish(&mut chart, &root, SeriesLabelPosition::LowerRight)?;
     }
     Ok(svg)
 }
