@@ -296,10 +296,15 @@ impl Frame {
 
 fn put_str(out: &mut BytesMut, s: &str) {
     // Strings are addresses, header names/values, codec names and reasons:
-    // longer than 64 KiB is a caller bug; cut rather than corrupt the frame.
-    let s = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
-    out.put_u16(s.len() as u16);
-    out.put_slice(s);
+    // longer than 64 KiB is a caller bug (or a very long failure message);
+    // cut rather than corrupt the frame, and at a character boundary, so the
+    // peer still reads valid UTF-8 (cut mid-character, it closed the link).
+    let mut end = s.len().min(u16::MAX as usize);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.put_u16(end as u16);
+    out.put_slice(&s.as_bytes()[..end]);
 }
 
 fn put_blob(out: &mut BytesMut, b: &[u8]) {
@@ -467,6 +472,29 @@ mod tests {
         assert_eq!(a, f);
         assert_eq!(b, f);
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn an_overlong_string_is_cut_at_a_character_boundary() {
+        // 40,000 two-byte characters: 80,000 bytes, cut to fit 65,535. A cut
+        // at byte 65,535 splits a character and the peer's decode failed
+        // (closing the link and every request pending on it).
+        let message = "é".repeat(40_000);
+        let mut buf = BytesMut::new();
+        Frame::Fail {
+            id: 7,
+            kind: FailKind::RecipientFailure,
+            code: 3,
+            message: message.clone(),
+        }
+        .encode(&mut buf);
+        let Some(Frame::Fail { message: got, .. }) =
+            Frame::decode(&mut buf, DEFAULT_MAX_FRAME).unwrap()
+        else {
+            panic!("a FAIL frame");
+        };
+        assert_eq!(got.len(), 65_534, "the largest whole-character prefix");
+        assert!(message.starts_with(&got));
     }
 
     #[test]

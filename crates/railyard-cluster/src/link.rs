@@ -77,11 +77,18 @@ pub(crate) struct Link {
     /// Dial target; updated if the peer re-joins elsewhere.
     addr: Mutex<SocketAddr>,
     tx: mpsc::Sender<Out>,
-    /// Answers to the peer's requests, and pongs. Unbounded on purpose, but
-    /// bounded in practice: it never holds more than the peer's requests this
-    /// node accepted and has not answered yet, and the reader stops accepting
-    /// (see `MAX_WAITING`) when local consumers fall behind.
-    replies: mpsc::UnboundedSender<Out>,
+    /// Answers to the peer's requests, and pongs, each tagged with the
+    /// connection (`conn`) whose request it answers: an answer is written
+    /// only on that connection. The peer fails its pending requests when a
+    /// connection ends, and a peer that restarted numbers its requests from 1
+    /// again, so an old answer on a new connection would complete the wrong
+    /// request. Unbounded: it holds the answers to requests this node
+    /// accepted on the current connection and has not written yet (it is
+    /// emptied when a connection ends; the reader stops accepting, see
+    /// `MAX_WAITING`, when local consumers fall behind).
+    replies: mpsc::UnboundedSender<(u64, Out)>,
+    /// The current connection's number (0 before the first).
+    conn: AtomicU64,
     /// Inbound messages waiting for room in a full local consumer buffer.
     waiting: AtomicUsize,
     /// Requests sent on this link, waiting for REPLY or FAIL.
@@ -201,6 +208,7 @@ impl Link {
             addr: Mutex::new(addr),
             tx,
             replies,
+            conn: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             pending: Mutex::new(HashMap::default()),
             next_id: AtomicU64::new(1),
@@ -285,7 +293,7 @@ async fn run(
     cfg: Arc<LinkConfig>,
     bus: EventBus,
     mut rx: mpsc::Receiver<Out>,
-    mut replies: mpsc::UnboundedReceiver<Out>,
+    mut replies: mpsc::UnboundedReceiver<(u64, Out)>,
     mut accepted: mpsc::Receiver<(TcpStream, BytesMut)>,
 ) {
     let mut backoff = Duration::from_millis(20);
@@ -326,8 +334,15 @@ async fn run(
         };
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
         link.counters.connects.add(1);
-        let why = serve(&link, &cfg, &bus, &mut rx, &mut replies, stream, rest).await;
+        let conn = link.conn.fetch_add(1, Ordering::AcqRel) + 1;
+        let sink = Arc::new(ConnSink {
+            link: link.clone(),
+            conn,
+        });
+        let why = serve(&sink, &cfg, &bus, &mut rx, &mut replies, stream, rest).await;
         link.fail_pending("was disconnected");
+        // Answers to that connection's requests: the peer has failed them.
+        while replies.try_recv().is_ok() {}
         if link.closed.load(Ordering::Acquire) {
             break;
         }
@@ -386,24 +401,25 @@ const MAX_WRITE: usize = 256 * 1024;
 /// while not reading, two nodes flooding each other (500,000 pipelined
 /// requests) filled both sockets and each waited on the other for good.
 async fn serve(
-    link: &Arc<Link>,
+    sink: &Arc<ConnSink>,
     cfg: &LinkConfig,
     bus: &EventBus,
     rx: &mut mpsc::Receiver<Out>,
-    replies: &mut mpsc::UnboundedReceiver<Out>,
+    replies: &mut mpsc::UnboundedReceiver<(u64, Out)>,
     stream: TcpStream,
     rest: BytesMut,
 ) -> String {
+    let link = &sink.link;
     let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
     inbuf.extend_from_slice(&rest);
     // Frames that came with the HELLO are handled before the first read.
-    if let Err(why) = handle_buffered(link, bus, &mut inbuf, cfg.max_frame, usize::MAX).await {
+    if let Err(why) = handle_buffered(sink, bus, &mut inbuf, cfg.max_frame, usize::MAX).await {
         return why;
     }
     tokio::select! {
-        why = write_loop(link, bus, rx, replies, &mut wr) => why,
-        why = read_loop(link, cfg, bus, &mut rd, &mut inbuf) => why,
+        why = write_loop(link, bus, rx, replies, &mut wr, sink.conn, cfg.max_frame) => why,
+        why = read_loop(sink, cfg, bus, &mut rd, &mut inbuf) => why,
     }
 }
 
@@ -413,8 +429,10 @@ async fn write_loop(
     link: &Arc<Link>,
     bus: &EventBus,
     rx: &mut mpsc::Receiver<Out>,
-    replies: &mut mpsc::UnboundedReceiver<Out>,
+    replies: &mut mpsc::UnboundedReceiver<(u64, Out)>,
     wr: &mut tokio::net::tcp::OwnedWriteHalf,
+    conn: u64,
+    max_frame: usize,
 ) -> String {
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
     let mut batch = Vec::with_capacity(BATCH);
@@ -426,7 +444,7 @@ async fn write_loop(
                     return "link queue closed".into();
                 }
                 for out in batch.drain(..) {
-                    encode_out(link, bus, out, &mut outbuf);
+                    encode_out(link, bus, out, &mut outbuf, max_frame);
                 }
                 link.wake_room_waiters();
             }
@@ -434,8 +452,8 @@ async fn write_loop(
                 if n == 0 {
                     return "link closed".into();
                 }
-                for out in reply_batch.drain(..) {
-                    encode_out(link, bus, out, &mut outbuf);
+                for (c, out) in reply_batch.drain(..) {
+                    encode_answer(link, bus, conn, c, out, &mut outbuf, max_frame);
                 }
             }
         }
@@ -444,7 +462,7 @@ async fn write_loop(
             &mut outbuf,
             MAX_WRITE,
             || replies.try_recv().ok(),
-            |out, buf| encode_out(link, bus, out, buf),
+            |(c, out), buf| encode_answer(link, bus, conn, c, out, buf, max_frame),
         );
         let r = wr.write_all(&outbuf).await;
         link.counters.bytes_out.add(outbuf.len() as u64);
@@ -477,12 +495,13 @@ fn fill_to<T>(
 
 /// Reads and handles the peer's frames, and keeps the ping going.
 async fn read_loop(
-    link: &Arc<Link>,
+    sink: &Arc<ConnSink>,
     cfg: &LinkConfig,
     bus: &EventBus,
     rd: &mut tokio::net::tcp::OwnedReadHalf,
     inbuf: &mut BytesMut,
 ) -> String {
+    let link = &sink.link;
     let mut ping = tokio::time::interval(cfg.ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_heard = Instant::now();
@@ -506,7 +525,7 @@ async fn read_loop(
                 // anything made two nodes take turns, each idle while the
                 // other worked (see `READ_CHUNK`).
                 loop {
-                    match handle_buffered(link, bus, inbuf, cfg.max_frame, READ_CHUNK).await {
+                    match handle_buffered(sink, bus, inbuf, cfg.max_frame, READ_CHUNK).await {
                         Err(why) => return why,
                         Ok(false) => break,
                         Ok(true) => tokio::task::yield_now().await,
@@ -531,7 +550,7 @@ async fn read_loop(
 /// stopped at `max` (more may be waiting). A malformed frame ends the
 /// connection (the error says why).
 async fn handle_buffered(
-    link: &Arc<Link>,
+    sink: &Arc<ConnSink>,
     bus: &EventBus,
     inbuf: &mut BytesMut,
     max_frame: usize,
@@ -539,10 +558,10 @@ async fn handle_buffered(
 ) -> Result<bool, String> {
     for _ in 0..max {
         match Frame::decode(inbuf, max_frame) {
-            Ok(Some(f)) => handle(link, bus, f).await,
+            Ok(Some(f)) => handle(sink, bus, f).await,
             Ok(None) => return Ok(false),
             Err(e) => {
-                link.counters.malformed.add(1);
+                sink.link.counters.malformed.add(1);
                 return Err(format!("malformed frame from the peer: {e}"));
             }
         }
@@ -581,55 +600,114 @@ fn fail_frame(id: u64, e: &BusError) -> Frame {
     }
 }
 
-/// Encodes one queued item into the batch buffer. A body no codec can encode
-/// fails its request (or is dropped and counted, for a send).
-fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut) {
+/// Encodes an answer queued for connection `for_conn` if that is still the
+/// connection being written (`conn`); an answer to an earlier connection's
+/// request is dropped and counted, its requester already failed.
+#[allow(clippy::too_many_arguments)]
+fn encode_answer(
+    link: &Link,
+    bus: &EventBus,
+    conn: u64,
+    for_conn: u64,
+    out: Out,
+    buf: &mut BytesMut,
+    max_frame: usize,
+) {
+    if for_conn == conn {
+        encode_out(link, bus, out, buf, max_frame);
+    } else {
+        link.counters.stale_answers.add(1);
+    }
+}
+
+/// The error for a message or reply that does not fit one frame.
+fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
+    BusError::Cluster {
+        reason: format!(
+            "{what} of {len} bytes exceeds the {max_frame}-byte frame limit between nodes; \
+             send a smaller body or raise the cluster's max frame size on every node"
+        ),
+    }
+}
+
+/// Encodes one queued item into the batch buffer. A body no codec can
+/// encode, or one that would make a frame over `max_frame` (which the peer
+/// refuses, closing the link), fails its request (or its answer's request,
+/// with a FAIL frame; a send is dropped and counted). A request whose
+/// requester was already told it failed (the link dropped while it was
+/// queued, or it was abandoned) is not sent: it would run with nobody
+/// waiting for it.
+fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_frame: usize) {
     match out {
         Out::Frame(f) => f.encode(buf),
-        Out::Msg { id, mut msg } => match bus.encode_body(&msg.body, msg.codec.as_deref()) {
-            Ok((codec, body)) => {
-                let (mode, timeout_ms) = match msg.kind {
-                    RemoteKind::Send => (Mode::Send, 0),
-                    RemoteKind::Publish => (Mode::Publish, 0),
-                    RemoteKind::Request { timeout } => (
-                        Mode::Request,
-                        u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
-                    ),
-                };
-                frame::encode_msg(
-                    buf,
-                    mode,
-                    id,
-                    timeout_ms,
-                    &msg.address,
-                    msg.headers.iter(),
-                    &codec,
-                    &body,
-                );
-                link.counters.frames_out.add(1);
+        Out::Msg { id, mut msg } => {
+            if id != 0 && !link.pending.lock().contains_key(&id) {
+                link.counters.unsent_failed.add(1);
+                return;
             }
-            Err(e) => {
-                link.counters.encode_failures.add(1);
-                tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
-                if id != 0 {
-                    link.complete(
+            match bus.encode_body(&msg.body, msg.codec.as_deref()) {
+                Ok((codec, body)) => {
+                    let (mode, timeout_ms) = match msg.kind {
+                        RemoteKind::Send => (Mode::Send, 0),
+                        RemoteKind::Publish => (Mode::Publish, 0),
+                        RemoteKind::Request { timeout } => (
+                            Mode::Request,
+                            u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+                        ),
+                    };
+                    let start = buf.len();
+                    frame::encode_msg(
+                        buf,
+                        mode,
                         id,
-                        Err(BusError::Cluster {
-                            reason: format!("body cannot cross nodes: {e}"),
-                        }),
+                        timeout_ms,
+                        &msg.address,
+                        msg.headers.iter(),
+                        &codec,
+                        &body,
                     );
+                    let len = buf.len() - start - 4;
+                    if len > max_frame {
+                        buf.truncate(start);
+                        link.counters.encode_failures.add(1);
+                        tracing::warn!(address = %msg.address, len, max_frame, "a message for another node is over the frame limit; not sent");
+                        if id != 0 {
+                            link.complete(id, Err(too_large("the message", len, max_frame)));
+                        }
+                        return;
+                    }
+                    link.counters.frames_out.add(1);
                 }
-                msg.reply = None;
+                Err(e) => {
+                    link.counters.encode_failures.add(1);
+                    tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
+                    if id != 0 {
+                        link.complete(
+                            id,
+                            Err(BusError::Cluster {
+                                reason: format!("body cannot cross nodes: {e}"),
+                            }),
+                        );
+                    }
+                    msg.reply = None;
+                }
             }
-        },
+        }
         Out::Reply { id, result } => {
             let frame = match result {
                 Ok(mut m) => {
                     let body = m.take_body();
                     match bus.encode_body(&body, None) {
                         Ok((codec, bytes)) => {
+                            let start = buf.len();
                             frame::encode_reply(buf, id, m.headers().iter(), &codec, &bytes);
-                            return;
+                            let len = buf.len() - start - 4;
+                            if len <= max_frame {
+                                return;
+                            }
+                            buf.truncate(start);
+                            link.counters.encode_failures.add(1);
+                            fail_frame(id, &too_large("the reply", len, max_frame))
                         }
                         Err(e) => fail_frame(
                             id,
@@ -651,11 +729,24 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut) {
 /// stops reading from the socket: TCP then slows the peer down.
 const MAX_WAITING: usize = 1024;
 
-impl ReplySink for Link {
-    fn reply(&self, id: u64, result: Result<railyard_bus::Message, BusError>) {
+/// The answering end of one connection: requests the peer sent on it are
+/// answered through it, tagged with its number (see `Link::replies`).
+struct ConnSink {
+    link: Arc<Link>,
+    conn: u64,
+}
+
+impl ConnSink {
+    fn answer(&self, out: Out) {
         // Fails only once the link task is gone, and then so is the peer's
         // pending request (it was failed when the link closed).
-        let _ = self.replies.send(Out::Reply { id, result });
+        let _ = self.link.replies.send((self.conn, out));
+    }
+}
+
+impl ReplySink for ConnSink {
+    fn reply(&self, id: u64, result: Result<railyard_bus::Message, BusError>) {
+        self.answer(Out::Reply { id, result });
     }
 }
 
@@ -678,7 +769,8 @@ where
 }
 
 /// Acts on one frame from the peer.
-async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
+async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
+    let link = &sink.link;
     link.counters.frames_in.add(1);
     match frame {
         Frame::Msg {
@@ -701,7 +793,7 @@ async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
                                 reason: format!("cannot decode the body: {e}"),
                             },
                         );
-                        let _ = link.replies.send(Out::Frame(f));
+                        sink.answer(Out::Frame(f));
                     }
                     return;
                 }
@@ -731,24 +823,24 @@ async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
                 }
                 Mode::Request => {
                     opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
-                    let sink: Arc<dyn ReplySink> = link.clone();
+                    let sink: Arc<ConnSink> = sink.clone();
                     match bus.request_remote(&address, body, &opts, sink.clone(), id) {
                         Ok(()) => {}
                         Err(e) if matches!(e.error, BusError::Full { .. }) => {
-                            let (l, bus) = (link.clone(), bus.clone());
+                            let bus = bus.clone();
                             let body = e.into_body();
                             wait_for_room(link, async move {
                                 if let Err(e) = bus
-                                    .request_remote_wait(&address, body, &opts, sink, id)
+                                    .request_remote_wait(&address, body, &opts, sink.clone(), id)
                                     .await
                                 {
-                                    let _ = l.replies.send(Out::Frame(fail_frame(id, &e.error)));
+                                    sink.answer(Out::Frame(fail_frame(id, &e.error)));
                                 }
                             })
                             .await;
                         }
                         Err(e) => {
-                            let _ = link.replies.send(Out::Frame(fail_frame(id, &e.error)));
+                            sink.answer(Out::Frame(fail_frame(id, &e.error)));
                         }
                     }
                 }
@@ -785,7 +877,7 @@ async fn handle(link: &Arc<Link>, bus: &EventBus, frame: Frame) {
             link.complete(id, Err(e));
         }
         Frame::Ping(n) => {
-            let _ = link.replies.send(Out::Frame(Frame::Pong(n)));
+            sink.answer(Out::Frame(Frame::Pong(n)));
         }
         Frame::Pong(_) => {}
         Frame::Hello { .. } => {

@@ -38,8 +38,14 @@ pub struct ClusterCounters {
     pub link_full: Counter,
     /// Requests failed early because their peer was lost.
     pub failed_on_loss: Counter,
-    /// Bodies no codec could encode.
+    /// Bodies no codec could encode, or too large for one frame.
     pub encode_failures: Counter,
+    /// Answers dropped because the connection their request came on had
+    /// ended (the peer failed that request when it did).
+    pub stale_answers: Counter,
+    /// Queued requests not sent because their requester had already been
+    /// told they failed (the link dropped while they waited) or gave up.
+    pub unsent_failed: Counter,
     /// Bodies that could not be decoded.
     pub decode_failures: Counter,
     /// Sends from other nodes that found no local consumer.

@@ -489,3 +489,123 @@ async fn two_nodes_flooding_each_other_both_finish() {
         assert_eq!(reply.body::<bytes::Bytes>().unwrap().len(), 64 * 1024);
     }
 }
+
+/// A node that dies and comes back under the same name numbers its requests
+/// from 1 again: an answer its first run was owed must not complete the
+/// second run's request with the same number (it did, when answers were not
+/// tied to the connection their request came on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_owed_to_a_restarted_nodes_first_run_never_answers_its_second() {
+    let reg = InProcessRegistry::new();
+    let (a, na) = start(&reg, "a").await;
+    let (held_tx, mut held) = tokio::sync::mpsc::unbounded_channel();
+    let _slow = a
+        .consumer("slow")
+        .handler(move |m| {
+            let t = held_tx.clone();
+            async move {
+                let _ = t.send(m);
+            }
+        })
+        .await
+        .unwrap();
+    let wait = Duration::from_secs(10);
+
+    // First run of b: request 1, held unanswered by a's consumer.
+    let (b1, nb1) = start(&reg, "b").await;
+    routed(&b1, "slow").await;
+    let b1c = b1.clone();
+    let first = tokio::spawn(async move { b1c.request("slow", String::from("first run")).await });
+    let mut old = tokio::time::timeout(wait, held.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(old.body::<String>().unwrap(), "first run");
+    // b dies without leaving; its request fails at once on its side.
+    drop(nb1);
+    let gone = tokio::time::timeout(wait, first).await.unwrap().unwrap();
+    assert!(gone.is_err());
+    drop(b1);
+
+    // Second run under the same name, before its entry expires: request 1 again.
+    let (b2, _nb2) = start(&reg, "b").await;
+    routed(&b2, "slow").await;
+    let b2c = b2.clone();
+    let second = tokio::spawn(async move { b2c.request("slow", String::from("second run")).await });
+    let mut new = tokio::time::timeout(wait, held.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(new.body::<String>().unwrap(), "second run");
+
+    // The first run's answer comes late: it is dropped, not written.
+    old.reply(String::from("answer owed to the first run"))
+        .unwrap();
+    for _ in 0..500 {
+        if na.counters().stale_answers.get() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(na.counters().stale_answers.get(), 1);
+    new.reply(String::from("answer for the second run"))
+        .unwrap();
+    let r = tokio::time::timeout(wait, second)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "answer for the second run");
+}
+
+/// A body too large for one frame fails its own request with a clear error;
+/// it is not written (the peer would refuse the frame and close the link,
+/// failing every other request on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_frame_limit_fails_its_request_and_the_link_stays_up() {
+    let reg = InProcessRegistry::new();
+    let start_small = |id: &'static str| {
+        let reg = &reg;
+        async move {
+            let bus = EventBus::new();
+            let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+            cfg.max_frame = 64 * 1024;
+            let node = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
+                .await
+                .expect("node starts");
+            (bus, node)
+        }
+    };
+    let (a, na) = start_small("a").await;
+    let (b, nb) = start_small("b").await;
+    let _e = echo(&b, "echo").await;
+    // Answers with a body four times the limit, whatever it was asked.
+    let _big = b
+        .consumer("big")
+        .handler(|mut m| async move {
+            let _ = m.reply(vec![7u8; 256 * 1024]);
+        })
+        .await
+        .unwrap();
+    routed(&a, "echo").await;
+    routed(&a, "big").await;
+
+    let err = a.request("echo", vec![1u8; 100 * 1024]).await.unwrap_err();
+    assert_eq!(err.kind().as_str(), "ERROR", "{err:?}");
+    assert!(err.to_string().contains("frame limit"), "{err}");
+
+    let err = a.request("big", ()).await.unwrap_err();
+    assert_eq!(err.kind().as_str(), "ERROR", "{err:?}");
+    assert!(err.to_string().contains("frame limit"), "{err}");
+
+    // The link was never dropped: a small request still crosses, and
+    // neither side saw a malformed frame or lost the connection.
+    let r = a.request("echo", String::from("small")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "small");
+    for n in [&na, &nb] {
+        assert_eq!(n.counters().malformed.get(), 0);
+        assert_eq!(n.counters().disconnects.get(), 0);
+    }
+    assert_eq!(na.counters().encode_failures.get(), 1);
+    assert_eq!(nb.counters().encode_failures.get(), 1);
+}
