@@ -85,6 +85,8 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
                         connects = k.connects.get(), disconnects = k.disconnects.get(),
                         failed_on_loss = k.failed_on_loss.get(), malformed = k.malformed.get(),
                         link_full = k.link_full.get(), store_outages = k.store_outages.get(),
+                        encode_failures = k.encode_failures.get(),
+                        stale_answers = k.stale_answers.get(), unsent_failed = k.unsent_failed.get(),
                         "cluster counters"
                     );
                 }
