@@ -44,7 +44,7 @@ pub struct ClusterCounters {
     /// ended (the peer failed that request when it did).
     pub stale_answers: Counter,
     /// Queued requests not sent because their requester had already been
-    /// told they failed (the link dropped while they waited) or gave up.
+    /// told they failed (the link dropped while they waited).
     pub unsent_failed: Counter,
     /// Bodies that could not be decoded.
     pub decode_failures: Counter,
