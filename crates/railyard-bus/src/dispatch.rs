@@ -87,9 +87,10 @@ fn thread_mark() -> usize {
 /// same thread would not run them. Handler consumers registered elsewhere,
 /// and every [`MessageStream`](crate::MessageStream), keep their own tasks.
 ///
-/// The runtime needs its timer (`Builder::enable_time`): `unregister` on a
-/// consumer whose handler is in the middle of an await checks every
-/// millisecond until that handler is done.
+/// `unregister` on a consumer whose handler is in the middle of an await
+/// checks, after pauses of 1 to 16 ms slept on the blocking pool, until that
+/// handler is done (no runtime needs a timer for it), or until the loop's
+/// runtime has shut down and dropped it.
 pub fn enable_loop_dispatch() -> bool {
     let Ok(handle) = Handle::try_current() else {
         return false;
@@ -370,7 +371,10 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
             // its own so the loop's other consumers keep running.
             queue.enter_task();
             let rest: VecDeque<Envelope> = std::mem::take(batch);
-            tokio::spawn(finish_on_task(queue.clone(), rest));
+            // The guard is an argument, so it exists (and ends the batch
+            // when dropped) even if the task is dropped before its first poll.
+            let guard = EndBatchOnDrop(Some(queue.clone()));
+            tokio::spawn(finish_on_task(guard, queue.clone(), rest));
             return;
         }
     }
@@ -384,8 +388,27 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
     }
 }
 
+/// Ends the batch (clears the consumer's `active` flag) if the task
+/// finishing it is dropped first: its loop's runtime shut down while a
+/// handler was mid-await. Without it `unregister` waited for that batch
+/// forever. The run token stays taken, so nobody polls the handler's
+/// abandoned future again; it is dropped with the consumer.
+struct EndBatchOnDrop(Option<Arc<ConsumerQueue>>);
+
+impl Drop for EndBatchOnDrop {
+    fn drop(&mut self) {
+        if let Some(queue) = self.0.take() {
+            queue.batch_done();
+        }
+    }
+}
+
 /// A consumer's batch whose handler did not finish in one poll.
-async fn finish_on_task(queue: Arc<ConsumerQueue>, rest: VecDeque<Envelope>) {
+async fn finish_on_task(
+    mut dropped: EndBatchOnDrop,
+    queue: Arc<ConsumerQueue>,
+    rest: VecDeque<Envelope>,
+) {
     let runner = queue.runner().expect("a dispatched consumer has a runner");
     // Safety (here and below): this task holds the consumer's run token
     // from `enter_task` until `leave_task`.
@@ -401,6 +424,7 @@ async fn finish_on_task(queue: Arc<ConsumerQueue>, rest: VecDeque<Envelope>) {
         })
         .await;
     }
+    dropped.0 = None;
     queue.leave_task();
 }
 

@@ -322,15 +322,25 @@ impl ConsumerQueue {
         };
         // The queue is closed, so no new batch starts: only the one in
         // progress can keep `active` set. A few yields cover a synchronous
-        // handler on this loop; then check every millisecond.
+        // handler on this loop; then check after pauses growing from 1 to
+        // 16 ms. A pause is slept on the blocking pool, not with
+        // `tokio::time`: the runtime awaiting `unregister` may have no timer
+        // (it panicked there), and nothing blocks an async worker.
         let mut checks = 0u32;
         while d.active.load(Ordering::Acquire) {
             if checks < 8 {
                 tokio::task::yield_now().await;
             } else {
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                let pause = std::time::Duration::from_millis(1 << (checks - 8).min(4));
+                if tokio::task::spawn_blocking(move || std::thread::sleep(pause))
+                    .await
+                    .is_err()
+                {
+                    // The runtime is shutting down.
+                    tokio::task::yield_now().await;
+                }
             }
-            checks += 1;
+            checks = checks.saturating_add(1);
         }
     }
 

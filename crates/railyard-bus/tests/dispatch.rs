@@ -250,3 +250,110 @@ async fn streams_are_unaffected_by_dispatch() {
     let m = stream.next().await.unwrap();
     assert_eq!(m.body::<u32>(), Some(&5));
 }
+
+/// A dispatched handler mid-await when its loop's runtime shuts down:
+/// `unregister`, awaited elsewhere, still finishes (it waited for that
+/// batch's end forever, while a consumer with its own task returned).
+#[test]
+fn unregister_finishes_when_the_loop_died_mid_handler() {
+    let bus = EventBus::new();
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let bus2 = bus.clone();
+    let consumer = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let consumer = rt.block_on(async {
+            assert!(enable_loop_dispatch());
+            let c = bus2
+                .consumer("stuck")
+                .handler(move |_m| {
+                    let started = started_tx.clone();
+                    async move {
+                        let _ = started.send(());
+                        std::future::pending::<()>().await;
+                    }
+                })
+                .await
+                .unwrap();
+            bus2.send("stuck", 1u32).unwrap();
+            // Run the loop until the handler is mid-await on its task.
+            for _ in 0..1000 {
+                tokio::task::yield_now().await;
+            }
+            c
+        });
+        drop(rt);
+        consumer
+    })
+    .join()
+    .unwrap();
+    started_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the handler started before the loop stopped");
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    other.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), consumer.unregister())
+            .await
+            .expect("unregister must not wait for a batch whose loop is gone");
+    });
+}
+
+/// `unregister` of a dispatched consumer whose handler is mid-await, awaited
+/// on a runtime without a timer: it waits for the handler and returns (it
+/// panicked with "timers are disabled").
+#[test]
+fn unregister_waits_without_a_timer_on_the_awaiting_runtime() {
+    let bus = EventBus::new();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>();
+    let (consumer_tx, consumer_rx) = std::sync::mpsc::channel();
+    let bus2 = bus.clone();
+    // The consumer's loop runs for the whole test.
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            assert!(enable_loop_dispatch());
+            let c = bus2
+                .consumer("slow")
+                .handler(move |_m| {
+                    let release = release_tx.clone();
+                    async move {
+                        let (tx, rx) = tokio::sync::oneshot::channel();
+                        let _ = release.send(tx);
+                        let _ = rx.await;
+                    }
+                })
+                .await
+                .unwrap();
+            bus2.send("slow", 1u32).unwrap();
+            let _ = consumer_tx.send(c);
+            // Keep the loop alive until the test ends.
+            std::future::pending::<()>().await;
+        });
+    });
+    let consumer = consumer_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    let release = release_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the handler is mid-await");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let no_timer = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        no_timer.block_on(consumer.unregister());
+        let _ = done_tx.send(());
+    });
+    // Still waiting for the handler while it awaits.
+    assert!(done_rx.recv_timeout(Duration::from_millis(100)).is_err());
+    release.send(()).unwrap();
+    done_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("unregister returns once the handler finished");
+}
