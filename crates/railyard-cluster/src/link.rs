@@ -93,6 +93,10 @@ pub(crate) struct Link {
     conn: AtomicU64,
     /// Inbound messages waiting for room in a full local consumer buffer.
     waiting: AtomicUsize,
+    /// The reader is waiting for room (more than `MAX_WAITING` waited
+    /// already) and reads nothing: silence from the peer then says nothing
+    /// about it, so the ping deadline is not applied.
+    stalled: AtomicBool,
     /// Requests sent on this link, waiting for REPLY or FAIL.
     pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
     /// Bumped (under the `pending` lock) each time every pending request is
@@ -217,6 +221,7 @@ impl Link {
             replies,
             conn: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
+            stalled: AtomicBool::new(false),
             pending: Mutex::new(HashMap::default()),
             fail_epoch: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
@@ -347,10 +352,7 @@ async fn run(
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
         link.counters.connects.add(1);
         let conn = link.conn.fetch_add(1, Ordering::AcqRel) + 1;
-        let sink = Arc::new(ConnSink {
-            link: link.clone(),
-            conn,
-        });
+        let sink = Arc::new(ConnSink::new(link.clone(), conn));
         let why = serve(&sink, &cfg, &bus, &mut rx, &mut replies, stream, rest).await;
         link.fail_pending("was disconnected");
         // Answers to that connection's requests: the peer has failed them.
@@ -432,6 +434,7 @@ async fn serve(
     tokio::select! {
         why = write_loop(link, bus, rx, replies, &mut wr, sink.conn, cfg.max_frame) => why,
         why = read_loop(sink, cfg, bus, &mut rd, &mut inbuf) => why,
+        why = ping_loop(sink, cfg) => why,
     }
 }
 
@@ -505,7 +508,7 @@ fn fill_to<T>(
     }
 }
 
-/// Reads and handles the peer's frames, and keeps the ping going.
+/// Reads and handles the peer's frames.
 async fn read_loop(
     sink: &Arc<ConnSink>,
     cfg: &LinkConfig,
@@ -514,10 +517,6 @@ async fn read_loop(
     inbuf: &mut BytesMut,
 ) -> String {
     let link = &sink.link;
-    let mut ping = tokio::time::interval(cfg.ping_interval);
-    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_heard = Instant::now();
-    let mut nonce = 0u64;
     loop {
         tokio::select! {
             r = rd.read_buf(inbuf) => {
@@ -525,7 +524,7 @@ async fn read_loop(
                     Ok(0) => return "peer closed the connection".into(),
                     Ok(n) => {
                         link.counters.bytes_in.add(n as u64);
-                        last_heard = Instant::now();
+                        sink.heard();
                     }
                     Err(e) => return format!("read failed: {e}"),
                 }
@@ -545,16 +544,30 @@ async fn read_loop(
                 }
             }
             () = link.close_signal.notified() => return "closed".into(),
-            _ = ping.tick() => {
-                if last_heard.elapsed() > cfg.ping_timeout {
-                    return format!("no frame from the peer for {:?}", cfg.ping_timeout);
-                }
-                link.forget_abandoned();
-                nonce += 1;
-                // Through the queue, so a ping never overtakes a batch.
-                let _ = link.tx.try_send(Out::Frame(Frame::Ping(nonce)));
-            }
         }
+    }
+}
+
+/// Pings the peer and applies the deadline. A future of its own, beside the
+/// reader: a reader waiting for room in full local buffers stopped the ping
+/// with it, and after `ping_timeout` the live peer was declared dead.
+async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
+    let link = &sink.link;
+    let mut ping = tokio::time::interval(cfg.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut nonce = 0u64;
+    loop {
+        ping.tick().await;
+        if link.stalled.load(Ordering::Acquire) {
+            // Not reading by choice: the peer's silence proves nothing.
+            sink.heard();
+        } else if sink.silent_for() > cfg.ping_timeout {
+            return format!("no frame from the peer for {:?}", cfg.ping_timeout);
+        }
+        link.forget_abandoned();
+        nonce += 1;
+        // Through the queue, so a ping never overtakes a batch.
+        let _ = link.tx.try_send(Out::Frame(Frame::Ping(nonce)));
     }
 }
 
@@ -749,9 +762,34 @@ const MAX_WAITING: usize = 1024;
 struct ConnSink {
     link: Arc<Link>,
     conn: u64,
+    /// When the connection began; `heard_ms` counts from it.
+    since: Instant,
+    /// When the peer was last heard from (or the reader stalled), in ms
+    /// after `since`.
+    heard_ms: AtomicU64,
 }
 
 impl ConnSink {
+    fn new(link: Arc<Link>, conn: u64) -> Self {
+        Self {
+            link,
+            conn,
+            since: Instant::now(),
+            heard_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn heard(&self) {
+        let ms = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.heard_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn silent_for(&self) -> Duration {
+        self.since
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.heard_ms.load(Ordering::Relaxed)))
+    }
+
     fn answer(&self, out: Out) {
         // Fails only once the link task is gone, and then so is the peer's
         // pending request (it was failed when the link closed).
@@ -772,7 +810,9 @@ where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
     if link.waiting.load(Ordering::Relaxed) >= MAX_WAITING {
+        link.stalled.store(true, Ordering::Release);
         deliver.await;
+        link.stalled.store(false, Ordering::Release);
         return;
     }
     link.waiting.fetch_add(1, Ordering::Relaxed);

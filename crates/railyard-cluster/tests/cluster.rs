@@ -609,3 +609,61 @@ async fn a_body_over_the_frame_limit_fails_its_request_and_the_link_stays_up() {
     assert_eq!(na.counters().encode_failures.get(), 1);
     assert_eq!(nb.counters().encode_failures.get(), 1);
 }
+
+/// A node whose reader waits for room in a full local buffer (more than the
+/// 1,024 inbound messages that may wait in tasks) reads nothing meanwhile;
+/// it must keep pinging, or after the ping deadline its live peer declares
+/// it dead and fails every request pending on the link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_waiting_for_room_keeps_the_link_alive() {
+    let reg = InProcessRegistry::new();
+    // Deadline: 15 pings of 100 ms = 1.5 s.
+    let (a, na) = start_pinging(&reg, "a", Duration::from_millis(100)).await;
+    let (b, nb) = start_pinging(&reg, "b", Duration::from_millis(100)).await;
+    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
+    let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = handled.clone();
+    let _full = b
+        .consumer("full")
+        .capacity(16)
+        .handler(move |_m| {
+            let mut open = open_rx.clone();
+            let h = h.clone();
+            async move {
+                let _ = open.wait_for(|o| *o).await;
+                h.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        })
+        .await
+        .unwrap();
+    let _e = echo(&b, "echo").await;
+    routed(&a, "full").await;
+    routed(&a, "echo").await;
+
+    // 16 buffered, 1,024 waiting in tasks, and b's reader waits inline.
+    for i in 0..3_000u64 {
+        a.send("full", i).unwrap();
+    }
+    let a2 = a.clone();
+    let request = tokio::spawn(async move { a2.request("echo", String::from("behind")).await });
+    // Twice the deadline with b's reader stalled.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    open_tx.send(true).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(20), request)
+        .await
+        .expect("answered once b reads again")
+        .unwrap()
+        .expect("not failed by a ping deadline");
+    assert_eq!(r.body::<String>().unwrap(), "behind");
+    for n in [&na, &nb] {
+        assert_eq!(n.counters().disconnects.get(), 0);
+    }
+    // And every message sent reached the consumer.
+    for _ in 0..2_000 {
+        if handled.load(std::sync::atomic::Ordering::Relaxed) == 3_000 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(handled.load(std::sync::atomic::Ordering::Relaxed), 3_000);
+}
