@@ -40,7 +40,7 @@ pub enum PlotError {
     #[error("no result rows to plot (expected a JSON array written by `railyard bench ... --json FILE`)")]
     NoRows,
     /// The rows' `scenario` is not one this module knows.
-    #[error("cannot plot scenario {0:?}: known scenarios are {known}", known = KNOWN.join(", "))]
+    #[error("cannot plot scenario {0:?}: known scenarios are {known}", known = known())]
     UnknownScenario(String),
     /// Rows of several scenarios in one file.
     #[error("the rows mix scenarios ({0}); plot one scenario's file at a time")]
@@ -131,14 +131,14 @@ const SPECS: &[Spec] = &[
     },
 ];
 
-const KNOWN: [&str; 6] = [
-    "pingpong",
-    "echo",
-    "bridge",
-    "c10k",
-    "saga",
-    "redis-refresh",
-];
+/// The scenarios [`SPECS`] covers, for the error that names them.
+fn known() -> String {
+    SPECS
+        .iter()
+        .map(|s| s.scenario)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// Percentiles drawn on the latency chart, in order, with their labels.
 const PERCENTILES: [(&str, &str); 6] = [
@@ -166,11 +166,9 @@ const COLOURS: [RGBColor; 6] = [
 /// [`PlotError`] for empty input, mixed or unknown scenarios, rows without
 /// the headline figure, or a drawing failure.
 pub fn charts(rows: &[Value]) -> Result<Vec<Chart>, PlotError> {
-    let first = rows.first().ok_or(PlotError::NoRows)?;
-    let scenario = first
-        .get("scenario")
-        .and_then(Value::as_str)
-        .unwrap_or("(none)");
+    if rows.is_empty() {
+        return Err(PlotError::NoRows);
+    }
     let mut scenarios: Vec<&str> = rows
         .iter()
         .map(|r| {
@@ -184,6 +182,7 @@ pub fn charts(rows: &[Value]) -> Result<Vec<Chart>, PlotError> {
     if scenarios.len() > 1 {
         return Err(PlotError::MixedScenarios(scenarios.join(", ")));
     }
+    let scenario = scenarios[0];
     let spec = SPECS
         .iter()
         .find(|s| s.scenario == scenario)
@@ -298,12 +297,9 @@ fn name_variants(rows: &[Value], config: &[&str]) -> Vec<Value> {
     rows.iter()
         .map(|r| {
             let mut r = r.clone();
-            let parts: Vec<String> = variant
-                .iter()
-                .filter_map(|f| field_text(&r, f).map(|v| format!("{}={v}", short(f))))
-                .collect();
+            let parts = pairs(&r, &variant);
             if !parts.is_empty() {
-                let name = format!("{} {}", system_of(&r), parts.join(" "));
+                let name = format!("{} {parts}", system_of(&r));
                 if let Some(o) = r.as_object_mut() {
                     for f in &variant {
                         o.remove(*f);
@@ -346,19 +342,19 @@ struct Line {
     points: Vec<(usize, f64)>,
 }
 
-/// Row index -> configuration label from the grouping fields (empty when
+/// Each row's configuration label from the grouping fields (empty when
 /// every system ran one configuration).
-fn config_labels(rows: &[Value], fields: &[&str]) -> BTreeMap<usize, String> {
-    rows.iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let parts: Vec<String> = fields
-                .iter()
-                .filter_map(|f| field_text(r, f).map(|v| format!("{}={v}", short(f))))
-                .collect();
-            (i, parts.join(" "))
-        })
-        .collect()
+fn config_labels(rows: &[Value], fields: &[&str]) -> Vec<String> {
+    rows.iter().map(|r| pairs(r, fields)).collect()
+}
+
+/// `"field=value ..."` for the fields `r` carries, with short names.
+fn pairs(r: &Value, fields: &[&str]) -> String {
+    let parts: Vec<String> = fields
+        .iter()
+        .filter_map(|f| field_text(r, f).map(|v| format!("{}={v}", short(f))))
+        .collect();
+    parts.join(" ")
 }
 
 /// What a system ran with, where it differs from another system's run:
@@ -414,47 +410,41 @@ fn short(field: &str) -> &str {
 fn systems(rows: &[Value]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for r in rows {
-        let s = r
-            .get("system")
-            .and_then(Value::as_str)
-            .unwrap_or("?")
-            .to_owned();
-        if !out.contains(&s) {
-            out.push(s);
+        let s = system_of(r);
+        if !out.iter().any(|o| o == s) {
+            out.push(s.to_owned());
         }
     }
     out.sort_by_key(|s| !s.starts_with("railyard"));
     out
 }
 
+/// The entry for `label` in a list kept in first-seen order, added if new.
+fn slot<'a, T: Default>(list: &'a mut Vec<(String, T)>, label: &str) -> &'a mut T {
+    let i = match list.iter().position(|(l, _)| l == label) {
+        Some(i) => i,
+        None => {
+            list.push((label.to_owned(), T::default()));
+            list.len() - 1
+        }
+    };
+    &mut list[i].1
+}
+
 /// Configuration label -> system -> every run's figure, in the order the
 /// configurations first appear.
 type Groups = Vec<(String, BTreeMap<String, Vec<f64>>)>;
 
-fn group(
-    rows: &[Value],
-    labels: &BTreeMap<usize, String>,
-    figure: impl Fn(&Value) -> Option<f64>,
-) -> Groups {
+fn group(rows: &[Value], labels: &[String], figure: impl Fn(&Value) -> Option<f64>) -> Groups {
     let mut out: Groups = Vec::new();
     for (i, r) in rows.iter().enumerate() {
         let Some(v) = figure(r).filter(|v| v.is_finite()) else {
             continue;
         };
-        let label = labels.get(&i).cloned().unwrap_or_default();
-        let system = r
-            .get("system")
-            .and_then(Value::as_str)
-            .unwrap_or("?")
-            .to_owned();
-        let slot = match out.iter().position(|(l, _)| *l == label) {
-            Some(p) => p,
-            None => {
-                out.push((label, BTreeMap::new()));
-                out.len() - 1
-            }
-        };
-        out[slot].1.entry(system).or_default().push(v);
+        slot(&mut out, &labels[i])
+            .entry(system_of(r).to_owned())
+            .or_default()
+            .push(v);
     }
     out
 }
@@ -463,7 +453,7 @@ fn group(
 type LatencyGroups = Vec<(String, BTreeMap<String, Vec<(usize, f64)>>)>;
 
 /// The latency chart's points, per configuration and system.
-fn group_latency(rows: &[Value], labels: &BTreeMap<usize, String>, pointer: &str) -> LatencyGroups {
+fn group_latency(rows: &[Value], labels: &[String], pointer: &str) -> LatencyGroups {
     let per: Vec<Groups> = PERCENTILES
         .iter()
         .map(|(key, _)| {
@@ -477,16 +467,10 @@ fn group_latency(rows: &[Value], labels: &BTreeMap<usize, String>, pointer: &str
     let mut out: LatencyGroups = Vec::new();
     for (p, groups) in per.iter().enumerate() {
         for (label, by_system) in groups {
-            let slot = match out.iter().position(|(l, _)| l == label) {
-                Some(s) => s,
-                None => {
-                    out.push((label.clone(), BTreeMap::new()));
-                    out.len() - 1
-                }
-            };
+            let by_label = slot(&mut out, label);
             for (system, runs) in by_system {
                 if let Some(m) = median(runs).filter(|m| *m > 0.0) {
-                    out[slot].1.entry(system.clone()).or_default().push((p, m));
+                    by_label.entry(system.clone()).or_default().push((p, m));
                 }
             }
         }
@@ -494,41 +478,34 @@ fn group_latency(rows: &[Value], labels: &BTreeMap<usize, String>, pointer: &str
     out
 }
 
-/// "echo: railyard / vertx = 3.48x (median)" when exactly two systems ran
-/// one configuration; the scenario's name otherwise.
+/// The first system's median over the second's, as "how many times
+/// better" (inverted when lower is better); `None` unless both ran.
+fn ratio(spec: &Spec, by: &BTreeMap<String, Vec<f64>>, systems: &[String]) -> Option<f64> {
+    let [a, b, ..] = systems else { return None };
+    let ma = by.get(a).and_then(|v| median(v)).filter(|m| *m > 0.0)?;
+    let mb = by.get(b).and_then(|v| median(v)).filter(|m| *m > 0.0)?;
+    Some(if spec.lower_is_better {
+        mb / ma
+    } else {
+        ma / mb
+    })
+}
+
+/// "pingpong: railyard is 8.90x vertx (medians)" when exactly two systems
+/// ran one configuration; the scenario's name otherwise.
 fn headline_title(spec: &Spec, bars: &Groups, systems: &[String]) -> String {
-    let base = format!("{}: median of runs, every run a dot", spec.scenario);
-    if systems.len() != 2 || bars.len() != 1 {
-        return base;
+    if let ([a, b], [(_, by)]) = (systems, bars.as_slice()) {
+        if let Some(r) = ratio(spec, by, systems) {
+            return format!("{}: {a} is {r:.2}x {b} (medians)", spec.scenario);
+        }
     }
-    let by = &bars[0].1;
-    let (Some(a), Some(b)) = (
-        by.get(&systems[0]).and_then(|v| median(v)),
-        by.get(&systems[1]).and_then(|v| median(v)),
-    ) else {
-        return base;
-    };
-    if a <= 0.0 || b <= 0.0 {
-        return base;
-    }
-    let ratio = if spec.lower_is_better { b / a } else { a / b };
-    format!(
-        "{}: {} is {ratio:.2}x {} (medians)",
-        spec.scenario, systems[0], systems[1]
-    )
+    format!("{}: median of runs, every run a dot", spec.scenario)
 }
 
 /// "railyard/vertx 4.07x" for a group both of the first two systems ran.
 fn group_ratio(spec: &Spec, by: &BTreeMap<String, Vec<f64>>, systems: &[String]) -> Option<String> {
-    let [a, b, ..] = systems else { return None };
-    let ma = by.get(a).and_then(|v| median(v)).filter(|m| *m > 0.0)?;
-    let mb = by.get(b).and_then(|v| median(v)).filter(|m| *m > 0.0)?;
-    let ratio = if spec.lower_is_better {
-        mb / ma
-    } else {
-        ma / mb
-    };
-    Some(format!("{a}/{b} {ratio:.2}x"))
+    let r = ratio(spec, by, systems)?;
+    Some(format!("{}/{} {r:.2}x", systems[0], systems[1]))
 }
 
 /// 1234567 -> "1.23M", 45678 -> "45.7k", 12.345 -> "12.3".
@@ -757,7 +734,7 @@ mod tests {
         let rows = vec![
             echo_row("railyard", "send-reply", 3_000_000.0),
             echo_row("railyard", "send-reply", 4_000_000.0),
-            echo_row("railyard", "send-reply", 3_500_000.0),
+            echo_row("railyard", "send-reply", 3_200_000.0),
             echo_row("vertx", "send-reply", 1_000_000.0),
             echo_row("railyard", "send-send", 5_000_000.0),
             echo_row("vertx", "send-send", 6_000_000.0),
@@ -771,12 +748,13 @@ mod tests {
         assert!(!svg.contains("cluster=none method="));
         assert!(svg.contains("all runs: cluster=none nodes=1 consumer=consumer"));
         assert!(svg.contains("\nrailyard\n") && svg.contains("\nvertx\n"));
-        // Medians above the bars: 3.5M for railyard send-reply, not the mean or a run.
-        assert!(svg.contains("3.50M"), "median label missing");
-        // Each group carries its ratio of medians: 3.5M / 1M.
-        assert!(svg.contains("railyard/vertx 3.50x"));
+        // Medians above the bars: 3.2M for railyard send-reply, not the
+        // mean (3.4M).
+        assert!(svg.contains("3.20M"), "median label missing");
+        assert!(!svg.contains("3.40M"));
+        // Each group carries its ratio of medians: 3.2M / 1M.
+        assert!(svg.contains("railyard/vertx 3.20x"));
         assert!(svg.contains("railyard/vertx 0.83x"));
-        assert!(!svg.contains("3.33M"));
         // One dot per run: six rows, six run dots (black circles of radius 3).
         assert_eq!(svg.matches("r=\"3\"").count(), 6);
     }
