@@ -80,7 +80,7 @@ pub(crate) struct Link {
     addr: Mutex<SocketAddr>,
     tx: mpsc::Sender<Out>,
     /// Answers to the peer's requests, and pongs, each tagged with the
-    /// connection (`conn`) whose request it answers: an answer is written
+    /// number of the connection whose request it answers: an answer is written
     /// only on that connection. The peer fails its pending requests when a
     /// connection ends, and a peer that restarted numbers its requests from 1
     /// again, so an old answer on a new connection would complete the wrong
@@ -89,8 +89,6 @@ pub(crate) struct Link {
     /// emptied when a connection ends; the reader stops accepting, see
     /// `MAX_WAITING`, when local consumers fall behind).
     replies: mpsc::UnboundedSender<(u64, Out)>,
-    /// The current connection's number (0 before the first).
-    conn: AtomicU64,
     /// Inbound messages waiting for room in a full local consumer buffer.
     waiting: AtomicUsize,
     /// The reader is waiting for room (more than `MAX_WAITING` waited
@@ -219,7 +217,6 @@ impl Link {
             addr: Mutex::new(addr),
             tx,
             replies,
-            conn: AtomicU64::new(0),
             waiting: AtomicUsize::new(0),
             stalled: AtomicBool::new(false),
             pending: Mutex::new(HashMap::default()),
@@ -314,6 +311,8 @@ async fn run(
     mut accepted: mpsc::Receiver<(TcpStream, BytesMut)>,
 ) {
     let mut backoff = Duration::from_millis(20);
+    // Connections served so far; each one's number tags its answers.
+    let mut conns = 0u64;
     loop {
         if link.closed.load(Ordering::Acquire) {
             break;
@@ -351,8 +350,8 @@ async fn run(
         };
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
         link.counters.connects.add(1);
-        let conn = link.conn.fetch_add(1, Ordering::AcqRel) + 1;
-        let sink = Arc::new(ConnSink::new(link.clone(), conn));
+        conns += 1;
+        let sink = Arc::new(ConnSink::new(link.clone(), conns));
         let why = serve(&sink, &cfg, &bus, &mut rx, &mut replies, stream, rest).await;
         link.fail_pending("was disconnected");
         // Answers to that connection's requests: the peer has failed them.
@@ -452,6 +451,15 @@ async fn write_loop(
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
     let mut batch = Vec::with_capacity(BATCH);
     let mut reply_batch = Vec::with_capacity(BATCH);
+    // An answer to an earlier connection's request is dropped: the peer
+    // failed that request when the connection ended.
+    let answer = |(for_conn, out): (u64, Out), buf: &mut BytesMut| {
+        if for_conn == conn {
+            encode_out(link, bus, out, buf, max_frame);
+        } else {
+            link.counters.stale_answers.add(1);
+        }
+    };
     loop {
         tokio::select! {
             n = rx.recv_many(&mut batch, BATCH) => {
@@ -467,18 +475,13 @@ async fn write_loop(
                 if n == 0 {
                     return "link closed".into();
                 }
-                for (c, out) in reply_batch.drain(..) {
-                    encode_answer(link, bus, conn, c, out, &mut outbuf, max_frame);
+                for item in reply_batch.drain(..) {
+                    answer(item, &mut outbuf);
                 }
             }
         }
         // Answers that are ready go in the same write, up to a bound.
-        fill_to(
-            &mut outbuf,
-            MAX_WRITE,
-            || replies.try_recv().ok(),
-            |(c, out), buf| encode_answer(link, bus, conn, c, out, buf, max_frame),
-        );
+        fill_to(&mut outbuf, MAX_WRITE, || replies.try_recv().ok(), answer);
         let r = wr.write_all(&outbuf).await;
         link.counters.bytes_out.add(outbuf.len() as u64);
         outbuf.clear();
@@ -625,24 +628,14 @@ fn fail_frame(id: u64, e: &BusError) -> Frame {
     }
 }
 
-/// Encodes an answer queued for connection `for_conn` if that is still the
-/// connection being written (`conn`); an answer to an earlier connection's
-/// request is dropped and counted, its requester already failed.
-#[allow(clippy::too_many_arguments)]
-fn encode_answer(
-    link: &Link,
-    bus: &EventBus,
-    conn: u64,
-    for_conn: u64,
-    out: Out,
-    buf: &mut BytesMut,
-    max_frame: usize,
-) {
-    if for_conn == conn {
-        encode_out(link, bus, out, buf, max_frame);
-    } else {
-        link.counters.stale_answers.add(1);
-    }
+/// If what was encoded into `buf` from `start` (a frame with its length
+/// prefix) is over `max_frame`, removes it and returns its length.
+fn take_back_if_over(buf: &mut BytesMut, start: usize, max_frame: usize) -> Option<usize> {
+    let len = buf.len() - start - 4;
+    (len > max_frame).then(|| {
+        buf.truncate(start);
+        len
+    })
 }
 
 /// The error for a message or reply that does not fit one frame.
@@ -694,9 +687,7 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                         &codec,
                         &body,
                     );
-                    let len = buf.len() - start - 4;
-                    if len > max_frame {
-                        buf.truncate(start);
+                    if let Some(len) = take_back_if_over(buf, start, max_frame) {
                         link.counters.encode_failures.add(1);
                         tracing::warn!(address = %msg.address, len, max_frame, "a message for another node is over the frame limit; not sent");
                         if id != 0 {
@@ -729,11 +720,9 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                         Ok((codec, bytes)) => {
                             let start = buf.len();
                             frame::encode_reply(buf, id, m.headers().iter(), &codec, &bytes);
-                            let len = buf.len() - start - 4;
-                            if len <= max_frame {
+                            let Some(len) = take_back_if_over(buf, start, max_frame) else {
                                 return;
-                            }
-                            buf.truncate(start);
+                            };
                             link.counters.encode_failures.add(1);
                             fail_frame(id, &too_large("the reply", len, max_frame))
                         }
