@@ -371,10 +371,13 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
             // its own so the loop's other consumers keep running.
             queue.enter_task();
             let rest: VecDeque<Envelope> = std::mem::take(batch);
-            // The guard is an argument, so it exists (and ends the batch
-            // when dropped) even if the task is dropped before its first poll.
-            let guard = EndBatchOnDrop(Some(queue.clone()));
-            tokio::spawn(finish_on_task(guard, queue.clone(), rest));
+            // An argument, so it ends the batch when dropped even if the
+            // task is dropped before its first poll.
+            let task = BatchTask {
+                queue: queue.clone(),
+                finished: false,
+            };
+            tokio::spawn(finish_on_task(task, rest));
             return;
         }
     }
@@ -388,33 +391,33 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
     }
 }
 
-/// Ends the batch (clears the consumer's `active` flag) if the task
-/// finishing it is dropped first: its loop's runtime shut down while a
-/// handler was mid-await. Without it `unregister` waited for that batch
-/// forever. The run token stays taken, so nobody polls the handler's
-/// abandoned future again; it is dropped with the consumer.
-struct EndBatchOnDrop(Option<Arc<ConsumerQueue>>);
+/// The consumer whose batch a task finishes. Dropped unfinished (its
+/// loop's runtime shut down while a handler was mid-await), it ends the
+/// batch (clears the consumer's `active` flag): without that `unregister`
+/// waited for the batch forever. The run token stays taken, so nobody polls
+/// the handler's abandoned future again; it is dropped with the consumer.
+struct BatchTask {
+    queue: Arc<ConsumerQueue>,
+    finished: bool,
+}
 
-impl Drop for EndBatchOnDrop {
+impl Drop for BatchTask {
     fn drop(&mut self) {
-        if let Some(queue) = self.0.take() {
-            queue.batch_done();
+        if !self.finished {
+            self.queue.batch_done();
         }
     }
 }
 
 /// A consumer's batch whose handler did not finish in one poll.
-async fn finish_on_task(
-    mut dropped: EndBatchOnDrop,
-    queue: Arc<ConsumerQueue>,
-    rest: VecDeque<Envelope>,
-) {
+async fn finish_on_task(mut task: BatchTask, rest: VecDeque<Envelope>) {
+    let queue = &task.queue;
     let runner = queue.runner().expect("a dispatched consumer has a runner");
     // Safety (here and below): this task holds the consumer's run token
     // from `enter_task` until `leave_task`.
     std::future::poll_fn(|cx| unsafe { runner.resume(cx) }).await;
     for env in rest {
-        let Some(msg) = admit(&queue, env) else {
+        let Some(msg) = admit(queue, env) else {
             continue;
         };
         let mut msg = Some(msg);
@@ -424,8 +427,8 @@ async fn finish_on_task(
         })
         .await;
     }
-    dropped.0 = None;
     queue.leave_task();
+    task.finished = true;
 }
 
 /// A handler with its message type erased, polled in place.
