@@ -655,9 +655,10 @@ fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
 /// requester was already told it failed (the link dropped while it was
 /// queued: its `fail_epoch` is old) is not sent: it would run with nobody
 /// waiting for it. Checked by epoch, not by a look-up in `pending`: that
-/// lock per request, taken by the writer against the senders, was slower
+/// lock per request, taken by the writer against the senders, looked slower
 /// in `bench pingpong --nodes 2` (two runs each, 0.89-0.93 s without it,
-/// 1.07-1.20 s with it).
+/// 1.07-1.20 s with it; both builds read an environment switch per message,
+/// so the figures are indicative only), and the epoch costs one load.
 fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_frame: usize) {
     match out {
         Out::Frame(f) => f.encode(buf),
