@@ -51,4 +51,4 @@ pub use frame::{FailKind, Frame, FrameError, Mode, DEFAULT_MAX_FRAME, VERSION};
 pub use inproc::{InProcessManager, InProcessRegistry};
 pub use manager::{BoxFuture, ClusterManager, ClusterView, ManagerError, NodeInfo};
 pub use metrics::{ClusterCounters, Counter};
-pub use node::{ClusterConfig, ClusterError, ClusterNode};
+pub use node::{ClusterConfig, ClusterError, ClusterNode, ClusterObserver};

@@ -8,6 +8,18 @@
 //! reads the peer's frames: messages for local consumers, replies to our
 //! requests, pings.
 //!
+//! Bounds: at most `queue` messages wait in a link's queue, and at most
+//! `max_in_flight` requests are unanswered on it (queued or written, until
+//! the peer's answer is read); beyond either, `deliver` says `Full`. The
+//! second bound is what keeps the answers a peer owes us, which it queues
+//! unbounded by count until it can write them, finite: each side holds its
+//! peer to its own `max_in_flight` (plus [`PONG_SLACK`]) and stops reading
+//! from a connection whose peer asks more without reading the answers.
+//! Pausing the reader for a peer that follows that rule could deadlock two
+//! nodes flooding each other (both readers paused, both writes blocked on
+//! full sockets); the requester-side limit means it never happens between
+//! Railyard nodes.
+//!
 //! Failure rules:
 //! - a malformed frame or a missed ping deadline closes this connection
 //!   (the peer reconnects); every request waiting on it fails at once with
@@ -44,6 +56,7 @@ pub(crate) struct LinkConfig {
     pub(crate) node_id: String,
     pub(crate) cluster: String,
     pub(crate) queue: usize,
+    pub(crate) max_in_flight: usize,
     pub(crate) max_frame: usize,
     pub(crate) ping_interval: Duration,
     pub(crate) ping_timeout: Duration,
@@ -84,10 +97,11 @@ pub(crate) struct Link {
     /// only on that connection. The peer fails its pending requests when a
     /// connection ends, and a peer that restarted numbers its requests from 1
     /// again, so an old answer on a new connection would complete the wrong
-    /// request. Unbounded: it holds the answers to requests this node
-    /// accepted on the current connection and has not written yet (it is
-    /// emptied when a connection ends; the reader stops accepting, see
-    /// `MAX_WAITING`, when local consumers fall behind).
+    /// request. Unbounded by the channel, bounded by the reader: it
+    /// holds answers to requests read on the current connection and not
+    /// written yet, and the reader stops reading once `max_in_flight` plus
+    /// [`PONG_SLACK`] are owed (`ConnSink::owe`). Emptied when a connection
+    /// ends.
     replies: mpsc::UnboundedSender<(u64, Out)>,
     /// Inbound messages waiting for room in a full local consumer buffer.
     waiting: AtomicUsize,
@@ -97,6 +111,12 @@ pub(crate) struct Link {
     stalled: AtomicBool,
     /// Requests sent on this link, waiting for REPLY or FAIL.
     pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
+    /// Requests queued or written on the current connection whose answer
+    /// has not been read yet. Unlike `pending`, a request that timed out
+    /// still counts until its answer arrives: the peer still owes it.
+    /// Raised under the `pending` lock, reset to 0 with `fail_epoch`.
+    in_flight: AtomicUsize,
+    max_in_flight: usize,
     /// Bumped (under the `pending` lock) each time every pending request is
     /// failed: a queued request registered under an older value was failed
     /// and is not sent. Read by the writer without the lock.
@@ -135,9 +155,21 @@ impl RemoteNode for Link {
         }
         let (id, epoch) = match msg.reply.take() {
             Some(handle) => {
-                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let mut pending = self.pending.lock();
+                if self.in_flight.load(Ordering::Acquire) >= self.max_in_flight {
+                    drop(pending);
+                    msg.reply = Some(handle);
+                    self.counters.link_full.add(1);
+                    return Err(Box::new(Undelivered {
+                        error: BusError::Full {
+                            address: msg.address.to_string(),
+                        },
+                        message: msg,
+                    }));
+                }
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 pending.insert(id, handle);
+                self.in_flight.fetch_add(1, Ordering::AcqRel);
                 (id, self.fail_epoch.load(Ordering::Acquire))
             }
             None => (0, 0),
@@ -150,7 +182,12 @@ impl RemoteNode for Link {
                     unreachable!("we sent a Msg")
                 };
                 if id != 0 {
+                    // Not there if the link failed it meanwhile (and reset
+                    // the count).
                     msg.reply = self.pending.lock().remove(&id);
+                    if msg.reply.is_some() {
+                        self.release();
+                    }
                 }
                 let error = if full {
                     self.counters.link_full.add(1);
@@ -169,7 +206,7 @@ impl RemoteNode for Link {
     }
 
     fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.closed.load(Ordering::Acquire) || self.tx.capacity() > 0 {
+        if self.has_room() {
             return Poll::Ready(());
         }
         {
@@ -178,8 +215,8 @@ impl RemoteNode for Link {
                 w.push(cx.waker().clone());
             }
         }
-        // The task may have drained between the check and the registration.
-        if self.tx.capacity() > 0 {
+        // Room may have come between the check and the registration.
+        if self.has_room() {
             Poll::Ready(())
         } else {
             Poll::Pending
@@ -188,6 +225,27 @@ impl RemoteNode for Link {
 }
 
 impl Link {
+    /// Whether a refused `deliver` is worth retrying: the queue has room and
+    /// a request may be added (a waiting send also waits for the second,
+    /// which is rarely the one missing).
+    fn has_room(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+            || (self.tx.capacity() > 0
+                && self.in_flight.load(Ordering::Acquire) < self.max_in_flight)
+    }
+
+    /// One request stopped being in flight: its answer was read, or it was
+    /// never written (refused, or failed at encoding).
+    fn release(&self) {
+        let prev = self
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .unwrap_or(0);
+        if prev >= self.max_in_flight {
+            self.wake_room_waiters();
+        }
+    }
+
     fn wake_room_waiters(&self) {
         let waiters = std::mem::take(&mut *self.room_waiters.lock());
         for w in waiters {
@@ -220,6 +278,8 @@ impl Link {
             waiting: AtomicUsize::new(0),
             stalled: AtomicBool::new(false),
             pending: Mutex::new(HashMap::default()),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight: cfg.max_in_flight.max(1),
             fail_epoch: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
@@ -269,11 +329,17 @@ impl Link {
     }
 
     fn fail_pending(&self, why: &str) {
-        let drained: Vec<ReplyHandle> = {
+        let (drained, was): (Vec<ReplyHandle>, usize) = {
             let mut pending = self.pending.lock();
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
-            pending.drain().map(|(_, h)| h).collect()
+            // Requests of the old epoch are failed here and never written,
+            // or were written on a connection that is gone: none is owed.
+            let was = self.in_flight.swap(0, Ordering::AcqRel);
+            (pending.drain().map(|(_, h)| h).collect(), was)
         };
+        if was >= self.max_in_flight {
+            self.wake_room_waiters();
+        }
         if drained.is_empty() {
             return;
         }
@@ -422,16 +488,14 @@ async fn serve(
     stream: TcpStream,
     rest: BytesMut,
 ) -> String {
-    let link = &sink.link;
     let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
+    // Frames that came with the HELLO are handled by the reader before its
+    // first read, with the writer already running (the reader may wait for
+    // it, see `ConnSink::owe`).
     inbuf.extend_from_slice(&rest);
-    // Frames that came with the HELLO are handled before the first read.
-    if let Err(why) = handle_buffered(sink, bus, &mut inbuf, cfg.max_frame, usize::MAX).await {
-        return why;
-    }
     tokio::select! {
-        why = write_loop(link, bus, rx, replies, &mut wr, sink.conn, cfg.max_frame) => why,
+        why = write_loop(sink, bus, rx, replies, &mut wr, cfg.max_frame) => why,
         why = read_loop(sink, cfg, bus, &mut rd, &mut inbuf) => why,
         why = ping_loop(sink, cfg) => why,
     }
@@ -440,22 +504,23 @@ async fn serve(
 /// Writes what is queued for the peer, a batch per write: messages (up to
 /// [`BATCH`]) with the answers ready by then, or answers alone.
 async fn write_loop(
-    link: &Arc<Link>,
+    sink: &ConnSink,
     bus: &EventBus,
     rx: &mut mpsc::Receiver<Out>,
     replies: &mut mpsc::UnboundedReceiver<(u64, Out)>,
     wr: &mut tokio::net::tcp::OwnedWriteHalf,
-    conn: u64,
     max_frame: usize,
 ) -> String {
+    let link = &sink.link;
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
     let mut batch = Vec::with_capacity(BATCH);
     let mut reply_batch = Vec::with_capacity(BATCH);
     // An answer to an earlier connection's request is dropped: the peer
     // failed that request when the connection ended.
     let answer = |(for_conn, out): (u64, Out), buf: &mut BytesMut| {
-        if for_conn == conn {
+        if for_conn == sink.conn {
             encode_out(link, bus, out, buf, max_frame);
+            sink.paid();
         } else {
             link.counters.stale_answers.add(1);
         }
@@ -521,31 +586,29 @@ async fn read_loop(
 ) -> String {
     let link = &sink.link;
     loop {
-        tokio::select! {
-            r = rd.read_buf(inbuf) => {
-                match r {
-                    Ok(0) => return "peer closed the connection".into(),
-                    Ok(n) => {
-                        link.counters.bytes_in.add(n as u64);
-                        sink.heard();
-                    }
-                    Err(e) => return format!("read failed: {e}"),
-                }
-                // Handled a chunk at a time: in between, this task yields,
-                // so the tasks and consumers those frames woke run and
-                // queue their answers, and `write_loop` sends them while
-                // this side handles the rest; the peer works on the first
-                // answers meanwhile. Handling a whole read before writing
-                // anything made two nodes take turns, each idle while the
-                // other worked (see `READ_CHUNK`).
-                loop {
-                    match handle_buffered(sink, bus, inbuf, cfg.max_frame, READ_CHUNK).await {
-                        Err(why) => return why,
-                        Ok(false) => break,
-                        Ok(true) => tokio::task::yield_now().await,
-                    }
-                }
+        // What is buffered (at first, what came with the HELLO) is handled
+        // a chunk at a time: in between, this task yields, so the tasks and
+        // consumers those frames woke run and queue their answers, and
+        // `write_loop` sends them while this side handles the rest; the
+        // peer works on the first answers meanwhile. Handling a whole read
+        // before writing anything made two nodes take turns, each idle
+        // while the other worked (see `READ_CHUNK`).
+        loop {
+            match handle_buffered(sink, bus, inbuf, cfg.max_frame, READ_CHUNK).await {
+                Err(why) => return why,
+                Ok(false) => break,
+                Ok(true) => tokio::task::yield_now().await,
             }
+        }
+        tokio::select! {
+            r = rd.read_buf(inbuf) => match r {
+                Ok(0) => return "peer closed the connection".into(),
+                Ok(n) => {
+                    link.counters.bytes_in.add(n as u64);
+                    sink.heard();
+                }
+                Err(e) => return format!("read failed: {e}"),
+            },
             () = link.close_signal.notified() => return "closed".into(),
         }
     }
@@ -561,6 +624,10 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
     let mut nonce = 0u64;
     loop {
         ping.tick().await;
+        if link.closed.load(Ordering::Acquire) {
+            // The reader may be paused (see `ConnSink::owe`) and not see it.
+            return "closed".into();
+        }
         if link.stalled.load(Ordering::Acquire) {
             // Not reading by choice: the peer's silence proves nothing.
             sink.heard();
@@ -692,6 +759,7 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                         link.counters.encode_failures.add(1);
                         tracing::warn!(address = %msg.address, len, max_frame, "a message for another node is over the frame limit; not sent");
                         if id != 0 {
+                            link.release();
                             link.complete(id, Err(too_large("the message", len, max_frame)));
                         }
                         return;
@@ -702,6 +770,7 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                     link.counters.encode_failures.add(1);
                     tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
                     if id != 0 {
+                        link.release();
                         link.complete(
                             id,
                             Err(BusError::Cluster {
@@ -747,11 +816,25 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
 /// stops reading from the socket: TCP then slows the peer down.
 const MAX_WAITING: usize = 1024;
 
+/// Pongs a peer may be owed beyond its `max_in_flight` requests before the
+/// reader pauses (one ping per interval; a peer whose answers stopped
+/// flowing declares the link dead after its ping timeout anyway).
+const PONG_SLACK: usize = 64;
+
 /// The answering end of one connection: requests the peer sent on it are
 /// answered through it, tagged with its number (see `Link::replies`).
 struct ConnSink {
     link: Arc<Link>,
     conn: u64,
+    /// Requests and pings read on this connection whose answer the writer
+    /// has not encoded yet: what `Link::replies` holds for it, or will.
+    owed: AtomicUsize,
+    /// `owed` at which the reader pauses: our `max_in_flight` plus
+    /// [`PONG_SLACK`].
+    owe_limit: usize,
+    /// The reader is paused in `owe`; the writer then notifies `room`.
+    paused: AtomicBool,
+    room: Notify,
     /// When the connection began; `heard_ms` counts from it.
     since: Instant,
     /// When the peer was last heard from (or the reader stalled), in ms
@@ -761,9 +844,14 @@ struct ConnSink {
 
 impl ConnSink {
     fn new(link: Arc<Link>, conn: u64) -> Self {
+        let owe_limit = link.max_in_flight.saturating_add(PONG_SLACK);
         Self {
             link,
             conn,
+            owed: AtomicUsize::new(0),
+            owe_limit,
+            paused: AtomicBool::new(false),
+            room: Notify::new(),
             since: Instant::now(),
             heard_ms: AtomicU64::new(0),
         }
@@ -778,6 +866,44 @@ impl ConnSink {
         self.since
             .elapsed()
             .saturating_sub(Duration::from_millis(self.heard_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Counts one more answer owed to the peer (a request or a ping was
+    /// read), first waiting, without reading, while `owe_limit` are owed:
+    /// only a peer that ignores its own in-flight limit gets there, and the
+    /// wait bounds what `Link::replies` holds for it.
+    async fn owe(&self) {
+        if self.owed.load(Ordering::SeqCst) >= self.owe_limit {
+            let link = &self.link;
+            link.counters.answer_pauses.add(1);
+            tracing::warn!(peer = %link.peer, owed = self.owe_limit, "a peer asks more than its in-flight limit without reading answers; pausing reads from it");
+            link.stalled.store(true, Ordering::Release);
+            loop {
+                let notified = self.room.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                self.paused.store(true, Ordering::SeqCst);
+                if self.owed.load(Ordering::SeqCst) < self.owe_limit {
+                    break;
+                }
+                notified.await;
+            }
+            self.paused.store(false, Ordering::SeqCst);
+            link.stalled.store(false, Ordering::Release);
+        }
+        self.owed.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// One owed answer was encoded for the peer.
+    fn paid(&self) {
+        // Saturating: a frame that answers nothing read (there is none
+        // today) must not wrap the count.
+        let _ = self
+            .owed
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if self.paused.load(Ordering::SeqCst) {
+            self.room.notify_one();
+        }
     }
 
     fn answer(&self, out: Out) {
@@ -827,6 +953,10 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
             codec,
             body,
         } => {
+            if mode == Mode::Request {
+                // Answered exactly once below: a reply, or a FAIL.
+                sink.owe().await;
+            }
             let body = match bus.decode_body(&codec, body) {
                 Ok(b) => b,
                 Err(e) => {
@@ -903,6 +1033,7 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                 .map_err(|e| BusError::Cluster {
                     reason: format!("cannot decode the reply body: {e}"),
                 });
+            link.release();
             link.complete(id, result);
         }
         Frame::Fail {
@@ -919,9 +1050,11 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                 FailKind::RecipientFailure => BusError::RecipientFailure { code, message },
                 FailKind::Error => BusError::Cluster { reason: message },
             };
+            link.release();
             link.complete(id, Err(e));
         }
         Frame::Ping(n) => {
+            sink.owe().await;
             sink.answer(Out::Frame(Frame::Pong(n)));
         }
         Frame::Pong(_) => {}

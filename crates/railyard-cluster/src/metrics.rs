@@ -46,6 +46,10 @@ pub struct ClusterCounters {
     /// Queued requests not sent because their requester had already been
     /// told they failed (the link dropped while they waited).
     pub unsent_failed: Counter,
+    /// Times a connection's reader paused because the peer had asked more
+    /// requests than `max_in_flight` (plus a slack for pongs) without
+    /// reading the answers; a peer that follows the protocol never causes it.
+    pub answer_pauses: Counter,
     /// Bodies that could not be decoded.
     pub decode_failures: Counter,
     /// Sends from other nodes that found no local consumer.

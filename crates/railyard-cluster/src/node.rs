@@ -30,6 +30,14 @@ pub struct ClusterConfig {
     pub advertise: Option<SocketAddr>,
     /// Messages queued per peer link before `send` sees `Full` (default 65,536).
     pub link_queue: usize,
+    /// Requests a link keeps unanswered at once (queued or sent, until the
+    /// peer's answer is read; default 65,536). Beyond it `request` waits for
+    /// room (or tries another node) as for a full queue. This is what bounds
+    /// the answers a peer owes us, so it is also the limit this node holds
+    /// its peers to: a connection whose peer asks more than this (plus a
+    /// slack for pongs) before reading our answers is not read from until
+    /// the answers are written.
+    pub max_in_flight: usize,
     /// Largest frame accepted; a bigger one closes the connection (default 16 MiB).
     pub max_frame: usize,
     /// How often a link pings its peer (default 1 s).
@@ -49,11 +57,37 @@ impl ClusterConfig {
             listen,
             advertise: None,
             link_queue: 65_536,
+            max_in_flight: 65_536,
             max_frame: DEFAULT_MAX_FRAME,
             ping_interval: Duration::from_secs(1),
             ping_timeout: Duration::from_secs(3),
             backoff_max: Duration::from_secs(2),
         }
+    }
+}
+
+/// Reads a node's transport counters and cluster view; cheap to clone.
+#[derive(Clone)]
+pub struct ClusterObserver {
+    counters: Arc<ClusterCounters>,
+    manager: Arc<dyn ClusterManager>,
+}
+
+impl std::fmt::Debug for ClusterObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterObserver").finish_non_exhaustive()
+    }
+}
+
+impl ClusterObserver {
+    /// Transport counters.
+    pub fn counters(&self) -> &ClusterCounters {
+        &self.counters
+    }
+
+    /// The cluster as the node sees it now.
+    pub fn view(&self) -> Arc<ClusterView> {
+        self.manager.view().borrow().clone()
     }
 }
 
@@ -159,6 +193,7 @@ impl ClusterNode {
             node_id: cfg.node_id.clone(),
             cluster: cfg.cluster.clone(),
             queue: cfg.link_queue,
+            max_in_flight: cfg.max_in_flight.max(1),
             max_frame: cfg.max_frame,
             ping_interval: cfg.ping_interval,
             ping_timeout: cfg.ping_timeout,
@@ -207,6 +242,15 @@ impl ClusterNode {
     /// The cluster as this node sees it now.
     pub fn view(&self) -> Arc<ClusterView> {
         self.inner.manager.view().borrow().clone()
+    }
+
+    /// A handle that reads this node's counters and view for as long as it
+    /// is kept (for a metrics exporter), without owning the node.
+    pub fn observer(&self) -> ClusterObserver {
+        ClusterObserver {
+            counters: self.inner.counters.clone(),
+            manager: self.inner.manager.clone(),
+        }
     }
 
     /// Deregisters from the cluster and closes every link.

@@ -667,3 +667,187 @@ async fn a_reader_waiting_for_room_keeps_the_link_alive() {
     }
     assert_eq!(handled.load(std::sync::atomic::Ordering::Relaxed), 3_000);
 }
+
+/// A requester keeps at most `max_in_flight` requests unanswered on a link:
+/// the rest wait for room, and go out as answers come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_keeps_at_most_max_in_flight_requests_unanswered() {
+    const LIMIT: usize = 8;
+    const REQUESTS: usize = 40;
+    let reg = InProcessRegistry::new();
+    let bus_a = EventBus::new();
+    let mut cfg = ClusterConfig::new("a", "127.0.0.1:0".parse().unwrap());
+    cfg.max_in_flight = LIMIT;
+    let na = ClusterNode::start(bus_a.clone(), Arc::new(reg.manager()), cfg)
+        .await
+        .unwrap();
+    let (b, _nb) = start(&reg, "b").await;
+    // Holds every request unanswered until the test answers it.
+    let held: Arc<std::sync::Mutex<Vec<railyard_bus::Message>>> = Arc::default();
+    let h = held.clone();
+    let _hold = b
+        .consumer("hold")
+        .handler(move |m| {
+            h.lock().unwrap().push(m);
+            std::future::ready(())
+        })
+        .await
+        .unwrap();
+    routed(&bus_a, "hold").await;
+    let replies: Vec<_> = (0..REQUESTS as u64)
+        .map(|i| {
+            let a = bus_a.clone();
+            tokio::spawn(async move { a.request("hold", i).await })
+        })
+        .collect();
+    let mut answered = 0;
+    for _ in 0..2_000 {
+        // Whatever reached b is at most the limit beyond what was answered.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let batch: Vec<_> = std::mem::take(&mut *held.lock().unwrap());
+        assert!(
+            batch.len() <= LIMIT,
+            "{} requests in flight on a link limited to {LIMIT}",
+            batch.len()
+        );
+        if batch.len() == LIMIT {
+            // The limit holds while nothing is answered.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(
+                held.lock().unwrap().is_empty(),
+                "a request beyond the limit went out"
+            );
+        }
+        for mut m in batch {
+            let v = *m.body::<u64>().unwrap();
+            m.reply(v).unwrap();
+            answered += 1;
+        }
+        if answered == REQUESTS {
+            break;
+        }
+    }
+    assert_eq!(answered, REQUESTS);
+    for (i, r) in replies.into_iter().enumerate() {
+        let m = r.await.unwrap().expect("answered after waiting for room");
+        assert_eq!(*m.body::<u64>().unwrap(), i as u64);
+    }
+    assert!(
+        na.counters().link_full.get() > 0,
+        "some requests waited for room"
+    );
+}
+
+/// A peer that sends requests but does not read the answers: the node
+/// stops reading from it once it owes `max_in_flight` (plus a few pongs)
+/// answers, so the answers it queues stay bounded; when the peer reads
+/// again, every answer arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_answers_is_not_read_from() {
+    use railyard_cluster::{Frame, Mode, VERSION};
+    const REQUESTS: u64 = 600;
+    const BODY: usize = 16 * 1024;
+    let reg = InProcessRegistry::new();
+    let bus = EventBus::new();
+    let mut cfg = ClusterConfig::new("z", "127.0.0.1:0".parse().unwrap());
+    cfg.max_in_flight = 16;
+    cfg.ping_interval = Duration::from_millis(100);
+    cfg.ping_timeout = Duration::from_secs(60);
+    let nz = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
+        .await
+        .unwrap();
+    let handled = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let h = handled.clone();
+    let _e = bus
+        .consumer("echo")
+        .handler(move |mut m| {
+            h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let body = m.take_body();
+            let _ = m.reply(body);
+            std::future::ready(())
+        })
+        .await
+        .unwrap();
+
+    // A small receive buffer, so the node's answers (9.6 MB) fill the
+    // socket long before they are all written.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(64 * 1024).unwrap();
+    let s = sock.connect(nz.addr()).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let mut out = bytes::BytesMut::new();
+        Frame::Hello {
+            version: VERSION,
+            node: "a-greedy".into(),
+            cluster: "railyard".into(),
+        }
+        .encode(&mut out);
+        wr.write_all(&out).await.unwrap();
+        let body = bytes::Bytes::from(vec![7u8; BODY]);
+        for id in 1..=REQUESTS {
+            out.clear();
+            Frame::Msg {
+                mode: Mode::Request,
+                id,
+                timeout_ms: 60_000,
+                address: "echo".into(),
+                headers: Vec::new(),
+                codec: "bytes".into(),
+                body: body.clone(),
+            }
+            .encode(&mut out);
+            wr.write_all(&out).await.unwrap();
+        }
+        wr
+    });
+    // Not reading: the node pauses its reader for this peer.
+    let mut paused = false;
+    for _ in 0..1_000 {
+        if nz.counters().answer_pauses.get() > 0 {
+            paused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        paused,
+        "the node kept reading from a peer that reads nothing"
+    );
+    // And it stays paused: no more requests are taken in (once those read
+    // before the pause are handled).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = handled.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = handled.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(before, after, "requests were handled while paused");
+    assert!(
+        after < REQUESTS,
+        "every request was taken in: nothing paused"
+    );
+
+    // Now read: every request is answered once, intact.
+    let mut inbuf = bytes::BytesMut::new();
+    let mut seen = std::collections::HashSet::new();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while (seen.len() as u64) < REQUESTS {
+            while let Some(f) = Frame::decode(&mut inbuf, 1 << 20).unwrap() {
+                match f {
+                    Frame::Reply { id, body, .. } => {
+                        assert_eq!(body.len(), BODY);
+                        assert!(seen.insert(id), "request {id} answered twice");
+                    }
+                    Frame::Ping(_) | Frame::Pong(_) => {}
+                    other => panic!("unexpected frame {other:?}"),
+                }
+            }
+            let n = rd.read_buf(&mut inbuf).await.unwrap();
+            assert!(n > 0, "the node closed the connection");
+        }
+    })
+    .await
+    .expect("every answer arrives once the peer reads");
+    assert_eq!(seen.len() as u64, REQUESTS);
+    let _wr = writer.await.unwrap();
+    assert_eq!(nz.counters().malformed.get(), 0);
+}

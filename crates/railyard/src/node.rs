@@ -57,6 +57,14 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let cluster = crate::cluster_node::join(&bus, &args.cluster, &args.name).await?;
     let bridge = crate::bridge_node::start(&bus, &args.bridge, file.bridge).await?;
     let registry: railyard_http::MetricsRegistry = Default::default();
+    if let Some(c) = &cluster {
+        registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .register_collector(Box::new(crate::cluster_node::ClusterCollector {
+                observer: c.observer(),
+            }));
+    }
     let saga = crate::saga_node::start(&args.saga, file.saga, Some(&registry)).await?;
     let http = crate::http_node::start(&args.http, &bus, registry).await?;
     let _redis = crate::redis_node::start(&args.redis).await?;
@@ -87,6 +95,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
                         link_full = k.link_full.get(), store_outages = k.store_outages.get(),
                         encode_failures = k.encode_failures.get(),
                         stale_answers = k.stale_answers.get(), unsent_failed = k.unsent_failed.get(),
+                        answer_pauses = k.answer_pauses.get(),
                         "cluster counters"
                     );
                 }

@@ -352,7 +352,7 @@ fn free_port() -> u16 {
 #[test]
 fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
     let etcd = railyard_cluster::EtcdServer::start().expect("etcd (apt-get install etcd-server)");
-    let start = |name: &str| {
+    let start = |name: &str, admin: u16| {
         Node(
             railyard()
                 .args([
@@ -368,7 +368,7 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
                     "--http-port",
                     "0",
                     "--admin-port",
-                    "0",
+                    &admin.to_string(),
                 ])
                 .args(["--etcd", &etcd.endpoint(), "--lease-ttl", "2s"])
                 .args(["--cluster-bind", "127.0.0.1"])
@@ -379,8 +379,18 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
                 .expect("start railyard node"),
         )
     };
-    let n1 = start("alpha");
-    let _n2 = start("beta");
+    let n1 = start("alpha", 0);
+    let beta_admin = format!("127.0.0.1:{}", free_port());
+    let _n2 = start(
+        "beta",
+        beta_admin.rsplit(':').next().unwrap().parse().unwrap(),
+    );
+    // One metric line's value, from beta's admin port.
+    let metric = |name: &str| -> Option<f64> {
+        let text = http_get(&beta_admin, "/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    };
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // This test joins as a third node and asks who answers.
@@ -421,6 +431,12 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
                 .collect(),
             "round-robin reaches both nodes"
         );
+        // Beta's metrics show the cluster: alpha, beta and this probe, the
+        // store reachable, links up.
+        assert_eq!(metric("railyard_cluster_members"), Some(3.0));
+        assert_eq!(metric("railyard_cluster_store_connected"), Some(1.0));
+        assert!(metric("railyard_cluster_connects_total").unwrap_or(0.0) >= 1.0);
+        assert!(metric("railyard_cluster_frames_in_total").unwrap_or(0.0) >= 1.0);
         // SIGKILL alpha: after its lease expires only beta answers, and
         // requests never hang on the dead node.
         drop(n1);
@@ -433,5 +449,11 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert_eq!(seen, ["beta".to_string()].into_iter().collect());
+        // Beta's view has dropped alpha too (it may lag the probe's).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while metric("railyard_cluster_members") != Some(2.0) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(metric("railyard_cluster_members"), Some(2.0));
     });
 }
