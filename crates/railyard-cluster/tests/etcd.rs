@@ -108,14 +108,23 @@ async fn a_dead_node_disappears_when_its_lease_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_keep_working_while_etcd_is_down() {
     let mut etcd = EtcdServer::start().expect("etcd starts");
-    let (a, _na, ma) = start(&etcd, "node-a", Duration::from_secs(10)).await;
+    let (a, na, ma) = start(&etcd, "node-a", Duration::from_secs(10)).await;
     let (b, _nb, _mb) = start(&etcd, "node-b", Duration::from_secs(10)).await;
     let _e = echo(&b, "svc").await;
     eventually(10, "a routes svc to b", || !a.remote_addresses().is_empty()).await;
+    let observer = na.observer();
+    assert!(observer.view().connected);
+    assert_eq!(observer.counters().store_outages.get(), 0);
 
     etcd.stop();
     let view = ma.view();
     eventually(15, "a notices etcd is gone", || !view.borrow().connected).await;
+    // What the metrics exporter reads says so too.
+    eventually(5, "the node counts the outage", || {
+        observer.counters().store_outages.get() == 1
+    })
+    .await;
+    assert!(!observer.view().connected);
     let quick = DeliveryOptions::new().timeout(Duration::from_secs(5));
     for i in 0..20u64 {
         let r = a.request_with("svc", format!("{i}"), &quick).await.unwrap();
