@@ -341,18 +341,21 @@ impl Drop for Node {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// `n` distinct free ports: all bound at once, then released, so none is
+/// handed out twice (one at a time, a port could come back before the node
+/// it was meant for had bound it).
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().port())
 }
 
 #[test]
 fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
     let etcd = railyard_cluster::EtcdServer::start().expect("etcd (apt-get install etcd-server)");
-    let start = |name: &str, admin: u16| {
+    let [alpha_cluster, beta_cluster, beta_admin_port] = free_ports();
+    let start = |name: &str, cluster: u16, admin: u16| {
         Node(
             railyard()
                 .args([
@@ -372,19 +375,16 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
                 ])
                 .args(["--etcd", &etcd.endpoint(), "--lease-ttl", "2s"])
                 .args(["--cluster-bind", "127.0.0.1"])
-                .args(["--cluster-port", &free_port().to_string()])
+                .args(["--cluster-port", &cluster.to_string()])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("start railyard node"),
         )
     };
-    let n1 = start("alpha", 0);
-    let beta_admin = format!("127.0.0.1:{}", free_port());
-    let _n2 = start(
-        "beta",
-        beta_admin.rsplit(':').next().unwrap().parse().unwrap(),
-    );
+    let n1 = start("alpha", alpha_cluster, 0);
+    let _n2 = start("beta", beta_cluster, beta_admin_port);
+    let beta_admin = format!("127.0.0.1:{beta_admin_port}");
     // One metric line's value, from beta's admin port.
     let metric = |name: &str| -> Option<f64> {
         let text = http_get(&beta_admin, "/metrics");
@@ -432,7 +432,12 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
             "round-robin reaches both nodes"
         );
         // Beta's metrics show the cluster: alpha, beta and this probe, the
-        // store reachable, links up.
+        // store reachable, links up. (A node joins the cluster before its
+        // admin port is up: wait for it.)
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(&beta_admin).is_err() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         assert_eq!(metric("railyard_cluster_members"), Some(3.0));
         assert_eq!(metric("railyard_cluster_store_connected"), Some(1.0));
         assert!(metric("railyard_cluster_connects_total").unwrap_or(0.0) >= 1.0);
