@@ -138,6 +138,14 @@ struct Shard {
 }
 
 /// Summaries waiting for one batched `store.finish`.
+///
+/// Not bounded by a count of its own, and it need not be: a summary is
+/// queued only when a saga finishes, which takes its last event being
+/// durable in the same store. While the store refuses appends, nothing new
+/// finishes: the queue keeps only what finished before the outage, at most
+/// the sagas that were live then. While the store is merely slow, the
+/// finisher takes everything queued in one request per commit, as fast as
+/// the writer commits the events that finished them.
 #[derive(Debug, Default)]
 struct FinishQueue {
     pending: Mutex<Vec<SagaSummary>>,
