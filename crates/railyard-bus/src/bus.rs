@@ -393,7 +393,11 @@ impl EventBus {
                     }
                 }
                 Err((BusError::Full { .. }, back, Some(Room::Remote(node)))) => {
-                    std::future::poll_fn(|cx| node.poll_room(cx)).await;
+                    if back.reply.is_some() {
+                        std::future::poll_fn(|cx| node.poll_request_room(cx)).await;
+                    } else {
+                        std::future::poll_fn(|cx| node.poll_room(cx)).await;
+                    }
                     env = back;
                 }
                 Err((e, back, _)) => return Err((e, back)),

@@ -74,6 +74,13 @@ pub trait RemoteNode: Send + Sync + fmt::Debug + 'static {
         let _ = cx;
         Poll::Ready(())
     }
+
+    /// As [`poll_room`](Self::poll_room), for a refused *request*: a
+    /// transport may also limit the requests it has unanswered, which a
+    /// waiting send must not wait for. The default is `poll_room`.
+    fn poll_request_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.poll_room(cx)
+    }
 }
 
 /// A message a node's link would not take, and why. Boxed: refusals are rare

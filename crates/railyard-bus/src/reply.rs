@@ -236,7 +236,7 @@ impl<'a> PendingReply<'a> {
                 // The consumer went away or filled again: route again.
                 Poll::Ready(Err(Refused::Closed | Refused::Full)) => true,
             },
-            Room::Remote(node) => node.poll_room(cx).is_ready(),
+            Room::Remote(node) => node.poll_request_room(cx).is_ready(),
         };
         if !retry {
             return Poll::Pending;

@@ -9,16 +9,17 @@
 //! requests, pings.
 //!
 //! Bounds: at most `queue` messages wait in a link's queue, and at most
-//! `max_in_flight` requests are unanswered on it (queued or written, until
-//! the peer's answer is read); beyond either, `deliver` says `Full`. The
-//! second bound is what keeps the answers a peer owes us, which it queues
-//! unbounded by count until it can write them, finite: each side holds its
-//! peer to its own `max_in_flight` (plus [`PONG_SLACK`]) and stops reading
-//! from a connection whose peer asks more without reading the answers.
-//! Pausing the reader for a peer that follows that rule could deadlock two
-//! nodes flooding each other (both readers paused, both writes blocked on
-//! full sockets); the requester-side limit means it never happens between
-//! Railyard nodes.
+//! `max_in_flight` requests are pending on it (queued or written, until the
+//! peer's answer is read or the requester gives up: timeout or drop);
+//! beyond the first `deliver` says `Full` to everything, beyond the second
+//! to requests. The answers a node queues for its peer are bounded by the
+//! reader: it stops taking requests from a connection while `max_in_flight`
+//! plus [`PONG_SLACK`] answers for it wait to be written. Pausing readers
+//! could deadlock two nodes flooding each other (both readers paused, both
+//! writes blocked on full sockets); with the requester-side limit a peer's
+//! unwritten answers stay under ours, so between Railyard nodes with the
+//! same limit a pause needs more answers than requests in flight, which
+//! only requests given up on (their late answers) can add.
 //!
 //! Failure rules:
 //! - a malformed frame or a missed ping deadline closes this connection
@@ -99,9 +100,9 @@ pub(crate) struct Link {
     /// again, so an old answer on a new connection would complete the wrong
     /// request. Unbounded by the channel, bounded by the reader: it
     /// holds answers to requests read on the current connection and not
-    /// written yet, and the reader stops reading once `max_in_flight` plus
-    /// [`PONG_SLACK`] are owed (`ConnSink::owe`). Emptied when a connection
-    /// ends.
+    /// written yet, and the reader stops taking requests once
+    /// `max_in_flight` plus [`PONG_SLACK`] are queued
+    /// (`ConnSink::room_for_answers`). Emptied when a connection ends.
     replies: mpsc::UnboundedSender<(u64, Out)>,
     /// Inbound messages waiting for room in a full local consumer buffer.
     waiting: AtomicUsize,
@@ -111,10 +112,9 @@ pub(crate) struct Link {
     stalled: AtomicBool,
     /// Requests sent on this link, waiting for REPLY or FAIL.
     pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
-    /// Requests queued or written on the current connection whose answer
-    /// has not been read yet. Unlike `pending`, a request that timed out
-    /// still counts until its answer arrives: the peer still owes it.
-    /// Raised under the `pending` lock, reset to 0 with `fail_epoch`.
+    /// `pending.len()`, kept under its lock, for `poll_request_room` to read
+    /// without it: requests queued or written and not yet answered, failed
+    /// or given up on by their requester (see `forget_abandoned`).
     in_flight: AtomicUsize,
     max_in_flight: usize,
     /// Bumped (under the `pending` lock) each time every pending request is
@@ -156,7 +156,7 @@ impl RemoteNode for Link {
         let (id, epoch) = match msg.reply.take() {
             Some(handle) => {
                 let mut pending = self.pending.lock();
-                if self.in_flight.load(Ordering::Acquire) >= self.max_in_flight {
+                if pending.len() >= self.max_in_flight {
                     drop(pending);
                     msg.reply = Some(handle);
                     self.counters.link_full.add(1);
@@ -169,7 +169,7 @@ impl RemoteNode for Link {
                 }
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 pending.insert(id, handle);
-                self.in_flight.fetch_add(1, Ordering::AcqRel);
+                self.in_flight.store(pending.len(), Ordering::Release);
                 (id, self.fail_epoch.load(Ordering::Acquire))
             }
             None => (0, 0),
@@ -182,12 +182,8 @@ impl RemoteNode for Link {
                     unreachable!("we sent a Msg")
                 };
                 if id != 0 {
-                    // Not there if the link failed it meanwhile (and reset
-                    // the count).
-                    msg.reply = self.pending.lock().remove(&id);
-                    if msg.reply.is_some() {
-                        self.release();
-                    }
+                    // Not there if the link failed it meanwhile.
+                    msg.reply = self.take_pending(id);
                 }
                 let error = if full {
                     self.counters.link_full.add(1);
@@ -206,7 +202,28 @@ impl RemoteNode for Link {
     }
 
     fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.has_room() {
+        self.poll_until(cx, |l| l.has_room())
+    }
+
+    fn poll_request_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.poll_until(cx, |l| {
+            l.has_room() && l.in_flight.load(Ordering::Acquire) < l.max_in_flight
+        })
+    }
+}
+
+impl Link {
+    /// Whether a refused send is worth retrying: the link closed (the retry
+    /// fails at once) or its queue has room.
+    fn has_room(&self) -> bool {
+        self.closed.load(Ordering::Acquire) || self.tx.capacity() > 0
+    }
+
+    /// `Ready` once `ready` holds; otherwise registers the waker (woken after
+    /// each written batch, and when requests stop being in flight at the
+    /// limit) and checks again.
+    fn poll_until(&self, cx: &mut Context<'_>, ready: impl Fn(&Self) -> bool) -> Poll<()> {
+        if ready(self) {
             return Poll::Ready(());
         }
         {
@@ -216,32 +233,29 @@ impl RemoteNode for Link {
             }
         }
         // Room may have come between the check and the registration.
-        if self.has_room() {
+        if ready(self) {
             Poll::Ready(())
         } else {
             Poll::Pending
         }
     }
-}
 
-impl Link {
-    /// Whether a refused `deliver` is worth retrying: the queue has room and
-    /// a request may be added (a waiting send also waits for the second,
-    /// which is rarely the one missing).
-    fn has_room(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-            || (self.tx.capacity() > 0
-                && self.in_flight.load(Ordering::Acquire) < self.max_in_flight)
+    /// Removes request `id` from `pending`, keeping `in_flight` in step and
+    /// waking room waiters if that made room under the limit.
+    fn take_pending(&self, id: u64) -> Option<ReplyHandle> {
+        let (h, was, now) = {
+            let mut pending = self.pending.lock();
+            let was = pending.len();
+            let h = pending.remove(&id);
+            self.in_flight.store(pending.len(), Ordering::Release);
+            (h, was, pending.len())
+        };
+        self.wake_if_room(was, now);
+        h
     }
 
-    /// One request stopped being in flight: its answer was read, or it was
-    /// never written (refused, or failed at encoding).
-    fn release(&self) {
-        let prev = self
-            .in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .unwrap_or(0);
-        if prev >= self.max_in_flight {
+    fn wake_if_room(&self, was: usize, now: usize) {
+        if was >= self.max_in_flight && now < self.max_in_flight {
             self.wake_room_waiters();
         }
     }
@@ -332,14 +346,12 @@ impl Link {
         let (drained, was): (Vec<ReplyHandle>, usize) = {
             let mut pending = self.pending.lock();
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
-            // Requests of the old epoch are failed here and never written,
-            // or were written on a connection that is gone: none is owed.
-            let was = self.in_flight.swap(0, Ordering::AcqRel);
-            (pending.drain().map(|(_, h)| h).collect(), was)
+            let was = pending.len();
+            let drained = pending.drain().map(|(_, h)| h).collect();
+            self.in_flight.store(0, Ordering::Release);
+            (drained, was)
         };
-        if was >= self.max_in_flight {
-            self.wake_room_waiters();
-        }
+        self.wake_if_room(was, 0);
         if drained.is_empty() {
             return;
         }
@@ -351,12 +363,22 @@ impl Link {
         }
     }
 
+    /// Drops requests whose requester stopped waiting (timed out or
+    /// dropped); their slots under `max_in_flight` come back with them. The
+    /// peer may still answer them: that answer finds nothing and is ignored.
     fn forget_abandoned(&self) {
-        self.pending.lock().retain(|_, h| !h.is_abandoned());
+        let (was, now) = {
+            let mut pending = self.pending.lock();
+            let was = pending.len();
+            pending.retain(|_, h| !h.is_abandoned());
+            self.in_flight.store(pending.len(), Ordering::Release);
+            (was, pending.len())
+        };
+        self.wake_if_room(was, now);
     }
 
     fn complete(&self, id: u64, result: Result<(Headers, Body), BusError>) {
-        let Some(h) = self.pending.lock().remove(&id) else {
+        let Some(h) = self.take_pending(id) else {
             return; // timed out and forgotten, or a duplicate
         };
         match result {
@@ -488,11 +510,13 @@ async fn serve(
     stream: TcpStream,
     rest: BytesMut,
 ) -> String {
+    // A reader of an earlier connection may have ended while it waited.
+    sink.link.stalled.store(false, Ordering::Release);
     let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
     // Frames that came with the HELLO are handled by the reader before its
     // first read, with the writer already running (the reader may wait for
-    // it, see `ConnSink::owe`).
+    // it, see `ConnSink::room_for_answers`).
     inbuf.extend_from_slice(&rest);
     tokio::select! {
         why = write_loop(sink, bus, rx, replies, &mut wr, cfg.max_frame) => why,
@@ -625,7 +649,8 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
     loop {
         ping.tick().await;
         if link.closed.load(Ordering::Acquire) {
-            // The reader may be paused (see `ConnSink::owe`) and not see it.
+            // The reader may be paused (see `ConnSink::room_for_answers`) and
+            // not see it.
             return "closed".into();
         }
         if link.stalled.load(Ordering::Acquire) {
@@ -759,7 +784,6 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                         link.counters.encode_failures.add(1);
                         tracing::warn!(address = %msg.address, len, max_frame, "a message for another node is over the frame limit; not sent");
                         if id != 0 {
-                            link.release();
                             link.complete(id, Err(too_large("the message", len, max_frame)));
                         }
                         return;
@@ -770,7 +794,6 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                     link.counters.encode_failures.add(1);
                     tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
                     if id != 0 {
-                        link.release();
                         link.complete(
                             id,
                             Err(BusError::Cluster {
@@ -816,9 +839,8 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
 /// stops reading from the socket: TCP then slows the peer down.
 const MAX_WAITING: usize = 1024;
 
-/// Pongs a peer may be owed beyond its `max_in_flight` requests before the
-/// reader pauses (one ping per interval; a peer whose answers stopped
-/// flowing declares the link dead after its ping timeout anyway).
+/// Answers (pongs) a connection may queue beyond `max_in_flight` before
+/// the reader pauses.
 const PONG_SLACK: usize = 64;
 
 /// The answering end of one connection: requests the peer sent on it are
@@ -826,13 +848,14 @@ const PONG_SLACK: usize = 64;
 struct ConnSink {
     link: Arc<Link>,
     conn: u64,
-    /// Requests and pings read on this connection whose answer the writer
-    /// has not encoded yet: what `Link::replies` holds for it, or will.
-    owed: AtomicUsize,
-    /// `owed` at which the reader pauses: our `max_in_flight` plus
-    /// [`PONG_SLACK`].
-    owe_limit: usize,
-    /// The reader is paused in `owe`; the writer then notifies `room`.
+    /// Answers for this connection in `Link::replies`: produced (a reply,
+    /// a FAIL, a pong) and not yet encoded by the writer.
+    queued: AtomicUsize,
+    /// `queued` at which the reader stops taking requests and pings: our
+    /// `max_in_flight` plus [`PONG_SLACK`].
+    queue_limit: usize,
+    /// The reader is paused in `room_for_answers`; the writer then
+    /// notifies `room`.
     paused: AtomicBool,
     room: Notify,
     /// When the connection began; `heard_ms` counts from it.
@@ -844,12 +867,12 @@ struct ConnSink {
 
 impl ConnSink {
     fn new(link: Arc<Link>, conn: u64) -> Self {
-        let owe_limit = link.max_in_flight.saturating_add(PONG_SLACK);
+        let queue_limit = link.max_in_flight.saturating_add(PONG_SLACK);
         Self {
             link,
             conn,
-            owed: AtomicUsize::new(0),
-            owe_limit,
+            queued: AtomicUsize::new(0),
+            queue_limit,
             paused: AtomicBool::new(false),
             room: Notify::new(),
             since: Instant::now(),
@@ -868,45 +891,45 @@ impl ConnSink {
             .saturating_sub(Duration::from_millis(self.heard_ms.load(Ordering::Relaxed)))
     }
 
-    /// Counts one more answer owed to the peer (a request or a ping was
-    /// read), first waiting, without reading, while `owe_limit` are owed:
-    /// only a peer that ignores its own in-flight limit gets there, and the
-    /// wait bounds what `Link::replies` holds for it.
-    async fn owe(&self) {
-        if self.owed.load(Ordering::SeqCst) >= self.owe_limit {
-            let link = &self.link;
-            link.counters.answer_pauses.add(1);
-            tracing::warn!(peer = %link.peer, owed = self.owe_limit, "a peer asks more than its in-flight limit without reading answers; pausing reads from it");
-            link.stalled.store(true, Ordering::Release);
-            loop {
-                let notified = self.room.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                self.paused.store(true, Ordering::SeqCst);
-                if self.owed.load(Ordering::SeqCst) < self.owe_limit {
-                    break;
-                }
-                notified.await;
-            }
-            self.paused.store(false, Ordering::SeqCst);
-            link.stalled.store(false, Ordering::Release);
+    /// Before the reader takes a request or a ping (each will queue one
+    /// answer): waits, reading nothing, while `queue_limit` answers are
+    /// queued for this connection. A peer within its own in-flight limit
+    /// (ours or smaller) never gets there; the wait bounds what
+    /// `Link::replies` holds for a peer that asks more without reading.
+    /// Requests already taken may still add their answers meanwhile: at
+    /// most the local consumers' buffers and `MAX_WAITING` more.
+    async fn room_for_answers(&self) {
+        if self.queued.load(Ordering::SeqCst) < self.queue_limit {
+            return;
         }
-        self.owed.fetch_add(1, Ordering::SeqCst);
+        let link = &self.link;
+        link.counters.answer_pauses.add(1);
+        tracing::warn!(peer = %link.peer, queued = self.queue_limit, "answers to a peer are not being read; pausing reads from it until they are");
+        link.stalled.store(true, Ordering::Release);
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            self.paused.store(true, Ordering::SeqCst);
+            if self.queued.load(Ordering::SeqCst) < self.queue_limit {
+                break;
+            }
+            notified.await;
+        }
+        self.paused.store(false, Ordering::SeqCst);
+        link.stalled.store(false, Ordering::Release);
     }
 
-    /// One owed answer was encoded for the peer.
+    /// One queued answer was encoded for the peer.
     fn paid(&self) {
-        // Saturating: a frame that answers nothing read (there is none
-        // today) must not wrap the count.
-        let _ = self
-            .owed
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        self.queued.fetch_sub(1, Ordering::SeqCst);
         if self.paused.load(Ordering::SeqCst) {
             self.room.notify_one();
         }
     }
 
     fn answer(&self, out: Out) {
+        self.queued.fetch_add(1, Ordering::SeqCst);
         // Fails only once the link task is gone, and then so is the peer's
         // pending request (it was failed when the link closed).
         let _ = self.link.replies.send((self.conn, out));
@@ -954,8 +977,7 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
             body,
         } => {
             if mode == Mode::Request {
-                // Answered exactly once below: a reply, or a FAIL.
-                sink.owe().await;
+                sink.room_for_answers().await;
             }
             let body = match bus.decode_body(&codec, body) {
                 Ok(b) => b,
@@ -1033,7 +1055,6 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                 .map_err(|e| BusError::Cluster {
                     reason: format!("cannot decode the reply body: {e}"),
                 });
-            link.release();
             link.complete(id, result);
         }
         Frame::Fail {
@@ -1050,11 +1071,10 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                 FailKind::RecipientFailure => BusError::RecipientFailure { code, message },
                 FailKind::Error => BusError::Cluster { reason: message },
             };
-            link.release();
             link.complete(id, Err(e));
         }
         Frame::Ping(n) => {
-            sink.owe().await;
+            sink.room_for_answers().await;
             sink.answer(Out::Frame(Frame::Pong(n)));
         }
         Frame::Pong(_) => {}

@@ -465,10 +465,40 @@ async fn many_large_answers_in_flight_arrive_intact() {
 /// answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_flooding_each_other_both_finish() {
+    flood_both_ways(None, None).await;
+}
+
+/// The same at small in-flight limits, equal and unequal: requests wait for
+/// room and the readers' answer bounds never stop both nodes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_flooding_each_other_at_small_in_flight_limits_both_finish() {
+    flood_both_ways(Some(4), Some(4)).await;
+    flood_both_ways(Some(2), Some(64)).await;
+}
+
+async fn start_limited(
+    reg: &InProcessRegistry,
+    id: &str,
+    limit: Option<usize>,
+) -> (EventBus, ClusterNode) {
+    let bus = EventBus::new();
+    let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+    cfg.ping_interval = Duration::from_millis(100);
+    cfg.ping_timeout = Duration::from_millis(1500);
+    if let Some(l) = limit {
+        cfg.max_in_flight = l;
+    }
+    let node = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
+        .await
+        .expect("node starts");
+    (bus, node)
+}
+
+async fn flood_both_ways(limit_a: Option<usize>, limit_b: Option<usize>) {
     const EACH_WAY: usize = 300;
     let reg = InProcessRegistry::new();
-    let (a, _na) = start(&reg, "a").await;
-    let (b, _nb) = start(&reg, "b").await;
+    let (a, _na) = start_limited(&reg, "a", limit_a).await;
+    let (b, _nb) = start_limited(&reg, "b", limit_b).await;
     let _ea = echo(&a, "echo.a").await;
     let _eb = echo(&b, "echo.b").await;
     routed(&a, "echo.b").await;
@@ -738,6 +768,53 @@ async fn a_link_keeps_at_most_max_in_flight_requests_unanswered() {
     );
 }
 
+/// A request whose requester gave up (timed out) gives its slot under the
+/// in-flight limit back, even if the peer never answers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_given_up_on_free_their_in_flight_slots() {
+    const LIMIT: usize = 2;
+    let reg = InProcessRegistry::new();
+    let (a, na) = start_limited(&reg, "a", Some(LIMIT)).await;
+    let (b, _nb) = start(&reg, "b").await;
+    // Never answers: keeps every request.
+    let held: Arc<std::sync::Mutex<Vec<railyard_bus::Message>>> = Arc::default();
+    let h = held.clone();
+    let _hold = b
+        .consumer("hold")
+        .handler(move |m| {
+            h.lock().unwrap().push(m);
+            std::future::ready(())
+        })
+        .await
+        .unwrap();
+    routed(&a, "hold").await;
+    // Long enough for a request that waits for room (until the next ping,
+    // every 100 ms, forgets the given-up ones) to reach b before it times out.
+    let quick = DeliveryOptions::new().timeout(Duration::from_millis(500));
+    for round in 0..3 {
+        let calls: Vec<_> = (0..LIMIT)
+            .map(|_| a.request_with("hold", String::from("hi"), &quick))
+            .collect();
+        for c in calls {
+            let e = c.await.expect_err("nobody answers");
+            assert_eq!(e.kind().as_str(), "TIMEOUT", "round {round}: {e:?}");
+        }
+    }
+    // Every round got its requests through: 6 reached b, none was refused
+    // for good (the last may still be on its way).
+    for _ in 0..200 {
+        if held.lock().unwrap().len() == 3 * LIMIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(held.lock().unwrap().len(), 3 * LIMIT);
+    assert!(
+        na.counters().link_full.get() > 0,
+        "the later rounds waited for room"
+    );
+}
+
 /// A peer that sends requests but does not read the answers: the node
 /// stops reading from it once it owes `max_in_flight` (plus a few pongs)
 /// answers, so the answers it queues stay bounded; when the peer reads
@@ -745,7 +822,9 @@ async fn a_link_keeps_at_most_max_in_flight_requests_unanswered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_stops_reading_answers_is_not_read_from() {
     use railyard_cluster::{Frame, Mode, VERSION};
-    const REQUESTS: u64 = 600;
+    // Small requests, large answers: the node takes requests far faster
+    // than the peer (which reads nothing) takes answers.
+    const REQUESTS: u64 = 2_000;
     const BODY: usize = 16 * 1024;
     let reg = InProcessRegistry::new();
     let bus = EventBus::new();
@@ -758,19 +837,19 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
         .unwrap();
     let handled = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let h = handled.clone();
+    let answer = bytes::Bytes::from(vec![7u8; BODY]);
     let _e = bus
         .consumer("echo")
         .handler(move |mut m| {
             h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let body = m.take_body();
-            let _ = m.reply(body);
+            let _ = m.reply(answer.clone());
             std::future::ready(())
         })
         .await
         .unwrap();
 
-    // A small receive buffer, so the node's answers (9.6 MB) fill the
-    // socket long before they are all written.
+    // A small receive buffer, so the node's answers (32 MB) fill the
+    // socket long before they are all written (after about 270 of them).
     let sock = tokio::net::TcpSocket::new_v4().unwrap();
     sock.set_recv_buffer_size(64 * 1024).unwrap();
     let s = sock.connect(nz.addr()).await.unwrap();
@@ -784,7 +863,7 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
         }
         .encode(&mut out);
         wr.write_all(&out).await.unwrap();
-        let body = bytes::Bytes::from(vec![7u8; BODY]);
+        let body = bytes::Bytes::from_static(b"?");
         for id in 1..=REQUESTS {
             out.clear();
             Frame::Msg {
