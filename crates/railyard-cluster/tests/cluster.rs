@@ -698,24 +698,14 @@ async fn a_reader_waiting_for_room_keeps_the_link_alive() {
     assert_eq!(handled.load(std::sync::atomic::Ordering::Relaxed), 3_000);
 }
 
-/// A requester keeps at most `max_in_flight` requests unanswered on a link:
-/// the rest wait for room, and go out as answers come back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_link_keeps_at_most_max_in_flight_requests_unanswered() {
-    const LIMIT: usize = 8;
-    const REQUESTS: usize = 40;
-    let reg = InProcessRegistry::new();
-    let bus_a = EventBus::new();
-    let mut cfg = ClusterConfig::new("a", "127.0.0.1:0".parse().unwrap());
-    cfg.max_in_flight = LIMIT;
-    let na = ClusterNode::start(bus_a.clone(), Arc::new(reg.manager()), cfg)
-        .await
-        .unwrap();
-    let (b, _nb) = start(&reg, "b").await;
-    // Holds every request unanswered until the test answers it.
-    let held: Arc<std::sync::Mutex<Vec<railyard_bus::Message>>> = Arc::default();
+/// Messages a `hold` consumer keeps, unanswered until the test answers them.
+type Held = Arc<std::sync::Mutex<Vec<railyard_bus::Message>>>;
+
+/// A consumer at `hold` on `bus` that keeps every message it gets.
+async fn holder(bus: &EventBus) -> (railyard_bus::Consumer, Held) {
+    let held: Held = Arc::default();
     let h = held.clone();
-    let _hold = b
+    let consumer = bus
         .consumer("hold")
         .handler(move |m| {
             h.lock().unwrap().push(m);
@@ -723,6 +713,20 @@ async fn a_link_keeps_at_most_max_in_flight_requests_unanswered() {
         })
         .await
         .unwrap();
+    (consumer, held)
+}
+
+/// A requester keeps at most `max_in_flight` requests unanswered on a link:
+/// the rest wait for room, and go out as answers come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_keeps_at_most_max_in_flight_requests_unanswered() {
+    const LIMIT: usize = 8;
+    const REQUESTS: usize = 40;
+    let reg = InProcessRegistry::new();
+    let (bus_a, na) = start_limited(&reg, "a", Some(LIMIT)).await;
+    let (b, _nb) = start(&reg, "b").await;
+    // Holds every request unanswered until the test answers it.
+    let (_hold, held) = holder(&b).await;
     routed(&bus_a, "hold").await;
     let replies: Vec<_> = (0..REQUESTS as u64)
         .map(|i| {
@@ -777,16 +781,7 @@ async fn requests_given_up_on_free_their_in_flight_slots() {
     let (a, na) = start_limited(&reg, "a", Some(LIMIT)).await;
     let (b, _nb) = start(&reg, "b").await;
     // Never answers: keeps every request.
-    let held: Arc<std::sync::Mutex<Vec<railyard_bus::Message>>> = Arc::default();
-    let h = held.clone();
-    let _hold = b
-        .consumer("hold")
-        .handler(move |m| {
-            h.lock().unwrap().push(m);
-            std::future::ready(())
-        })
-        .await
-        .unwrap();
+    let (_hold, held) = holder(&b).await;
     routed(&a, "hold").await;
     // Long enough for a request that waits for room (until the next ping,
     // every 100 ms, forgets the given-up ones) to reach b before it times out.
