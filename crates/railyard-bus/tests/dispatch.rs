@@ -13,6 +13,14 @@ use tokio::sync::mpsc;
 
 mod common;
 
+/// A current-thread runtime with timers: one event loop of a test.
+fn timed_loop() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn dispatch_is_enabled_only_on_a_current_thread_runtime() {
     let on_current = tokio::runtime::Builder::new_current_thread()
@@ -260,10 +268,7 @@ fn unregister_finishes_when_the_loop_died_mid_handler() {
     let (started_tx, started_rx) = std::sync::mpsc::channel();
     let bus2 = bus.clone();
     let consumer = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        let rt = timed_loop();
         let consumer = rt.block_on(async {
             assert!(enable_loop_dispatch());
             let c = bus2
@@ -292,10 +297,7 @@ fn unregister_finishes_when_the_loop_died_mid_handler() {
     started_rx
         .recv_timeout(Duration::from_secs(5))
         .expect("the handler started before the loop stopped");
-    let other = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
+    let other = timed_loop();
     other.block_on(async {
         tokio::time::timeout(Duration::from_secs(5), consumer.unregister())
             .await
@@ -314,10 +316,7 @@ fn unregister_waits_without_a_timer_on_the_awaiting_runtime() {
     let bus2 = bus.clone();
     // The consumer's loop runs for the whole test.
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        let rt = timed_loop();
         rt.block_on(async {
             assert!(enable_loop_dispatch());
             let c = bus2

@@ -106,16 +106,10 @@ pub(crate) struct Link {
     replies: mpsc::UnboundedSender<(u64, Out)>,
     /// Inbound messages waiting for room in a full local consumer buffer.
     waiting: AtomicUsize,
-    /// The reader is waiting for room (more than `MAX_WAITING` waited
-    /// already) and reads nothing: silence from the peer then says nothing
-    /// about it, so the ping deadline is not applied.
-    stalled: AtomicBool,
-    /// Requests sent on this link, waiting for REPLY or FAIL.
+    /// Requests queued or written on this link and not yet answered, failed
+    /// or given up on by their requester (see `forget_abandoned`): at most
+    /// `max_in_flight`.
     pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
-    /// `pending.len()`, kept under its lock, for `poll_request_room` to read
-    /// without it: requests queued or written and not yet answered, failed
-    /// or given up on by their requester (see `forget_abandoned`).
-    in_flight: AtomicUsize,
     max_in_flight: usize,
     /// Bumped (under the `pending` lock) each time every pending request is
     /// failed: a queued request registered under an older value was failed
@@ -169,7 +163,6 @@ impl RemoteNode for Link {
                 }
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 pending.insert(id, handle);
-                self.in_flight.store(pending.len(), Ordering::Release);
                 (id, self.fail_epoch.load(Ordering::Acquire))
             }
             None => (0, 0),
@@ -206,8 +199,9 @@ impl RemoteNode for Link {
     }
 
     fn poll_request_room(&self, cx: &mut Context<'_>) -> Poll<()> {
+        // Only refused requests get here: the lock is off the hot path.
         self.poll_until(cx, |l| {
-            l.has_room() && l.in_flight.load(Ordering::Acquire) < l.max_in_flight
+            l.has_room() && l.pending.lock().len() < l.max_in_flight
         })
     }
 }
@@ -240,14 +234,13 @@ impl Link {
         }
     }
 
-    /// Removes request `id` from `pending`, keeping `in_flight` in step and
-    /// waking room waiters if that made room under the limit.
+    /// Removes request `id` from `pending`, waking room waiters if that made
+    /// room under the limit.
     fn take_pending(&self, id: u64) -> Option<ReplyHandle> {
         let (h, was, now) = {
             let mut pending = self.pending.lock();
             let was = pending.len();
             let h = pending.remove(&id);
-            self.in_flight.store(pending.len(), Ordering::Release);
             (h, was, pending.len())
         };
         self.wake_if_room(was, now);
@@ -290,9 +283,7 @@ impl Link {
             tx,
             replies,
             waiting: AtomicUsize::new(0),
-            stalled: AtomicBool::new(false),
             pending: Mutex::new(HashMap::default()),
-            in_flight: AtomicUsize::new(0),
             max_in_flight: cfg.max_in_flight.max(1),
             fail_epoch: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
@@ -347,9 +338,7 @@ impl Link {
             let mut pending = self.pending.lock();
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
             let was = pending.len();
-            let drained = pending.drain().map(|(_, h)| h).collect();
-            self.in_flight.store(0, Ordering::Release);
-            (drained, was)
+            (pending.drain().map(|(_, h)| h).collect(), was)
         };
         self.wake_if_room(was, 0);
         if drained.is_empty() {
@@ -371,7 +360,6 @@ impl Link {
             let mut pending = self.pending.lock();
             let was = pending.len();
             pending.retain(|_, h| !h.is_abandoned());
-            self.in_flight.store(pending.len(), Ordering::Release);
             (was, pending.len())
         };
         self.wake_if_room(was, now);
@@ -510,8 +498,6 @@ async fn serve(
     stream: TcpStream,
     rest: BytesMut,
 ) -> String {
-    // A reader of an earlier connection may have ended while it waited.
-    sink.link.stalled.store(false, Ordering::Release);
     let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(64 * 1024);
     // Frames that came with the HELLO are handled by the reader before its
@@ -539,12 +525,16 @@ async fn write_loop(
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
     let mut batch = Vec::with_capacity(BATCH);
     let mut reply_batch = Vec::with_capacity(BATCH);
+    // Answers of this connection encoded since the last write, counted
+    // off `ConnSink::queued` once per write. Only this future touches it
+    // (an atomic because the task must be `Send`; a plain load and store).
+    let encoded = AtomicUsize::new(0);
     // An answer to an earlier connection's request is dropped: the peer
     // failed that request when the connection ended.
     let answer = |(for_conn, out): (u64, Out), buf: &mut BytesMut| {
         if for_conn == sink.conn {
             encode_out(link, bus, out, buf, max_frame);
-            sink.paid();
+            encoded.store(encoded.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         } else {
             link.counters.stale_answers.add(1);
         }
@@ -571,6 +561,8 @@ async fn write_loop(
         }
         // Answers that are ready go in the same write, up to a bound.
         fill_to(&mut outbuf, MAX_WRITE, || replies.try_recv().ok(), answer);
+        sink.paid(encoded.load(Ordering::Relaxed));
+        encoded.store(0, Ordering::Relaxed);
         let r = wr.write_all(&outbuf).await;
         link.counters.bytes_out.add(outbuf.len() as u64);
         outbuf.clear();
@@ -653,7 +645,7 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
             // not see it.
             return "closed".into();
         }
-        if link.stalled.load(Ordering::Acquire) {
+        if sink.stalled.load(Ordering::Acquire) {
             // Not reading by choice: the peer's silence proves nothing.
             sink.heard();
         } else if sink.silent_for() > cfg.ping_timeout {
@@ -858,6 +850,10 @@ struct ConnSink {
     /// notifies `room`.
     paused: AtomicBool,
     room: Notify,
+    /// The reader waits (for answers to be written, or for room in full
+    /// local buffers) and reads nothing: silence from the peer then says
+    /// nothing about it, so the ping deadline is not applied.
+    stalled: AtomicBool,
     /// When the connection began; `heard_ms` counts from it.
     since: Instant,
     /// When the peer was last heard from (or the reader stalled), in ms
@@ -875,6 +871,7 @@ impl ConnSink {
             queue_limit,
             paused: AtomicBool::new(false),
             room: Notify::new(),
+            stalled: AtomicBool::new(false),
             since: Instant::now(),
             heard_ms: AtomicU64::new(0),
         }
@@ -905,7 +902,7 @@ impl ConnSink {
         let link = &self.link;
         link.counters.answer_pauses.add(1);
         tracing::warn!(peer = %link.peer, queued = self.queue_limit, "answers to a peer are not being read; pausing reads from it until they are");
-        link.stalled.store(true, Ordering::Release);
+        self.stalled.store(true, Ordering::Release);
         loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
@@ -917,12 +914,15 @@ impl ConnSink {
             notified.await;
         }
         self.paused.store(false, Ordering::SeqCst);
-        link.stalled.store(false, Ordering::Release);
+        self.stalled.store(false, Ordering::Release);
     }
 
-    /// One queued answer was encoded for the peer.
-    fn paid(&self) {
-        self.queued.fetch_sub(1, Ordering::SeqCst);
+    /// `n` queued answers were encoded for the peer.
+    fn paid(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.queued.fetch_sub(n, Ordering::SeqCst);
         if self.paused.load(Ordering::SeqCst) {
             self.room.notify_one();
         }
@@ -944,14 +944,15 @@ impl ReplySink for ConnSink {
 
 /// Delivers an inbound message whose every local buffer was full: in a task
 /// while few are waiting, inline (pausing the reader) beyond that.
-async fn wait_for_room<F>(link: &Arc<Link>, deliver: F)
+async fn wait_for_room<F>(sink: &ConnSink, deliver: F)
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
+    let link = &sink.link;
     if link.waiting.load(Ordering::Relaxed) >= MAX_WAITING {
-        link.stalled.store(true, Ordering::Release);
+        sink.stalled.store(true, Ordering::Release);
         deliver.await;
-        link.stalled.store(false, Ordering::Release);
+        sink.stalled.store(false, Ordering::Release);
         return;
     }
     link.waiting.fetch_add(1, Ordering::Relaxed);
@@ -1003,7 +1004,7 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                     Err(e) if matches!(e.error, BusError::Full { .. }) => {
                         let (l, bus) = (link.clone(), bus.clone());
                         let body = e.into_body();
-                        wait_for_room(link, async move {
+                        wait_for_room(sink, async move {
                             if bus.send_wait(&address, body, &opts).await.is_err() {
                                 l.counters.inbound_undelivered.add(1);
                             }
@@ -1020,18 +1021,17 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                 }
                 Mode::Request => {
                     opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
-                    let sink: Arc<ConnSink> = sink.clone();
                     match bus.request_remote(&address, body, &opts, sink.clone(), id) {
                         Ok(()) => {}
                         Err(e) if matches!(e.error, BusError::Full { .. }) => {
-                            let bus = bus.clone();
+                            let (bus, s) = (bus.clone(), sink.clone());
                             let body = e.into_body();
-                            wait_for_room(link, async move {
+                            wait_for_room(sink, async move {
                                 if let Err(e) = bus
-                                    .request_remote_wait(&address, body, &opts, sink.clone(), id)
+                                    .request_remote_wait(&address, body, &opts, s.clone(), id)
                                     .await
                                 {
-                                    sink.answer(Out::Frame(fail_frame(id, &e.error)));
+                                    s.answer(Out::Frame(fail_frame(id, &e.error)));
                                 }
                             })
                             .await;

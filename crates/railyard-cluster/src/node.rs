@@ -193,7 +193,7 @@ impl ClusterNode {
             node_id: cfg.node_id.clone(),
             cluster: cfg.cluster.clone(),
             queue: cfg.link_queue,
-            max_in_flight: cfg.max_in_flight.max(1),
+            max_in_flight: cfg.max_in_flight,
             max_frame: cfg.max_frame,
             ping_interval: cfg.ping_interval,
             ping_timeout: cfg.ping_timeout,

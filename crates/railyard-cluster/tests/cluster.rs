@@ -9,7 +9,7 @@ use railyard_cluster::{ClusterConfig, ClusterNode, InProcessRegistry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn start(reg: &InProcessRegistry, id: &str) -> (EventBus, ClusterNode) {
-    start_pinging(reg, id, Duration::from_millis(100)).await
+    start_with(reg, id, |_| {}).await
 }
 
 async fn start_pinging(
@@ -17,10 +17,24 @@ async fn start_pinging(
     id: &str,
     ping_interval: Duration,
 ) -> (EventBus, ClusterNode) {
+    start_with(reg, id, |c| {
+        c.ping_interval = ping_interval;
+        c.ping_timeout = ping_interval * 15;
+    })
+    .await
+}
+
+/// A node pinging every 100 ms (deadline 1.5 s), with `configure` applied.
+async fn start_with(
+    reg: &InProcessRegistry,
+    id: &str,
+    configure: impl FnOnce(&mut ClusterConfig),
+) -> (EventBus, ClusterNode) {
     let bus = EventBus::new();
     let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
-    cfg.ping_interval = ping_interval;
-    cfg.ping_timeout = ping_interval * 15;
+    cfg.ping_interval = Duration::from_millis(100);
+    cfg.ping_timeout = Duration::from_millis(1500);
+    configure(&mut cfg);
     let node = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
         .await
         .expect("node starts");
@@ -476,22 +490,18 @@ async fn two_nodes_flooding_each_other_at_small_in_flight_limits_both_finish() {
     flood_both_ways(Some(2), Some(64)).await;
 }
 
+/// A node with `max_in_flight` set to `limit` (the default if `None`).
 async fn start_limited(
     reg: &InProcessRegistry,
     id: &str,
     limit: Option<usize>,
 ) -> (EventBus, ClusterNode) {
-    let bus = EventBus::new();
-    let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
-    cfg.ping_interval = Duration::from_millis(100);
-    cfg.ping_timeout = Duration::from_millis(1500);
-    if let Some(l) = limit {
-        cfg.max_in_flight = l;
-    }
-    let node = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
-        .await
-        .expect("node starts");
-    (bus, node)
+    start_with(reg, id, |c| {
+        if let Some(l) = limit {
+            c.max_in_flight = l;
+        }
+    })
+    .await
 }
 
 async fn flood_both_ways(limit_a: Option<usize>, limit_b: Option<usize>) {
@@ -811,9 +821,9 @@ async fn requests_given_up_on_free_their_in_flight_slots() {
 }
 
 /// A peer that sends requests but does not read the answers: the node
-/// stops reading from it once it owes `max_in_flight` (plus a few pongs)
-/// answers, so the answers it queues stay bounded; when the peer reads
-/// again, every answer arrives.
+/// stops reading from it once `max_in_flight` (plus a few pongs) answers
+/// for it wait to be written, so the answers it queues stay bounded; when
+/// the peer reads again, every answer arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_stops_reading_answers_is_not_read_from() {
     use railyard_cluster::{Frame, Mode, VERSION};
@@ -822,14 +832,11 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
     const REQUESTS: u64 = 2_000;
     const BODY: usize = 16 * 1024;
     let reg = InProcessRegistry::new();
-    let bus = EventBus::new();
-    let mut cfg = ClusterConfig::new("z", "127.0.0.1:0".parse().unwrap());
-    cfg.max_in_flight = 16;
-    cfg.ping_interval = Duration::from_millis(100);
-    cfg.ping_timeout = Duration::from_secs(60);
-    let nz = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), cfg)
-        .await
-        .unwrap();
+    let (bus, nz) = start_with(&reg, "z", |c| {
+        c.max_in_flight = 16;
+        c.ping_timeout = Duration::from_secs(60);
+    })
+    .await;
     let handled = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let h = handled.clone();
     let answer = bytes::Bytes::from(vec![7u8; BODY]);

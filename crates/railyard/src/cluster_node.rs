@@ -105,92 +105,10 @@ impl prometheus_client::collector::Collector for ClusterCollector {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::counter::ConstCounter;
         use prometheus_client::metrics::gauge::ConstGauge;
-        let k = self.observer.counters();
-        let counters = [
-            (
-                "railyard_cluster_connects",
-                "Link connections established",
-                &k.connects,
-            ),
-            (
-                "railyard_cluster_disconnects",
-                "Link connections lost (not counting peers that left)",
-                &k.disconnects,
-            ),
-            (
-                "railyard_cluster_frames_out",
-                "Frames written to other nodes",
-                &k.frames_out,
-            ),
-            (
-                "railyard_cluster_frames_in",
-                "Frames read from other nodes",
-                &k.frames_in,
-            ),
-            (
-                "railyard_cluster_out_bytes",
-                "Bytes written to other nodes",
-                &k.bytes_out,
-            ),
-            (
-                "railyard_cluster_in_bytes",
-                "Bytes read from other nodes",
-                &k.bytes_in,
-            ),
-            (
-                "railyard_cluster_malformed",
-                "Connections closed for a malformed frame",
-                &k.malformed,
-            ),
-            (
-                "railyard_cluster_link_full",
-                "Messages refused: link queue full or max requests in flight",
-                &k.link_full,
-            ),
-            (
-                "railyard_cluster_failed_on_loss",
-                "Requests failed early because their node was lost",
-                &k.failed_on_loss,
-            ),
-            (
-                "railyard_cluster_encode_failures",
-                "Bodies that could not be encoded or exceeded the frame limit",
-                &k.encode_failures,
-            ),
-            (
-                "railyard_cluster_decode_failures",
-                "Bodies from other nodes that could not be decoded",
-                &k.decode_failures,
-            ),
-            (
-                "railyard_cluster_stale_answers",
-                "Answers dropped because their connection had ended",
-                &k.stale_answers,
-            ),
-            (
-                "railyard_cluster_unsent_failed",
-                "Queued requests not sent because they had already failed",
-                &k.unsent_failed,
-            ),
-            (
-                "railyard_cluster_answer_pauses",
-                "Times a peer asked more than its in-flight limit and was not read from",
-                &k.answer_pauses,
-            ),
-            (
-                "railyard_cluster_inbound_undelivered",
-                "Sends from other nodes that found no local consumer",
-                &k.inbound_undelivered,
-            ),
-            (
-                "railyard_cluster_store_outages",
-                "Times the cluster store (etcd) became unreachable",
-                &k.store_outages,
-            ),
-        ];
-        for (name, help, v) in counters {
+        for (name, help, v) in self.observer.counters().all() {
             let c = ConstCounter::new(v.get());
-            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+            let name = format!("railyard_cluster_{name}");
+            c.encode(encoder.encode_descriptor(&name, help, None, c.metric_type())?)?;
         }
         let view = self.observer.view();
         let gauges = [
