@@ -183,8 +183,11 @@ pub struct RedisRefreshResult {
     pub refresh_cpu_ms: Option<f64>,
     /// Railyard only: full refreshes during the attack.
     pub full_refreshes: Option<u64>,
-    /// Railyard only: periodic checks during the attack.
+    /// Railyard only: periodic deep checks (`CLUSTER NODES`) during the attack.
     pub checks: Option<u64>,
+    /// Railyard only: periodic probes (`CLUSTER INFO`) during the attack.
+    #[serde(default)]
+    pub probes: Option<u64>,
     /// Railyard only: CPU of the last full refresh, ms.
     pub last_full_refresh_cpu_ms: Option<f64>,
     /// Railyard only: the service's own `/test` handler times.
@@ -455,6 +458,7 @@ pub async fn run_one(cfg: &RunConfig, work_dir: &Path) -> Result<RedisRefreshRes
         },
         full_refreshes: delta(|v| v["refresh"]["full_refreshes"].as_f64()).map(|x| x as u64),
         checks: delta(|v| v["refresh"]["checks"].as_f64()).map(|x| x as u64),
+        probes: delta(|v| v["refresh"]["probes"].as_f64()).map(|x| x as u64),
         last_full_refresh_cpu_ms: stats_after
             .as_ref()
             .and_then(|v| v["refresh"]["last_full_cpu_ms"].as_f64()),

@@ -56,6 +56,7 @@ pub(crate) struct Config {
     pub(crate) adaptive: bool,
     pub(crate) adaptive_min_interval: Duration,
     pub(crate) sample_size: usize,
+    pub(crate) deep_check_every: u32,
     pub(crate) refresh_concurrency: usize,
     pub(crate) read_from: ReadFrom,
     pub(crate) command_timeout: Duration,
@@ -96,6 +97,17 @@ impl ClusterClientBuilder {
     pub fn sample_size(self, n: usize) -> Self {
         self.set(n >= 1, "sample_size must be at least 1", |c| {
             c.sample_size = n
+        })
+    }
+    /// Every `n`th periodic round compares whole `CLUSTER NODES` views; the
+    /// rounds between compare only `CLUSTER INFO` summaries (epoch, known
+    /// nodes, state, slot counts), a few hundred bytes instead of about
+    /// 126 bytes per node per sampled node (default 10; 1 compares views
+    /// every round). See [`crate::refresh`] for what each kind of round sees.
+    #[must_use]
+    pub fn deep_check_every(self, n: u32) -> Self {
+        self.set(n >= 1, "deep_check_every must be at least 1", |c| {
+            c.deep_check_every = n;
         })
     }
     /// `CLUSTER NODES` requests in flight during a full refresh (default 64).
@@ -191,9 +203,10 @@ impl ClusterClientBuilder {
             topo,
             trigger: trigger.clone(),
             stats: StatsCells::default(),
+            baseline: parking_lot::Mutex::new(None),
             rr: AtomicUsize::new(0),
         });
-        refresh::full_refresh(&inner, inner.cfg.seeds.clone()).await?;
+        refresh::full_refresh(&inner, inner.cfg.seeds.clone(), Vec::new()).await?;
         inner
             .topo
             .handle
@@ -278,6 +291,10 @@ pub(crate) struct Inner {
     topo: TopologyRuntime,
     trigger: Trigger,
     pub(crate) stats: StatsCells,
+    /// What `CLUSTER INFO` said before the current table's refresh began
+    /// (`None`: unknown, so the next periodic round compares whole views).
+    /// Touched once per round and per full refresh, never across an await.
+    pub(crate) baseline: parking_lot::Mutex<Option<refresh::Baseline>>,
     rr: AtomicUsize,
 }
 
@@ -408,6 +425,7 @@ impl ClusterClient {
                 adaptive: true,
                 adaptive_min_interval: Duration::from_secs(1),
                 sample_size: 3,
+                deep_check_every: 10,
                 refresh_concurrency: 64,
                 read_from: ReadFrom::Master,
                 command_timeout: Duration::from_secs(2),
@@ -458,7 +476,7 @@ impl ClusterClient {
         let inner = self.inner.clone();
         let task = self.inner.topo.handle.spawn(async move {
             let targets = inner.refresh_targets();
-            refresh::full_refresh(&inner, targets).await
+            refresh::full_refresh(&inner, targets, Vec::new()).await
         });
         task.await.unwrap_or(Err(RedisError::Shutdown))
     }

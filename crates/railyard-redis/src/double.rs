@@ -357,9 +357,10 @@ fn answer(args: &[Bytes], me: usize, state: &State, readonly: &mut bool, out: &m
             bulk(
                 out,
                 format!(
-                    "cluster_state:ok\r\ncluster_slots_assigned:16384\r\ncluster_slots_ok:16384\r\ncluster_known_nodes:{}\r\ncluster_size:{masters}\r\ncluster_current_epoch:{}\r\n",
+                    "cluster_state:ok\r\ncluster_slots_assigned:16384\r\ncluster_slots_ok:16384\r\ncluster_slots_pfail:0\r\ncluster_slots_fail:0\r\ncluster_known_nodes:{}\r\ncluster_size:{masters}\r\ncluster_current_epoch:{}\r\ncluster_my_epoch:{}\r\n",
                     topo.nodes.len(),
-                    topo.nodes.iter().map(|n| n.epoch).max().unwrap_or(0)
+                    topo.nodes.iter().map(|n| n.epoch).max().unwrap_or(0),
+                    topo.nodes[me].epoch
                 )
                 .as_bytes(),
             );

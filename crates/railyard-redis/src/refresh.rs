@@ -1,14 +1,27 @@
 //! Topology refresh: the background task that keeps the slot table current.
 //!
 //! # Algorithm
-//! - **Periodic check** (every `refresh_period`, if set): ask `sample_size`
-//!   nodes, taken round-robin over all known nodes, for `CLUSTER NODES`, and
-//!   fingerprint each reply on a blocking thread. If every fingerprint is one
-//!   the current table was built from, nothing changed: done (this is the
-//!   steady state, and costs a few small replies and a hash pass).
-//! - **Full refresh** (when a sampled view is new, or on an adaptive trigger):
-//!   ask every known node (and the seeds), at most `refresh_concurrency` at a
-//!   time. Replies stream to one blocking worker which fingerprints each and
+//! - **Periodic rounds** (every `refresh_period`, if set) ask `sample_size`
+//!   nodes, taken round-robin over all known nodes, what they see. Two kinds:
+//!   - a **probe** (most rounds) asks for `CLUSTER INFO` and compares its
+//!     summary (current epoch, known nodes, state, cluster size, slots
+//!     assigned and failed) with the [`Baseline`]: what `CLUSTER INFO` said
+//!     before the current table's full refresh began. A higher epoch (every
+//!     failover and every finished slot migration that moves ownership past
+//!     the highest epoch raises it) or a summary not seen then means
+//!     something changed. A summary is a few hundred bytes: at 1000 nodes a
+//!     probe reads about 1.5 KB where a deep check reads about 380 KB.
+//!   - a **deep check** (every `deep_check_every`th round, and whenever there
+//!     is no baseline) asks for `CLUSTER NODES` and fingerprints each reply
+//!     on a blocking thread. If every fingerprint is one the current table
+//!     was built from, nothing changed. It also sees what a summary does not:
+//!     a slot reassigned without an epoch bump (`CLUSTER SETSLOT ... NODE` by
+//!     hand), a node's address or flags.
+//! - **Full refresh** (when a round sees a change, or on an adaptive trigger):
+//!   first a probe of `sample_size` nodes for the next baseline, then ask
+//!   every known node (and the seeds) for `CLUSTER NODES`, at most
+//!   `refresh_concurrency` at a time. Replies stream to one blocking worker
+//!   which fingerprints each and
 //!   keeps one reply per distinct fingerprint with its vote count; only those
 //!   few distinct views are parsed, and the table is built once by the
 //!   consensus rule ([`crate::topology`]). The new table is swapped in with
@@ -18,8 +31,10 @@
 //!   task at once, but full refreshes are at least `adaptive_min_interval`
 //!   apart; triggers in between coalesce into one.
 //!
-//! Connection tasks only carry bytes: all parsing, hashing and building runs
-//! in `spawn_blocking`, and its CPU time is counted in [`RefreshStats`].
+//! Connection tasks only carry bytes: all parsing, hashing and building of
+//! `CLUSTER NODES` runs in `spawn_blocking`, and its CPU time is counted in
+//! [`RefreshStats`]. A `CLUSTER INFO` summary is parsed where it arrives, on
+//! the topology thread (microseconds: a dozen short lines).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -83,6 +98,7 @@ impl Trigger {
 #[derive(Debug, Default)]
 pub(crate) struct StatsCells {
     checks: AtomicU64,
+    probes: AtomicU64,
     full: AtomicU64,
     swaps: AtomicU64,
     failed: AtomicU64,
@@ -99,8 +115,11 @@ pub(crate) struct StatsCells {
 /// A snapshot of the refresher's counters.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct RefreshStats {
-    /// Periodic sampled checks run.
+    /// Periodic deep checks run (whole `CLUSTER NODES` views compared).
     pub checks: u64,
+    /// Periodic probes run (`CLUSTER INFO` summaries compared).
+    #[serde(default)]
+    pub probes: u64,
     /// Full refreshes run (initial, adaptive, or after a check saw a new view).
     pub full_refreshes: u64,
     /// Tables swapped in.
@@ -130,6 +149,7 @@ impl StatsCells {
         let ms = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64 / 1e6;
         RefreshStats {
             checks: self.checks.load(Ordering::Relaxed),
+            probes: self.probes.load(Ordering::Relaxed),
             full_refreshes: self.full.load(Ordering::Relaxed),
             swaps: self.swaps.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
@@ -188,6 +208,152 @@ fn build_from_stream(mut rx: mpsc::Receiver<(Arc<str>, Bytes)>) -> Result<Built,
     }
 }
 
+/// The part of a node's `CLUSTER INFO` that describes the cluster's
+/// configuration, without its epoch: message counters and `pfail` counts
+/// (each node's own suspicions, which differ node to node) are left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    ok: bool,
+    known_nodes: u64,
+    size: Option<u64>,
+    slots_assigned: Option<u64>,
+    slots_fail: Option<u64>,
+}
+
+/// One node's `CLUSTER INFO`, reduced to what a probe compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Summary {
+    /// `cluster_current_epoch`: the highest epoch the node knows of.
+    epoch: u64,
+    shape: Shape,
+}
+
+/// Reads a `CLUSTER INFO` reply. `cluster_state`, `cluster_current_epoch`
+/// and `cluster_known_nodes` are required; the slot counts and the size are
+/// compared when present.
+pub(crate) fn parse_summary(text: &[u8]) -> Result<Summary, String> {
+    let text = std::str::from_utf8(text).map_err(|_| "CLUSTER INFO is not UTF-8".to_owned())?;
+    let (mut state, mut epoch, mut known) = (None, None, None);
+    let mut shape = Shape {
+        ok: false,
+        known_nodes: 0,
+        size: None,
+        slots_assigned: None,
+        slots_fail: None,
+    };
+    for line in text.lines() {
+        let Some((key, value)) = line.trim_end_matches('\r').split_once(':') else {
+            continue;
+        };
+        let num = || {
+            value
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| format!("CLUSTER INFO {key} is not a number: {value:?}"))
+        };
+        match key {
+            "cluster_state" => state = Some(value.trim() == "ok"),
+            "cluster_current_epoch" => epoch = Some(num()?),
+            "cluster_known_nodes" => known = Some(num()?),
+            "cluster_size" => shape.size = Some(num()?),
+            "cluster_slots_assigned" => shape.slots_assigned = Some(num()?),
+            "cluster_slots_fail" => shape.slots_fail = Some(num()?),
+            _ => {}
+        }
+    }
+    let missing = |f: &str| format!("CLUSTER INFO has no {f}");
+    shape.ok = state.ok_or_else(|| missing("cluster_state"))?;
+    shape.known_nodes = known.ok_or_else(|| missing("cluster_known_nodes"))?;
+    Ok(Summary {
+        epoch: epoch.ok_or_else(|| missing("cluster_current_epoch"))?,
+        shape,
+    })
+}
+
+/// What `CLUSTER INFO` said before the current table's full refresh began,
+/// so the table reflects it: the highest epoch, and every shape seen (a
+/// handful: the probe at the start of the refresh, and the round that asked
+/// for it).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Baseline {
+    epoch: u64,
+    shapes: Vec<Shape>,
+}
+
+impl Baseline {
+    fn from_summaries(seen: &[Summary]) -> Option<Self> {
+        let epoch = seen.iter().map(|s| s.epoch).max()?;
+        let mut shapes: Vec<Shape> = Vec::with_capacity(seen.len());
+        for s in seen {
+            if !shapes.contains(&s.shape) {
+                shapes.push(s.shape);
+            }
+        }
+        Some(Self { epoch, shapes })
+    }
+
+    /// Whether a node saying `s` may still be described by the table. A
+    /// lower epoch is a node that has not heard of the latest change yet;
+    /// the table already has it from the others.
+    fn covers(&self, s: &Summary) -> bool {
+        s.epoch <= self.epoch && self.shapes.contains(&s.shape)
+    }
+}
+
+fn info_cmd() -> Cmd {
+    Cmd::new("CLUSTER").arg("INFO")
+}
+
+async fn fetch_summary(inner: &Inner, addr: &Arc<str>) -> Result<Summary, RedisError> {
+    let conn = inner.topo_conn(addr);
+    let topology = |detail: String| RedisError::Topology {
+        node: addr.clone(),
+        detail,
+    };
+    match conn
+        .request(&[&info_cmd()], inner.cfg.command_timeout)
+        .await?
+    {
+        Value::Bulk(b) | Value::Status(b) => parse_summary(&b).map_err(topology),
+        Value::Error(e) => Err(topology(e)),
+        other => Err(topology(format!(
+            "CLUSTER INFO answered with {}",
+            other.describe()
+        ))),
+    }
+}
+
+/// Asks each of `addrs` for its summary at once. `Err` if a node answered
+/// something that is not a summary (then only deep checks can tell);
+/// nodes that did not answer are left out.
+async fn summaries(inner: &Inner, addrs: Vec<Arc<str>>) -> Result<Vec<Summary>, RedisError> {
+    let k = addrs.len().max(1);
+    let answers: Vec<Result<Summary, RedisError>> = stream::iter(addrs)
+        .map(|a| async move { fetch_summary(inner, &a).await })
+        .buffer_unordered(k)
+        .collect()
+        .await;
+    let mut out = Vec::with_capacity(answers.len());
+    for a in answers {
+        match a {
+            Ok(s) => out.push(s),
+            Err(e @ RedisError::Topology { .. }) => return Err(e),
+            Err(_) => {}
+        }
+    }
+    Ok(out)
+}
+
+/// `sample_size` of `nodes`, from `cursor` on, round-robin; advances it.
+fn sample(inner: &Inner, nodes: &[Arc<str>], cursor: &mut usize) -> Vec<Arc<str>> {
+    let k = inner.cfg.sample_size.min(nodes.len());
+    let picked = (0..k)
+        .map(|i| nodes[(*cursor + i) % nodes.len()].clone())
+        .collect();
+    *cursor = (*cursor + k) % nodes.len().max(1);
+    picked
+}
+
 fn nodes_cmd() -> Cmd {
     Cmd::new("CLUSTER").arg("NODES")
 }
@@ -210,8 +376,15 @@ async fn fetch_view(inner: &Inner, addr: &Arc<str>) -> Result<Bytes, RedisError>
     }
 }
 
-/// Runs a full refresh over `addrs` and swaps the result in.
-pub(crate) async fn full_refresh(inner: &Inner, addrs: Vec<Arc<str>>) -> Result<(), RedisError> {
+/// Runs a full refresh over `addrs` and swaps the result in. `seen`: the
+/// summaries that showed a change, if a probe asked for this refresh; they
+/// were read before any view, so the new table covers them and they become
+/// the baseline (none: the next round learns one).
+pub(crate) async fn full_refresh(
+    inner: &Inner,
+    addrs: Vec<Arc<str>>,
+    seen: Vec<Summary>,
+) -> Result<(), RedisError> {
     let wall = Instant::now();
     let (tx, rx) = mpsc::channel::<(Arc<str>, Bytes)>(inner.cfg.refresh_concurrency);
     let worker = tokio::task::spawn_blocking(move || build_from_stream(rx));
@@ -269,23 +442,21 @@ pub(crate) async fn full_refresh(inner: &Inner, addrs: Vec<Arc<str>>) -> Result<
         "redis topology refreshed"
     );
     inner.install(built.table);
+    *inner.baseline.lock() = Baseline::from_summaries(&seen);
     s.swaps.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
 
-/// A periodic check: returns whether a full refresh is needed.
+/// A deep check: returns whether a full refresh is needed.
 async fn check(inner: &Inner, cursor: &mut usize) -> bool {
     let table = inner.table.load_full();
     let nodes = table.nodes();
     if nodes.is_empty() {
         return true;
     }
-    let k = inner.cfg.sample_size.min(nodes.len());
-    let sample: Vec<Arc<str>> = (0..k)
-        .map(|i| nodes[(*cursor + i) % nodes.len()].clone())
-        .collect();
-    *cursor = (*cursor + k) % nodes.len();
-    let texts: Vec<Bytes> = stream::iter(sample)
+    let picked = sample(inner, nodes, cursor);
+    let k = picked.len();
+    let texts: Vec<Bytes> = stream::iter(picked)
         .map(|a| async move { fetch_view(inner, &a).await.ok() })
         .buffer_unordered(k.max(1))
         .filter_map(|r| async move { r })
@@ -314,10 +485,77 @@ async fn check(inner: &Inner, cursor: &mut usize) -> bool {
     }
 }
 
+/// What a probe found.
+enum Probe {
+    /// Every summary is covered by the baseline (or nobody answered:
+    /// connection triggers handle dead nodes).
+    Unchanged,
+    /// Something changed: these summaries were seen.
+    Changed(Vec<Summary>),
+    /// There is no baseline yet (a full refresh without summaries ran):
+    /// these summaries become it if a deep check of the same nodes, right
+    /// after, finds the table current.
+    Learn(Vec<Summary>),
+    /// A node answered something that is not a summary: only a deep check
+    /// can tell.
+    Unreadable,
+}
+
+/// A probe: compares sampled nodes' `CLUSTER INFO` with the baseline.
+async fn probe(inner: &Inner, nodes: &[Arc<str>], cursor: &mut usize) -> Probe {
+    let picked = sample(inner, nodes, cursor);
+    let seen = summaries(inner, picked).await;
+    inner.stats.probes.fetch_add(1, Ordering::Relaxed);
+    let seen = match seen {
+        Ok(seen) => seen,
+        Err(e) => {
+            tracing::debug!(error = %e, "a CLUSTER INFO probe could not be read; comparing whole views");
+            return Probe::Unreadable;
+        }
+    };
+    match &*inner.baseline.lock() {
+        None => Probe::Learn(seen),
+        Some(b) if seen.iter().all(|s| b.covers(s)) => Probe::Unchanged,
+        Some(_) => Probe::Changed(seen),
+    }
+}
+
+/// One periodic round: `Some(summaries that showed the change)` when a full
+/// refresh is due.
+async fn round(inner: &Inner, round: u32, cursor: &mut usize) -> Option<Vec<Summary>> {
+    if round % inner.cfg.deep_check_every.max(1) == 0 {
+        return check(inner, cursor).await.then(Vec::new);
+    }
+    let table = inner.table.load_full();
+    if table.nodes().is_empty() {
+        return Some(Vec::new());
+    }
+    let at = *cursor;
+    match probe(inner, table.nodes(), cursor).await {
+        Probe::Unchanged => None,
+        Probe::Changed(seen) => Some(seen),
+        Probe::Unreadable => check(inner, cursor).await.then(Vec::new),
+        Probe::Learn(seen) => {
+            // The same nodes, after their summaries: if their views are in
+            // the table, so is what they summarized.
+            let mut same = at;
+            if check(inner, &mut same).await {
+                return Some(seen);
+            }
+            let mut b = inner.baseline.lock();
+            if b.is_none() {
+                *b = Baseline::from_summaries(&seen);
+            }
+            None
+        }
+    }
+}
+
 /// The refresher task. Holds only a weak reference: it ends when the client
 /// is dropped (which also fires [`Trigger::shutdown`]).
 pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
     let mut cursor = 0usize;
+    let mut rounds = 0u32;
     let mut last_full = Instant::now();
     let (period, min_interval, adaptive_on) = match weak.upgrade() {
         Some(i) => (
@@ -356,6 +594,7 @@ pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
             }
         }
         let Some(inner) = weak.upgrade() else { return };
+        // `Some(summaries that showed the change)` when a full refresh is due.
         let need_full = if adaptive {
             let reasons = trigger.take();
             if reasons == 0 {
@@ -364,18 +603,86 @@ pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
             }
             tracing::debug!(reasons, "adaptive redis topology refresh");
             inner.stats.adaptive.fetch_add(1, Ordering::Relaxed);
-            true
+            Some(Vec::new())
         } else {
-            check(&inner, &mut cursor).await
+            rounds = rounds.wrapping_add(1);
+            round(&inner, rounds, &mut cursor).await
         };
-        if need_full {
+        if let Some(seen) = need_full {
             let addrs = inner.refresh_targets();
-            if let Err(e) = full_refresh(&inner, addrs).await {
+            if let Err(e) = full_refresh(&inner, addrs, seen).await {
                 tracing::warn!(error = %e, "redis topology refresh failed");
             }
             last_full = Instant::now();
             // Triggers fired by the refresh's own traffic are already answered.
             trigger.take();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `redis-server` 7.0 answers (a 3-master cluster).
+    const REAL: &str = "cluster_state:ok\r\ncluster_slots_assigned:16384\r\ncluster_slots_ok:16384\r\n\
+        cluster_slots_pfail:0\r\ncluster_slots_fail:0\r\ncluster_known_nodes:3\r\ncluster_size:3\r\n\
+        cluster_current_epoch:3\r\ncluster_my_epoch:1\r\ncluster_stats_messages_ping_sent:4\r\n\
+        cluster_stats_messages_sent:10\r\ntotal_cluster_links_buffer_limit_exceeded:0\r\n";
+
+    fn with(from: &str, to: &str) -> Summary {
+        parse_summary(REAL.replace(from, to).as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_summary_keeps_the_configuration_and_drops_the_counters() {
+        let s = parse_summary(REAL.as_bytes()).unwrap();
+        assert_eq!(s.epoch, 3);
+        assert!(s.shape.ok);
+        assert_eq!(s.shape.known_nodes, 3);
+        assert_eq!(s.shape.size, Some(3));
+        assert_eq!(s.shape.slots_assigned, Some(16384));
+        assert_eq!(s.shape.slots_fail, Some(0));
+        // Message counters and each node's own suspicions do not count.
+        assert_eq!(with("messages_sent:10", "messages_sent:99"), s);
+        assert_eq!(with("cluster_slots_pfail:0", "cluster_slots_pfail:7"), s);
+        assert_eq!(with("cluster_my_epoch:1", "cluster_my_epoch:2"), s);
+    }
+
+    #[test]
+    fn a_reply_without_the_required_fields_is_a_typed_error() {
+        let no_epoch = REAL.replace("cluster_current_epoch:3\r\n", "");
+        assert!(parse_summary(no_epoch.as_bytes())
+            .unwrap_err()
+            .contains("cluster_current_epoch"));
+        assert!(parse_summary(b"-ERR nope").is_err());
+        assert!(parse_summary(
+            REAL.replace(":3\r\ncluster_size", ":x\r\ncluster_size")
+                .as_bytes()
+        )
+        .unwrap_err()
+        .contains("not a number"));
+        assert!(parse_summary(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn the_baseline_covers_lagging_nodes_and_nothing_new() {
+        let s = parse_summary(REAL.as_bytes()).unwrap();
+        let b = Baseline::from_summaries(&[
+            s,
+            with("cluster_current_epoch:3", "cluster_current_epoch:2"),
+        ])
+        .unwrap();
+        assert_eq!(b.epoch, 3);
+        assert!(b.covers(&s));
+        // A node that has not heard of the last change yet.
+        assert!(b.covers(&with("cluster_current_epoch:3", "cluster_current_epoch:1")));
+        // A failover or a finished migration raised the epoch.
+        assert!(!b.covers(&with("cluster_current_epoch:3", "cluster_current_epoch:4")));
+        // A node joined; a master failed; the cluster went down.
+        assert!(!b.covers(&with("cluster_known_nodes:3", "cluster_known_nodes:4")));
+        assert!(!b.covers(&with("cluster_slots_fail:0", "cluster_slots_fail:5461")));
+        assert!(!b.covers(&with("cluster_state:ok", "cluster_state:fail")));
+        assert!(Baseline::from_summaries(&[]).is_none());
     }
 }

@@ -99,18 +99,111 @@ async fn the_periodic_check_finds_a_moved_slot() {
 }
 
 #[tokio::test]
-async fn an_unchanged_cluster_costs_only_checks() {
+async fn an_unchanged_cluster_costs_only_probes_and_checks() {
     let d = ClusterDouble::start(3, 1, None).await.unwrap();
     let c = ClusterClient::builder(d.addrs())
         .refresh_period(Some(Duration::from_millis(20)))
+        .deep_check_every(3)
         .build()
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.refresh_stats().checks < 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let s = c.refresh_stats();
-    assert!(s.checks >= 3, "{s:?}");
+    // Two probes (CLUSTER INFO) for every deep check (CLUSTER NODES).
+    assert!(s.probes >= 2 * (s.checks - 1), "{s:?}");
     assert_eq!(s.full_refreshes, 1, "only the initial refresh: {s:?}");
     assert_eq!(s.swaps, 1);
+}
+
+/// Probes alone (no deep check after the one that confirms the first
+/// baseline) see a slot moved at a new epoch, even while only its new owner
+/// knows.
+#[tokio::test]
+async fn a_probe_sees_a_new_epoch() {
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .refresh_period(Some(Duration::from_millis(20)))
+        .deep_check_every(u32::MAX)
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Round 1 learns the baseline (a probe, then a deep check of the same
+    // nodes); round 2 on are probes only.
+    while c.refresh_stats().probes < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(c.refresh_stats().checks, 1, "{:?}", c.refresh_stats());
+    let slot = key_slot(b"probed");
+    let to = (0..3)
+        .find(|&m| d.addrs()[m] != *c.table().shard(slot).unwrap().master)
+        .unwrap();
+    let mut t = d.topology(0);
+    t.move_slots(slot, slot, to);
+    // Only the new owner knows yet; its higher epoch wins the slot.
+    d.apply(t, Some(&[to]));
+    while *c.table().shard(slot).unwrap().master != *d.addrs()[to] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let s = c.refresh_stats();
+    assert_eq!(s.checks, 1, "seen by a probe: {s:?}");
+    assert_eq!(s.full_refreshes, 2, "{s:?}");
+    assert_eq!(s.adaptive, 0);
+}
+
+/// What a summary cannot show (a slot reassigned with no epoch bump), the
+/// deep check finds.
+#[tokio::test]
+async fn a_deep_check_sees_what_a_probe_cannot() {
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs())
+        .refresh_period(Some(Duration::from_millis(20)))
+        .deep_check_every(4)
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let slot = key_slot(b"by-hand");
+    let to = (0..3)
+        .find(|&m| d.addrs()[m] != *c.table().shard(slot).unwrap().master)
+        .unwrap();
+    let mut t = d.topology(0);
+    let epochs: Vec<u64> = t.nodes.iter().map(|n| n.epoch).collect();
+    t.move_slots(slot, slot, to);
+    for (n, e) in t.nodes.iter_mut().zip(epochs) {
+        n.epoch = e;
+    }
+    d.apply(t, None);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while *c.table().shard(slot).unwrap().master != *d.addrs()[to] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let s = c.refresh_stats();
+    assert!(s.checks >= 1 && s.full_refreshes == 2, "{s:?}");
 }
 
 #[tokio::test]

@@ -275,4 +275,38 @@ async fn the_periodic_refresh_sees_a_slot_moved_behind_its_back() {
         s.checks >= 1 && s.full_refreshes >= 2 && s.adaptive == 0,
         "{s:?}"
     );
+
+    // A client that only probes after its first round: `CLUSTER INFO` shows a
+    // raised epoch (what every failover and finished migration does), and
+    // that alone brings a full refresh.
+    let p = ClusterClient::builder(&addrs[..1])
+        .refresh_period(Some(Duration::from_millis(100)))
+        .deep_check_every(u32::MAX)
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while p.refresh_stats().probes < 3 {
+        assert!(Instant::now() < deadline, "{:?}", p.refresh_stats());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = p.refresh_stats();
+    assert_eq!(before.full_refreshes, 1, "nothing changed yet: {before:?}");
+    for a in &addrs {
+        query(a, &Cmd::new("CLUSTER").arg("BUMPEPOCH"))
+            .await
+            .unwrap();
+    }
+    while p.refresh_stats().full_refreshes < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no probe saw the new epoch: {:?}",
+            p.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let s = p.refresh_stats();
+    assert_eq!(s.checks, 1, "only the first round's deep check: {s:?}");
+    assert_eq!(s.adaptive, 0);
 }
