@@ -398,3 +398,81 @@ fn dispatched_consumers_switching_to_tasks_lose_and_reorder_nothing() {
         assert_eq!(stats.received, stats.delivered);
     }
 }
+
+/// Plain threads (not loops) schedule one loop's consumers at once, with
+/// pauses so that the loop keeps parking and being woken: the dispatcher's
+/// list of consumers scheduled from other threads loses no consumer and no
+/// wake-up, and keeps each sender's order.
+#[test]
+fn many_threads_scheduling_one_loops_consumers_lose_no_wake_up() {
+    const THREADS: u64 = 4;
+    const CONSUMERS: u64 = 32;
+    const PER_THREAD: u64 = 5_000;
+    let l = Loop::start("loop-target", true);
+    let bus = EventBus::new();
+    /// (thread, seq) of every message one consumer handled.
+    type Seen = Mutex<Vec<(u64, u64)>>;
+    let seen: Arc<Vec<Seen>> = Arc::new((0..CONSUMERS).map(|_| Mutex::new(Vec::new())).collect());
+    let mut consumers = Vec::new();
+    for c in 0..CONSUMERS {
+        let (b, s) = (bus.clone(), seen.clone());
+        consumers.push(l.run(async move {
+            b.consumer(format!("wake.{c}"))
+                .capacity(PER_THREAD as usize * THREADS as usize)
+                .handler(move |m| {
+                    s[c as usize]
+                        .lock()
+                        .unwrap()
+                        .push(*m.body::<(u64, u64)>().unwrap());
+                    std::future::ready(())
+                })
+                .await
+                .unwrap()
+        }));
+    }
+    let senders: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let b = bus.clone();
+            std::thread::spawn(move || {
+                for i in 0..PER_THREAD {
+                    let c = (i + t) % CONSUMERS;
+                    b.send(&format!("wake.{c}"), (t, i)).unwrap();
+                    if i % 64 == 63 {
+                        // Long enough for the loop to run dry and park.
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                }
+            })
+        })
+        .collect();
+    for s in senders {
+        s.join().unwrap();
+    }
+    let total = || {
+        seen.iter()
+            .map(|v| v.lock().unwrap().len() as u64)
+            .sum::<u64>()
+    };
+    for _ in 0..3000 {
+        if total() == THREADS * PER_THREAD {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(total(), THREADS * PER_THREAD, "every message was handled");
+    for v in seen.iter() {
+        let v = v.lock().unwrap();
+        for t in 0..THREADS {
+            let mine: Vec<u64> = v.iter().filter(|m| m.0 == t).map(|m| m.1).collect();
+            assert!(
+                mine.windows(2).all(|w| w[0] < w[1]),
+                "one sender's order kept"
+            );
+        }
+    }
+    for c in &consumers {
+        let s = c.stats();
+        assert_eq!(s.received, s.delivered);
+        assert_eq!(s.buffered, 0);
+    }
+}

@@ -43,6 +43,11 @@ pub(crate) struct RedisNodeArgs {
     /// Periodic topology refresh: `off` or a period such as `1s`.
     #[arg(long, default_value = "off", value_parser = parse_refresh_arg)]
     redis_refresh: Refresh,
+    /// Every Nth periodic round compares whole `CLUSTER NODES` views; the
+    /// rounds between compare `CLUSTER INFO` summaries only (1: whole views
+    /// every round).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    redis_deep_check_every: u32,
     /// Read from replicas (may be stale).
     #[arg(long)]
     redis_read_replicas: bool,
@@ -60,6 +65,7 @@ pub(crate) async fn start(args: &RedisNodeArgs) -> anyhow::Result<Option<RedisNo
     }
     let client = ClusterClient::builder(&args.redis_cluster)
         .refresh_period(args.redis_refresh.0)
+        .deep_check_every(args.redis_deep_check_every)
         .read_from(if args.redis_read_replicas {
             ReadFrom::Replica
         } else {
