@@ -5,27 +5,31 @@
 //!   nodes, taken round-robin over all known nodes, what they see. Two kinds:
 //!   - a **probe** (most rounds) asks for `CLUSTER INFO` and compares its
 //!     summary (current epoch, known nodes, state, cluster size, slots
-//!     assigned and failed) with the [`Baseline`]: what `CLUSTER INFO` said
-//!     before the current table's full refresh began. A higher epoch (every
-//!     failover and every finished slot migration that moves ownership past
-//!     the highest epoch raises it) or a summary not seen then means
-//!     something changed. A summary is a few hundred bytes: at 1000 nodes a
-//!     probe reads about 1.5 KB where a deep check reads about 380 KB.
-//!   - a **deep check** (every `deep_check_every`th round, and whenever there
-//!     is no baseline) asks for `CLUSTER NODES` and fingerprints each reply
-//!     on a blocking thread. If every fingerprint is one the current table
-//!     was built from, nothing changed. It also sees what a summary does not:
-//!     a slot reassigned without an epoch bump (`CLUSTER SETSLOT ... NODE` by
+//!     assigned and failed) with the [`Baseline`]: the summaries the current
+//!     table is known to cover. A higher epoch (every failover, and every
+//!     finished slot migration that moves ownership past the highest epoch,
+//!     raises it) asks for a full refresh at once. A shape the baseline does
+//!     not list (a node joined, left or failed, or these nodes see the
+//!     cluster differently from those sampled before) asks for a deep check
+//!     of the same nodes: if their views are in the table, the shape joins
+//!     the baseline, else a full refresh follows. A summary is a few hundred
+//!     bytes: at 1000 nodes a probe reads about 1 KB where a deep check reads
+//!     about 380 KB.
+//!   - a **deep check** (every `deep_check_every`th round, with a cursor of
+//!     its own) asks for `CLUSTER NODES` and fingerprints each reply on a
+//!     blocking thread. If every fingerprint is one the current table was
+//!     built from, nothing changed. It also sees what a summary does not: a
+//!     slot reassigned without an epoch bump (`CLUSTER SETSLOT ... NODE` by
 //!     hand), a node's address or flags.
 //! - **Full refresh** (when a round sees a change, or on an adaptive trigger):
-//!   first a probe of `sample_size` nodes for the next baseline, then ask
-//!   every known node (and the seeds) for `CLUSTER NODES`, at most
+//!   ask every known node (and the seeds) for `CLUSTER NODES`, at most
 //!   `refresh_concurrency` at a time. Replies stream to one blocking worker
 //!   which fingerprints each and
 //!   keeps one reply per distinct fingerprint with its vote count; only those
 //!   few distinct views are parsed, and the table is built once by the
 //!   consensus rule ([`crate::topology`]). The new table is swapped in with
-//!   one atomic store; connection tasks never see a half-built table.
+//!   one atomic store; connection tasks never see a half-built table. The
+//!   summaries that asked for it (read before any view) join the baseline.
 //! - **Adaptive triggers** (MOVED, ASK, a redirect to an unknown node, an
 //!   uncovered slot, a lost connection, repeated failed reconnects) wake the
 //!   task at once, but full refreshes are at least `adaptive_min_interval`
@@ -270,10 +274,12 @@ pub(crate) fn parse_summary(text: &[u8]) -> Result<Summary, String> {
     })
 }
 
-/// What `CLUSTER INFO` said before the current table's full refresh began,
-/// so the table reflects it: the highest epoch, and every shape seen (a
-/// handful: the probe at the start of the refresh, and the round that asked
-/// for it).
+/// What `CLUSTER INFO` summaries the current table is known to cover: the
+/// highest epoch read before a full refresh began (or confirmed by a deep
+/// check of the nodes that reported it), and every shape read that way.
+/// The epoch only rises: a full refresh that did not come from a probe
+/// (adaptive, by hand) leaves it, at worst one refresh behind, which costs
+/// one more refresh and never hides a change.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Baseline {
     epoch: u64,
@@ -292,13 +298,41 @@ impl Baseline {
         Some(Self { epoch, shapes })
     }
 
+    /// Adds summaries the table is known to cover: the epoch only rises,
+    /// shapes accumulate (up to [`MAX_SHAPES`]; past that, the list starts
+    /// over from these).
+    fn absorb(slot: &mut Option<Self>, seen: &[Summary]) {
+        let Some(new) = Self::from_summaries(seen) else {
+            return;
+        };
+        let Some(b) = slot else {
+            *slot = Some(new);
+            return;
+        };
+        b.epoch = b.epoch.max(new.epoch);
+        for shape in &new.shapes {
+            if !b.shapes.contains(shape) {
+                if b.shapes.len() >= MAX_SHAPES {
+                    b.shapes = new.shapes;
+                    return;
+                }
+                b.shapes.push(*shape);
+            }
+        }
+    }
+
     /// Whether a node saying `s` may still be described by the table. A
     /// lower epoch is a node that has not heard of the latest change yet;
     /// the table already has it from the others.
+    #[cfg(test)]
     fn covers(&self, s: &Summary) -> bool {
         s.epoch <= self.epoch && self.shapes.contains(&s.shape)
     }
 }
+
+/// Shapes a baseline keeps at most (a cluster whose nodes see it in more
+/// ways than this keeps costing deep checks, never full refreshes).
+const MAX_SHAPES: usize = 32;
 
 fn info_cmd() -> Cmd {
     Cmd::new("CLUSTER").arg("INFO")
@@ -442,17 +476,27 @@ pub(crate) async fn full_refresh(
         "redis topology refreshed"
     );
     inner.install(built.table);
-    *inner.baseline.lock() = Baseline::from_summaries(&seen);
+    Baseline::absorb(&mut inner.baseline.lock(), &seen);
     s.swaps.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
 
-/// A deep check: returns whether a full refresh is needed.
-async fn check(inner: &Inner, cursor: &mut usize) -> bool {
-    let table = inner.table.load_full();
+/// What a deep check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Deep {
+    /// Every sampled view is one `table` was built from.
+    Current,
+    /// A sampled view is new: a full refresh is due.
+    Changed,
+    /// Nobody answered (connection triggers handle dead nodes).
+    Unknown,
+}
+
+/// A deep check of `sample_size` of `table`'s nodes from `cursor` on.
+async fn check(inner: &Inner, table: &SlotTable, cursor: &mut usize) -> Deep {
     let nodes = table.nodes();
     if nodes.is_empty() {
-        return true;
+        return Deep::Changed;
     }
     let picked = sample(inner, nodes, cursor);
     let k = picked.len();
@@ -464,8 +508,7 @@ async fn check(inner: &Inner, cursor: &mut usize) -> bool {
         .await;
     inner.stats.checks.fetch_add(1, Ordering::Relaxed);
     if texts.is_empty() {
-        // Nobody answered: connection triggers handle dead nodes.
-        return false;
+        return Deep::Unknown;
     }
     let known: Vec<u64> = table.fingerprints().to_vec();
     let res = tokio::task::spawn_blocking(move || {
@@ -479,9 +522,13 @@ async fn check(inner: &Inner, cursor: &mut usize) -> bool {
     match res {
         Ok((all_known, cpu)) => {
             inner.stats.check_cpu_ns.fetch_add(cpu, Ordering::Relaxed);
-            !all_known
+            if all_known {
+                Deep::Current
+            } else {
+                Deep::Changed
+            }
         }
-        Err(_) => true,
+        Err(_) => Deep::Changed,
     }
 }
 
@@ -490,12 +537,15 @@ enum Probe {
     /// Every summary is covered by the baseline (or nobody answered:
     /// connection triggers handle dead nodes).
     Unchanged,
-    /// Something changed: these summaries were seen.
-    Changed(Vec<Summary>),
-    /// There is no baseline yet (a full refresh without summaries ran):
-    /// these summaries become it if a deep check of the same nodes, right
-    /// after, finds the table current.
-    Learn(Vec<Summary>),
+    /// A node knows a higher epoch than the baseline: a full refresh is due.
+    NewEpoch(Vec<Summary>),
+    /// No higher epoch, but a shape the baseline does not list (a node
+    /// joined or left, a master failed, or these nodes simply see the
+    /// cluster differently from those sampled before, as a partitioned
+    /// minority does for as long as the partition lasts).
+    NewShape(Vec<Summary>),
+    /// There is no baseline yet.
+    NoBaseline(Vec<Summary>),
     /// A node answered something that is not a summary: only a deep check
     /// can tell.
     Unreadable,
@@ -514,39 +564,58 @@ async fn probe(inner: &Inner, nodes: &[Arc<str>], cursor: &mut usize) -> Probe {
         }
     };
     match &*inner.baseline.lock() {
-        None => Probe::Learn(seen),
-        Some(b) if seen.iter().all(|s| b.covers(s)) => Probe::Unchanged,
-        Some(_) => Probe::Changed(seen),
+        None => Probe::NoBaseline(seen),
+        Some(b) if seen.iter().any(|s| s.epoch > b.epoch) => Probe::NewEpoch(seen),
+        Some(b) if seen.iter().all(|s| b.shapes.contains(&s.shape)) => Probe::Unchanged,
+        Some(_) => Probe::NewShape(seen),
     }
+}
+
+/// Where periodic rounds sample next: probes and deep checks each go
+/// round-robin over all nodes on their own, so that neither keeps sampling
+/// the same few when the counts line up.
+#[derive(Debug, Default)]
+struct Cursors {
+    probe: usize,
+    deep: usize,
 }
 
 /// One periodic round: `Some(summaries that showed the change)` when a full
 /// refresh is due.
-async fn round(inner: &Inner, round: u32, cursor: &mut usize) -> Option<Vec<Summary>> {
-    if round % inner.cfg.deep_check_every.max(1) == 0 {
-        return check(inner, cursor).await.then(Vec::new);
-    }
+async fn round(inner: &Inner, round: u32, cursors: &mut Cursors) -> Option<Vec<Summary>> {
     let table = inner.table.load_full();
+    if round % inner.cfg.deep_check_every.max(1) == 0 {
+        let found = check(inner, &table, &mut cursors.deep).await;
+        return (found == Deep::Changed).then(Vec::new);
+    }
     if table.nodes().is_empty() {
         return Some(Vec::new());
     }
-    let at = *cursor;
-    match probe(inner, table.nodes(), cursor).await {
+    let at = cursors.probe;
+    let probed = probe(inner, table.nodes(), &mut cursors.probe).await;
+    // A deep check of the nodes just probed: if their views are in the
+    // table, so is what they summarized.
+    let mut same = at;
+    match probed {
         Probe::Unchanged => None,
-        Probe::Changed(seen) => Some(seen),
-        Probe::Unreadable => check(inner, cursor).await.then(Vec::new),
-        Probe::Learn(seen) => {
-            // The same nodes, after their summaries: if their views are in
-            // the table, so is what they summarized.
-            let mut same = at;
-            if check(inner, &mut same).await {
-                return Some(seen);
+        Probe::NewEpoch(seen) => Some(seen),
+        Probe::Unreadable => {
+            let found = check(inner, &table, &mut same).await;
+            (found == Deep::Changed).then(Vec::new)
+        }
+        Probe::NewShape(seen) | Probe::NoBaseline(seen) => {
+            match check(inner, &table, &mut same).await {
+                Deep::Changed => Some(seen),
+                Deep::Unknown => None,
+                Deep::Current => {
+                    // Unless a refresh swapped the table meanwhile (it may
+                    // have read its views before these summaries).
+                    if Arc::ptr_eq(&inner.table.load_full(), &table) {
+                        Baseline::absorb(&mut inner.baseline.lock(), &seen);
+                    }
+                    None
+                }
             }
-            let mut b = inner.baseline.lock();
-            if b.is_none() {
-                *b = Baseline::from_summaries(&seen);
-            }
-            None
         }
     }
 }
@@ -554,7 +623,7 @@ async fn round(inner: &Inner, round: u32, cursor: &mut usize) -> Option<Vec<Summ
 /// The refresher task. Holds only a weak reference: it ends when the client
 /// is dropped (which also fires [`Trigger::shutdown`]).
 pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
-    let mut cursor = 0usize;
+    let mut cursors = Cursors::default();
     let mut rounds = 0u32;
     let mut last_full = Instant::now();
     let (period, min_interval, adaptive_on) = match weak.upgrade() {
@@ -606,7 +675,7 @@ pub(crate) async fn run(weak: Weak<Inner>, trigger: Trigger) {
             Some(Vec::new())
         } else {
             rounds = rounds.wrapping_add(1);
-            round(&inner, rounds, &mut cursor).await
+            round(&inner, rounds, &mut cursors).await
         };
         if let Some(seen) = need_full {
             let addrs = inner.refresh_targets();
@@ -684,5 +753,31 @@ mod tests {
         assert!(!b.covers(&with("cluster_slots_fail:0", "cluster_slots_fail:5461")));
         assert!(!b.covers(&with("cluster_state:ok", "cluster_state:fail")));
         assert!(Baseline::from_summaries(&[]).is_none());
+    }
+
+    #[test]
+    fn absorbing_raises_the_epoch_only_and_keeps_shapes_up_to_the_cap() {
+        let s = parse_summary(REAL.as_bytes()).unwrap();
+        let mut b = None;
+        Baseline::absorb(&mut b, &[]);
+        assert!(b.is_none(), "nothing seen, nothing learned");
+        Baseline::absorb(&mut b, &[s]);
+        let joined = with("cluster_known_nodes:3", "cluster_known_nodes:4");
+        let older = with("cluster_current_epoch:3", "cluster_current_epoch:1");
+        Baseline::absorb(&mut b, &[joined, older]);
+        let b1 = b.clone().unwrap();
+        assert_eq!(b1.epoch, 3, "a lower epoch never lowers it");
+        assert!(b1.covers(&s) && b1.covers(&joined));
+        // Past the cap, the list starts over from what was just seen.
+        for n in 0..MAX_SHAPES {
+            let other = with(
+                "cluster_known_nodes:3",
+                &format!("cluster_known_nodes:{}", 100 + n),
+            );
+            Baseline::absorb(&mut b, &[other]);
+        }
+        let b2 = b.unwrap();
+        assert!(b2.shapes.len() <= MAX_SHAPES);
+        assert!(!b2.covers(&s), "the oldest shapes went with the reset");
     }
 }

@@ -182,6 +182,17 @@ async fn a_deep_check_sees_what_a_probe_cannot() {
         .build()
         .await
         .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Past the first round, which learns the baseline with a deep check.
+    while c.refresh_stats().probes < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let checks_before = c.refresh_stats().checks;
     let slot = key_slot(b"by-hand");
     let to = (0..3)
         .find(|&m| d.addrs()[m] != *c.table().shard(slot).unwrap().master)
@@ -193,7 +204,6 @@ async fn a_deep_check_sees_what_a_probe_cannot() {
         n.epoch = e;
     }
     d.apply(t, None);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while *c.table().shard(slot).unwrap().master != *d.addrs()[to] {
         assert!(
             std::time::Instant::now() < deadline,
@@ -203,7 +213,47 @@ async fn a_deep_check_sees_what_a_probe_cannot() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let s = c.refresh_stats();
-    assert!(s.checks >= 1 && s.full_refreshes == 2, "{s:?}");
+    assert!(
+        s.checks > checks_before,
+        "found by a later deep check: {s:?}"
+    );
+    assert_eq!(s.full_refreshes, 2, "{s:?}");
+}
+
+/// Nodes that keep seeing the cluster differently (here half of them list
+/// one more node, as during a join that never completes): their summaries
+/// cost deep checks until each shape is learned, never full refreshes.
+#[tokio::test]
+async fn a_lasting_disagreement_costs_no_full_refreshes() {
+    let d = ClusterDouble::start(3, 1, None).await.unwrap();
+    let mut t = d.topology(0);
+    let mut extra = t.nodes[5].clone();
+    extra.id = "f".repeat(40);
+    extra.port = 1;
+    extra.epoch = 1;
+    t.nodes.push(extra);
+    d.apply(t, Some(&[0, 2, 4]));
+    let c = ClusterClient::builder(d.addrs())
+        .refresh_period(Some(Duration::from_millis(10)))
+        .deep_check_every(u32::MAX)
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.refresh_stats().probes < 30 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let s = c.refresh_stats();
+    assert_eq!(s.full_refreshes, 1, "only the initial one: {s:?}");
+    // The round that learns the baseline, then at most one per group of
+    // nodes whose shape is new.
+    assert!(s.checks <= 3, "{s:?}");
 }
 
 #[tokio::test]
