@@ -9,6 +9,20 @@ use railyard_redis::{ClusterClient, RedisError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+/// Waits until `done` holds for the client (at most 10 s; fails the test
+/// with the refresh counters otherwise).
+async fn until(c: &ClusterClient, done: impl Fn(&ClusterClient) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done(c) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "gave up waiting: {:?}",
+            c.refresh_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test]
 async fn commands_route_to_the_slot_owner() {
     let d = ClusterDouble::start(9, 1, None).await.unwrap();
@@ -107,15 +121,7 @@ async fn an_unchanged_cluster_costs_only_probes_and_checks() {
         .build()
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while c.refresh_stats().checks < 3 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{:?}",
-            c.refresh_stats()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until(&c, |c| c.refresh_stats().checks >= 3).await;
     let s = c.refresh_stats();
     // Two probes (CLUSTER INFO) for every deep check (CLUSTER NODES).
     assert!(s.probes >= 2 * (s.checks - 1), "{s:?}");
@@ -136,17 +142,9 @@ async fn a_probe_sees_a_new_epoch() {
         .build()
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     // Round 1 learns the baseline (a probe, then a deep check of the same
     // nodes); round 2 on are probes only.
-    while c.refresh_stats().probes < 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{:?}",
-            c.refresh_stats()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until(&c, |c| c.refresh_stats().probes >= 2).await;
     assert_eq!(c.refresh_stats().checks, 1, "{:?}", c.refresh_stats());
     let slot = key_slot(b"probed");
     let to = (0..3)
@@ -156,14 +154,10 @@ async fn a_probe_sees_a_new_epoch() {
     t.move_slots(slot, slot, to);
     // Only the new owner knows yet; its higher epoch wins the slot.
     d.apply(t, Some(&[to]));
-    while *c.table().shard(slot).unwrap().master != *d.addrs()[to] {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{:?}",
-            c.refresh_stats()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until(&c, |c| {
+        *c.table().shard(slot).unwrap().master == *d.addrs()[to]
+    })
+    .await;
     let s = c.refresh_stats();
     assert_eq!(s.checks, 1, "seen by a probe: {s:?}");
     assert_eq!(s.full_refreshes, 2, "{s:?}");
@@ -182,16 +176,8 @@ async fn a_deep_check_sees_what_a_probe_cannot() {
         .build()
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     // Past the first round, which learns the baseline with a deep check.
-    while c.refresh_stats().probes < 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{:?}",
-            c.refresh_stats()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until(&c, |c| c.refresh_stats().probes >= 2).await;
     let checks_before = c.refresh_stats().checks;
     let slot = key_slot(b"by-hand");
     let to = (0..3)
@@ -204,14 +190,10 @@ async fn a_deep_check_sees_what_a_probe_cannot() {
         n.epoch = e;
     }
     d.apply(t, None);
-    while *c.table().shard(slot).unwrap().master != *d.addrs()[to] {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{:?}",
-            c.refresh_stats()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until(&c, |c| {
+        *c.table().shard(slot).unwrap().master == *d.addrs()[to]
+    })
+    .await;
     let s = c.refresh_stats();
     assert!(
         s.checks > checks_before,
@@ -240,15 +222,7 @@ async fn a_lasting_disagreement_costs_no_full_refreshes() {
         .build()
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while c.refresh_stats().probes < 30 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{:?}",
-            c.refresh_stats()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until(&c, |c| c.refresh_stats().probes >= 30).await;
     let s = c.refresh_stats();
     assert_eq!(s.full_refreshes, 1, "only the initial one: {s:?}");
     // The round that learns the baseline, then at most one per group of
