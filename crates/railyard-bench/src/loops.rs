@@ -130,7 +130,13 @@ impl EventLoops {
                             // its dispatcher (railyard_bus::enable_loop_dispatch);
                             // `RAILYARD_LOOP_DISPATCH=0` keeps a task per consumer,
                             // for comparing the two.
-                            if dispatch {
+                            // A loop with an I/O driver also relays other
+                            // threads' wake-ups of its requesters through
+                            // the dispatcher (see
+                            // railyard_bus::enable_loop_dispatch_relaying_wakes).
+                            if dispatch && io {
+                                railyard_bus::enable_loop_dispatch_relaying_wakes();
+                            } else if dispatch {
                                 railyard_bus::enable_loop_dispatch();
                             }
                             stop_rx.await

@@ -40,7 +40,10 @@
 //! - [`ConsumerBuilder`], [`Consumer`], [`MessageStream`] (`consumer`): handler
 //!   tasks and streams that drain a queue in batches.
 //! - [`enable_loop_dispatch`] (`dispatch`): on an event loop, handler
-//!   consumers run by one dispatcher task per loop instead of a task each.
+//!   consumers run by one dispatcher task per loop instead of a task each;
+//!   [`enable_loop_dispatch_relaying_wakes`] also routes other threads'
+//!   wake-ups of the loop's requesters through it (for loops with an I/O
+//!   driver, whose own cross-thread wake-up is a system call).
 //! - [`Message`] (`message`): what a consumer gets, and `reply` / `fail` /
 //!   `reply_and_request`.
 //! - [`PendingReply`] (`reply`): a request's future; the reply travels
@@ -88,7 +91,7 @@ pub use body::Body;
 pub use bus::{EventBus, PublishReport};
 pub use codec::{BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec, StringCodec};
 pub use consumer::{Consumer, ConsumerBuilder, MessageStream};
-pub use dispatch::enable_loop_dispatch;
+pub use dispatch::{enable_loop_dispatch, enable_loop_dispatch_relaying_wakes};
 pub use error::{BusError, CodecError, FailureKind, SendError};
 pub use headers::Headers;
 pub use interceptor::{Interceptor, InterceptorId, MessageKind, Outbound, Verdict};

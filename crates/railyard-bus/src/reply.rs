@@ -8,7 +8,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -136,6 +136,9 @@ pub struct PendingReply<'a> {
     /// Armed on the first poll that has to wait, so replies that are already
     /// there never touch the timer (see `timeouts`).
     timer: Option<TimerKey>,
+    /// On a loop that relays wake-ups (`dispatch::relay_waker`): the task's
+    /// waker, and the relaying waker the reply wakes instead.
+    relay: Option<(Waker, Waker)>,
 }
 
 impl<'a> PendingReply<'a> {
@@ -191,7 +194,18 @@ impl<'a> PendingReply<'a> {
             deadline: start + timeout,
             timeout,
             timer: None,
+            relay: None,
         }
+    }
+
+    /// The waker the reply should wake: the task's own, or on a loop that
+    /// relays wake-ups, one made once per task waker that goes through the
+    /// loop's dispatcher.
+    fn reply_waker<'w>(relay: &'w mut Option<(Waker, Waker)>, task: &'w Waker) -> &'w Waker {
+        if !relay.as_ref().is_some_and(|(t, _)| t.will_wake(task)) {
+            *relay = crate::dispatch::relay_waker(task).map(|r| (task.clone(), r));
+        }
+        relay.as_ref().map_or(task, |(_, r)| r)
     }
 
     /// Whether the request is in a consumer's buffer (or already answered).
@@ -326,18 +340,22 @@ impl Future for PendingReply<'_> {
             return Poll::Pending;
         }
         match &mut this.state {
-            State::Waiting(rx) => match Pin::new(rx).poll(cx) {
-                Poll::Ready(Ok(result)) => this.complete(result),
-                Poll::Ready(Err(_)) => this.complete(Err(BusError::NoReply)),
-                Poll::Pending => {
-                    if this.poll_deadline(cx).is_ready() {
-                        return this.complete(Err(BusError::Timeout {
-                            after: this.timeout,
-                        }));
+            State::Waiting(rx) => {
+                let waker = Self::reply_waker(&mut this.relay, cx.waker());
+                let polled = Pin::new(rx).poll(&mut Context::from_waker(waker));
+                match polled {
+                    Poll::Ready(Ok(result)) => this.complete(result),
+                    Poll::Ready(Err(_)) => this.complete(Err(BusError::NoReply)),
+                    Poll::Pending => {
+                        if this.poll_deadline(cx).is_ready() {
+                            return this.complete(Err(BusError::Timeout {
+                                after: this.timeout,
+                            }));
+                        }
+                        Poll::Pending
                     }
-                    Poll::Pending
                 }
-            },
+            }
             State::Failed(e) => {
                 let e = e.take().unwrap_or(BusError::NoReply);
                 this.complete(Err(e))

@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use railyard_bus::{enable_loop_dispatch, BusError, Consumer, DeliveryOptions, EventBus};
+use railyard_bus::{
+    enable_loop_dispatch, enable_loop_dispatch_relaying_wakes, BusError, Consumer, DeliveryOptions,
+    EventBus,
+};
 
 /// One event loop: a thread driving a current-thread runtime.
 struct Loop {
@@ -17,20 +20,47 @@ struct Loop {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// How a loop runs its consumers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// A task per consumer.
+    Tasks,
+    /// `enable_loop_dispatch`.
+    Dispatch,
+    /// An I/O driver, and `enable_loop_dispatch_relaying_wakes`.
+    Relay,
+}
+
 impl Loop {
     fn start(name: &str, dispatch: bool) -> Self {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
+        Self::start_mode(
+            name,
+            if dispatch {
+                Mode::Dispatch
+            } else {
+                Mode::Tasks
+            },
+        )
+    }
+
+    fn start_mode(name: &str, mode: Mode) -> Self {
+        let mut b = tokio::runtime::Builder::new_current_thread();
+        if mode == Mode::Relay {
+            b.enable_all();
+        } else {
+            b.enable_time();
+        }
+        let rt = b.build().unwrap();
         let handle = rt.handle().clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
                 let _ = rt.block_on(async move {
-                    if dispatch {
-                        assert!(enable_loop_dispatch());
+                    match mode {
+                        Mode::Tasks => {}
+                        Mode::Dispatch => assert!(enable_loop_dispatch()),
+                        Mode::Relay => assert!(enable_loop_dispatch_relaying_wakes()),
                     }
                     stopped.await
                 });
@@ -188,15 +218,24 @@ fn a_full_consumer_on_another_loop_refuses_at_its_capacity_with(dispatch: bool) 
 
 #[test]
 fn requests_across_loops_each_get_their_own_reply() {
-    requests_across_loops_each_get_their_own_reply_with(false);
-    requests_across_loops_each_get_their_own_reply_with(true);
+    requests_across_loops_each_get_their_own_reply_with(Mode::Tasks, Mode::Tasks, 0);
+    requests_across_loops_each_get_their_own_reply_with(Mode::Dispatch, Mode::Dispatch, 0);
 }
 
-fn requests_across_loops_each_get_their_own_reply_with(dispatch: bool) {
-    let (a, b) = (
-        Loop::start("loop-a", dispatch),
-        Loop::start("loop-b", dispatch),
-    );
+/// The requesting loop relays replies' wake-ups through its dispatcher; with
+/// pauses, so that its dispatcher (which has no consumer of its own) keeps
+/// parking and every relayed wake-up must wake it; and with the answering
+/// loop relaying too, where a reply wakes its requester on the same loop.
+#[test]
+fn replies_relayed_through_the_requesting_loops_dispatcher_all_arrive() {
+    requests_across_loops_each_get_their_own_reply_with(Mode::Relay, Mode::Dispatch, 0);
+    requests_across_loops_each_get_their_own_reply_with(Mode::Relay, Mode::Dispatch, 500);
+    requests_across_loops_each_get_their_own_reply_with(Mode::Relay, Mode::Relay, 0);
+}
+
+/// `pause_us`: how long each requester sleeps after every 20th reply.
+fn requests_across_loops_each_get_their_own_reply_with(a: Mode, b: Mode, pause_us: u64) {
+    let (a, b) = (Loop::start_mode("loop-a", a), Loop::start_mode("loop-b", b));
     let bus = EventBus::new();
     let bb = bus.clone();
     let _doubler = b.run(async move {
@@ -220,6 +259,9 @@ fn requests_across_loops_each_get_their_own_reply_with(dispatch: bool) {
                     let reply = ba.request("double", v).await.unwrap();
                     if *reply.body::<u64>().unwrap() != v * 2 {
                         wrong += 1;
+                    }
+                    if pause_us > 0 && i % 20 == 19 {
+                        tokio::time::sleep(Duration::from_micros(pause_us)).await;
                     }
                 }
                 wrong
