@@ -322,19 +322,16 @@ impl Dispatcher {
             let mut r = self.remote.lock();
             self.has_remote.store(false, Ordering::Relaxed);
             r.parked = None;
-            // Safety: as above (`spare_wakes` is used like `local`).
-            let wakes = unsafe { &mut *self.spare_wakes.get() };
+            // Safety: as above (`spare` and `spare_wakes` are used like
+            // `local`).
+            let (spare, wakes) = unsafe { (&mut *self.spare.get(), &mut *self.spare_wakes.get()) };
+            std::mem::swap(&mut r.ready, spare);
             std::mem::swap(&mut r.wakes, wakes);
-            if !r.ready.is_empty() {
-                // Safety: as above (`spare` is used like `local`).
-                let spare = unsafe { &mut *self.spare.get() };
-                std::mem::swap(&mut r.ready, spare);
-                drop(r);
+            drop(r);
+            if !spare.is_empty() {
                 // Safety: as above.
                 unsafe { (*self.local.get()).extend(spare.drain(..)) };
                 any = true;
-            } else {
-                drop(r);
             }
             // On the owner thread these are local wake-ups.
             wakes.drain(..).for_each(Waker::wake);

@@ -417,17 +417,10 @@ fn dispatched_consumers_switching_to_tasks_lose_and_reorder_nothing() {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    assert_each_senders_order(&seen, SENDERS);
     let mut all = Vec::new();
     for s in seen.iter() {
-        let s = s.lock().unwrap();
-        for sender in 0..SENDERS {
-            let seqs: Vec<u64> = s.iter().filter(|p| p.0 == sender).map(|p| p.1).collect();
-            assert!(
-                seqs.windows(2).all(|w| w[0] < w[1]),
-                "sender {sender}'s messages reach a consumer in order"
-            );
-        }
-        all.extend(s.iter().copied());
+        all.extend(s.lock().unwrap().iter().copied());
     }
     all.sort_unstable();
     let expected: Vec<(u64, u64)> = (0..SENDERS)
@@ -502,19 +495,25 @@ fn many_threads_scheduling_one_loops_consumers_lose_no_wake_up() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(total(), THREADS * PER_THREAD, "every message was handled");
-    for v in seen.iter() {
-        let v = v.lock().unwrap();
-        for t in 0..THREADS {
-            let mine: Vec<u64> = v.iter().filter(|m| m.0 == t).map(|m| m.1).collect();
-            assert!(
-                mine.windows(2).all(|w| w[0] < w[1]),
-                "one sender's order kept"
-            );
-        }
-    }
+    assert_each_senders_order(&seen, THREADS);
     for c in &consumers {
         let s = c.stats();
         assert_eq!(s.received, s.delivered);
         assert_eq!(s.buffered, 0);
+    }
+}
+
+/// Each consumer's log of (sender, sequence) pairs holds every sender's
+/// messages in the order that sender sent them.
+fn assert_each_senders_order(seen: &[Mutex<Vec<(u64, u64)>>], senders: u64) {
+    for (c, log) in seen.iter().enumerate() {
+        let log = log.lock().unwrap();
+        for sender in 0..senders {
+            let seqs: Vec<u64> = log.iter().filter(|p| p.0 == sender).map(|p| p.1).collect();
+            assert!(
+                seqs.windows(2).all(|w| w[0] < w[1]),
+                "sender {sender}'s messages reach consumer {c} in order"
+            );
+        }
     }
 }

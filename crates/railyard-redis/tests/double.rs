@@ -9,6 +9,19 @@ use railyard_redis::{ClusterClient, RedisError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+/// A client of `d` with a periodic round every `period_ms`, a deep check
+/// every `deep_every`th round, and adaptive refresh off (so that only the
+/// periodic rounds refresh).
+async fn periodic_client(d: &ClusterDouble, period_ms: u64, deep_every: u32) -> ClusterClient {
+    ClusterClient::builder(d.addrs())
+        .refresh_period(Some(Duration::from_millis(period_ms)))
+        .deep_check_every(deep_every)
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap()
+}
+
 /// Waits until `done` holds for the client (at most 10 s; fails the test
 /// with the refresh counters otherwise).
 async fn until(c: &ClusterClient, done: impl Fn(&ClusterClient) -> bool) {
@@ -135,13 +148,7 @@ async fn an_unchanged_cluster_costs_only_probes_and_checks() {
 #[tokio::test]
 async fn a_probe_sees_a_new_epoch() {
     let d = ClusterDouble::start(3, 1, None).await.unwrap();
-    let c = ClusterClient::builder(d.addrs())
-        .refresh_period(Some(Duration::from_millis(20)))
-        .deep_check_every(u32::MAX)
-        .adaptive_refresh(false, Duration::from_secs(1))
-        .build()
-        .await
-        .unwrap();
+    let c = periodic_client(&d, 20, u32::MAX).await;
     // Round 1 learns the baseline (a probe, then a deep check of the same
     // nodes); round 2 on are probes only.
     until(&c, |c| c.refresh_stats().probes >= 2).await;
@@ -169,13 +176,7 @@ async fn a_probe_sees_a_new_epoch() {
 #[tokio::test]
 async fn a_deep_check_sees_what_a_probe_cannot() {
     let d = ClusterDouble::start(3, 1, None).await.unwrap();
-    let c = ClusterClient::builder(d.addrs())
-        .refresh_period(Some(Duration::from_millis(20)))
-        .deep_check_every(4)
-        .adaptive_refresh(false, Duration::from_secs(1))
-        .build()
-        .await
-        .unwrap();
+    let c = periodic_client(&d, 20, 4).await;
     // Past the first round, which learns the baseline with a deep check.
     until(&c, |c| c.refresh_stats().probes >= 2).await;
     let checks_before = c.refresh_stats().checks;
@@ -215,13 +216,7 @@ async fn a_lasting_disagreement_costs_no_full_refreshes() {
     extra.epoch = 1;
     t.nodes.push(extra);
     d.apply(t, Some(&[0, 2, 4]));
-    let c = ClusterClient::builder(d.addrs())
-        .refresh_period(Some(Duration::from_millis(10)))
-        .deep_check_every(u32::MAX)
-        .adaptive_refresh(false, Duration::from_secs(1))
-        .build()
-        .await
-        .unwrap();
+    let c = periodic_client(&d, 10, u32::MAX).await;
     until(&c, |c| c.refresh_stats().probes >= 30).await;
     let s = c.refresh_stats();
     assert_eq!(s.full_refreshes, 1, "only the initial one: {s:?}");
