@@ -153,8 +153,8 @@ thread_local! {
     /// freed by whichever thread dropped the reply slot last) and cloned the
     /// task's and the dispatcher's reference counts, about 6-8 % of a
     /// relayed round trip's CPU. A slot holds its task's waker, so a task
-    /// that has finished stays allocated until its slot is reused: at most
-    /// `RELAY_CACHE_SLOTS` tasks per loop.
+    /// that has finished stays allocated until its slot is reused or the
+    /// loop's dispatcher is dropped: at most `RELAY_CACHE_SLOTS` tasks per loop.
     static RELAY_CACHE: RefCell<Vec<Option<CachedRelay>>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -448,6 +448,13 @@ impl Drop for DispatchTask {
             // rather than a race).
             let nearby = unsafe { std::mem::take(&mut *self.0.nearby.get()) };
             drop(nearby);
+            // The relay cache is this dispatcher's: its entries (and the
+            // tasks they hold) go with it, not at the thread's exit.
+            let cached = RELAY_CACHE
+                .try_with(|c| c.try_borrow_mut().map(|mut c| std::mem::take(&mut *c)))
+                .ok()
+                .and_then(Result::ok);
+            drop(cached);
         }
     }
 }
@@ -725,11 +732,12 @@ mod tests {
 
     #[test]
     fn a_tasks_requests_share_one_relay_waker_and_each_task_has_its_own() {
-        loop_runtime().block_on(async {
-            let (c1, c2) = (
-                Arc::new(Counting(AtomicUsize::new(0))),
-                Arc::new(Counting(AtomicUsize::new(0))),
-            );
+        let (c1, c2) = (
+            Arc::new(Counting(AtomicUsize::new(0))),
+            Arc::new(Counting(AtomicUsize::new(0))),
+        );
+        let rt = loop_runtime();
+        rt.block_on(async {
             let (t1, t2) = (Waker::from(c1.clone()), Waker::from(c2.clone()));
             // Not relaying yet: the task's own waker.
             assert_eq!(with_reply_waker(&t1, |w| w.data()), t1.data());
@@ -748,6 +756,11 @@ mod tests {
             assert_eq!(c2.0.load(Ordering::SeqCst), 1);
             assert_eq!(c1.0.load(Ordering::SeqCst), 0);
         });
+        assert!(Arc::strong_count(&c1) > 1, "the cache holds the task");
+        // The loop's dispatcher goes with its runtime, and the cache with it.
+        drop(rt);
+        assert_eq!(Arc::strong_count(&c1), 1);
+        assert_eq!(Arc::strong_count(&c2), 1);
     }
 
     #[test]
