@@ -551,6 +551,10 @@ async fn omega_channel(endpoint: &str) -> Result<OmegaConn, SagaBenchError> {
     .map_err(|_| err("connect timed out".into()))?
     .map_err(|e| err(e.to_string()))?;
     let _ = tcp.set_nodelay(true);
+    // Requests of concurrent calls share socket writes, as grpc-java's
+    // (Omega's transport) do: it flushes its queue of pending writes once
+    // per batch, not once per call.
+    let tcp = railyard_saga::coalesce::Coalesced::new(tcp);
     let (send, conn) =
         hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
             .handshake(hyper_util::rt::TokioIo::new(tcp))

@@ -19,6 +19,7 @@
 //! - `omega`: the `TxEventService` gRPC service;
 //! - `native`: the `SagaCoordinator.Session` gRPC service;
 //! - [`api`]: the REST query API (axum router);
+//! - [`coalesce`]: fewer, larger socket writes on the gRPC connections;
 //! - `metrics`: Prometheus metrics;
 //! - [`config`]: the coordinator's settings, [`CoordinatorConfig`].
 //!
@@ -26,6 +27,7 @@
 //! services (and the REST API) on one listener.
 
 pub mod api;
+pub mod coalesce;
 pub mod config;
 mod dispatch;
 mod engine;
@@ -200,7 +202,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = tokio_stream::StreamExt::map(
+        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        |conn| conn.map(coalesce::Coalesced::new),
+    );
     let rest = api::router(coordinator.clone());
     let engine = coordinator.engine.clone();
     let shutdown = async move {
