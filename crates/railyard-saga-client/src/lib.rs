@@ -34,6 +34,9 @@
 //!   by the last ack can queue their next events; no timer ever holds an
 //!   event back), matches each `Ack` to its batch by `seq` and
 //!   wakes each event's waiter, runs `Compensate` commands, and reconnects.
+//! - `frame`: the frames the session sends; a batch's events are shared
+//!   between the frame and the batch kept for its ack (and resending), and
+//!   encoded to the same bytes as the generated `ClientFrame`.
 //! - [`Saga`] and [`Step`]: start, step (reports `TX_STARTED`, runs the
 //!   work, reports `TX_ENDED` or `TX_ABORTED`), end, abort.
 //! - [`Compensation`]: what a compensation handler gets; handlers are
@@ -73,6 +76,7 @@
 mod client;
 mod compensation;
 mod error;
+mod frame;
 mod saga;
 mod session;
 

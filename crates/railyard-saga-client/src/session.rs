@@ -12,19 +12,33 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use railyard_saga_proto::native::saga_coordinator_client::SagaCoordinatorClient;
 use railyard_saga_proto::native::{
-    client_frame, server_frame, Ack, ClientFrame, Compensate, EventBatch, EventType, Hello,
-    SagaEvent, ServerFrame,
+    client_frame, server_frame, Ack, ClientFrame, Compensate, EventType, Hello, SagaEvent,
+    ServerFrame,
 };
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::http::uri::PathAndQuery;
 use tonic::Streaming;
 
 use crate::client::{kind_name, now_ms, Outcome, Reporter, Settings, StatsCounters, Submit};
 use crate::compensation::{Compensation, Registry};
 use crate::error::{CompensationError, SagaError};
+use crate::frame::{OutCodec, OutFrame};
+
+/// A batch sent and not yet acknowledged: its events (shared with the
+/// frame, so sending costs no copy) and, in the same order, their waiters.
+struct Sent {
+    events: Arc<Vec<SagaEvent>>,
+    waiters: Vec<Waiter>,
+}
+
+/// Who waits for one event's answer, and its share of the in-flight budget.
+struct Waiter {
+    reply: oneshot::Sender<Result<Outcome, SagaError>>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
 
 /// How a session ended.
 enum End {
@@ -53,7 +67,7 @@ pub(crate) struct Session {
     /// puts unacknowledged batches back at the front).
     pending: VecDeque<Submit>,
     /// Sent batches by seq, waiting for their Ack.
-    unacked: BTreeMap<u64, Vec<Submit>>,
+    unacked: BTreeMap<u64, Sent>,
     /// Increases across sessions, so an ack can never match the wrong batch.
     next_seq: u64,
     /// False once every sender is gone: finish what is queued, then end.
@@ -104,7 +118,7 @@ impl Session {
                     } else {
                         tracing::info!(
                             endpoint = %self.settings.endpoint_text,
-                            resending = self.unacked.values().map(Vec::len).sum::<usize>() + self.pending.len(),
+                            resending = self.unacked.values().map(|b| b.waiters.len()).sum::<usize>() + self.pending.len(),
                             "saga session re-established"
                         );
                     }
@@ -161,18 +175,18 @@ impl Session {
         let err = e.unwrap_or_else(|| SagaError::Closed(self.reporter.closed.get().cloned()));
         let unacked = std::mem::take(&mut self.unacked);
         let queued = std::iter::from_fn(|| self.submit_rx.try_recv().ok()).collect::<Vec<_>>();
-        for s in unacked
+        let replies = unacked
             .into_values()
-            .flatten()
-            .chain(self.pending.drain(..))
-            .chain(queued)
-        {
-            let _ = s.reply.send(Err(err.clone()));
+            .flat_map(|b| b.waiters)
+            .map(|w| w.reply)
+            .chain(self.pending.drain(..).chain(queued).map(|s| s.reply));
+        for reply in replies {
+            let _ = reply.send(Err(err.clone()));
         }
     }
 
     /// Connects and opens the stream, with the Hello already queued.
-    async fn open(&mut self) -> Result<(mpsc::Sender<ClientFrame>, Streaming<ServerFrame>), End> {
+    async fn open(&mut self) -> Result<(mpsc::Sender<OutFrame>, Streaming<ServerFrame>), End> {
         let attempt = async {
             let channel = self
                 .settings
@@ -180,7 +194,7 @@ impl Session {
                 .connect()
                 .await
                 .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?;
-            let mut client = SagaCoordinatorClient::new(channel)
+            let mut grpc = tonic::client::Grpc::new(channel)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(64 << 20);
             // Capacity 1: the next batch is built only once the previous one
@@ -194,9 +208,18 @@ impl Session {
                 })),
             };
             // Cannot fail: the receiver is alive and the channel is empty.
-            let _ = out.try_send(hello);
-            let mut inbound = client
-                .session(ReceiverStream::new(rx))
+            let _ = out.try_send(OutFrame::Whole(hello));
+            // The generated client's `session`, with a codec that encodes
+            // batches from the events kept for resending (`frame`).
+            grpc.ready()
+                .await
+                .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?;
+            let mut request = tonic::Request::new(ReceiverStream::new(rx));
+            request
+                .extensions_mut()
+                .insert(tonic::GrpcMethod::new(SERVICE, "Session"));
+            let mut inbound = grpc
+                .streaming(request, PathAndQuery::from_static(SESSION_PATH), OutCodec)
                 .await
                 .map_err(classify)?
                 .into_inner();
@@ -238,11 +261,17 @@ impl Session {
     /// seq order, to be sent again on the next session.
     fn requeue_unacked(&mut self) {
         let unacked = std::mem::take(&mut self.unacked);
-        let n: usize = unacked.values().map(Vec::len).sum();
+        let n: usize = unacked.values().map(|b| b.waiters.len()).sum();
         self.stats.resent.fetch_add(n as u64, Ordering::Relaxed);
         for batch in unacked.into_values().rev() {
-            for s in batch.into_iter().rev() {
-                self.pending.push_front(s);
+            // The old session's frames are gone by now, so this is a move.
+            let events = Arc::unwrap_or_clone(batch.events);
+            for (event, w) in events.into_iter().zip(batch.waiters).rev() {
+                self.pending.push_front(Submit {
+                    event,
+                    reply: w.reply,
+                    _permit: w._permit,
+                });
             }
         }
     }
@@ -272,7 +301,7 @@ impl Session {
     /// Runs one open session until it ends.
     async fn serve(
         &mut self,
-        out: mpsc::Sender<ClientFrame>,
+        out: mpsc::Sender<OutFrame>,
         mut inbound: Streaming<ServerFrame>,
     ) -> End {
         let max_batch = self.settings.max_batch_events;
@@ -320,18 +349,30 @@ impl Session {
         }
     }
 
-    fn next_batch(&mut self) -> ClientFrame {
+    fn next_batch(&mut self) -> OutFrame {
         let n = self.pending.len().min(self.settings.max_batch_events);
-        let subs: Vec<Submit> = self.pending.drain(..n).collect();
-        let events = subs.iter().map(|s| s.event.clone()).collect();
+        let mut events = Vec::with_capacity(n);
+        let mut waiters = Vec::with_capacity(n);
+        for s in self.pending.drain(..n) {
+            events.push(s.event);
+            waiters.push(Waiter {
+                reply: s.reply,
+                _permit: s._permit,
+            });
+        }
+        let events = Arc::new(events);
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.unacked.insert(seq, subs);
+        self.unacked.insert(
+            seq,
+            Sent {
+                events: events.clone(),
+                waiters,
+            },
+        );
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         self.stats.events.fetch_add(n as u64, Ordering::Relaxed);
-        ClientFrame {
-            kind: Some(client_frame::Kind::Events(EventBatch { seq, events })),
-        }
+        OutFrame::Batch { seq, events }
     }
 
     fn on_frame(&mut self, frame: ServerFrame) {
@@ -349,32 +390,28 @@ impl Session {
     }
 
     fn on_ack(&mut self, ack: Ack) {
-        let Some(subs) = self.unacked.remove(&ack.seq) else {
+        let Some(Sent { events, waiters }) = self.unacked.remove(&ack.seq) else {
             tracing::warn!(seq = ack.seq, "ack for no outstanding batch, ignored");
             return;
         };
         self.stats
             .acked
-            .fetch_add(subs.len() as u64, Ordering::Relaxed);
-        if ack.results.len() != subs.len() {
+            .fetch_add(waiters.len() as u64, Ordering::Relaxed);
+        if ack.results.len() != waiters.len() {
             let e = SagaError::Protocol(format!(
                 "ack {} has {} results for {} events",
                 ack.seq,
                 ack.results.len(),
-                subs.len()
+                waiters.len()
             ));
             tracing::error!(error = %e, "bad ack");
-            for s in subs {
-                let _ = s.reply.send(Err(e.clone()));
+            for w in waiters {
+                let _ = w.reply.send(Err(e.clone()));
             }
             return;
         }
-        for (s, r) in subs.into_iter().zip(ack.results) {
-            let Submit {
-                event,
-                reply,
-                _permit,
-            } = s;
+        for ((w, r), event) in waiters.into_iter().zip(ack.results).zip(events.iter()) {
+            let Waiter { reply, _permit } = w;
             // Room first, so a caller woken by the answer sees it.
             drop(_permit);
             let answer = if r.error.is_empty() {
@@ -382,7 +419,7 @@ impl Session {
             } else {
                 Err(SagaError::Rejected {
                     kind: kind_name(event.r#type),
-                    global_tx_id: event.global_tx_id,
+                    global_tx_id: event.global_tx_id.clone(),
                     message: r.error,
                 })
             };
@@ -447,6 +484,11 @@ impl Session {
         });
     }
 }
+
+/// The native service, as the generated client names it.
+const SERVICE: &str = "railyard.saga.v1.SagaCoordinator";
+/// `SagaCoordinator.Session`'s path.
+const SESSION_PATH: &str = "/railyard.saga.v1.SagaCoordinator/Session";
 
 /// Whether a failed call is worth retrying.
 fn classify(status: tonic::Status) -> End {

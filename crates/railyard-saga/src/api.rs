@@ -167,8 +167,8 @@ impl From<EventRecord> for TimelineEvent {
             kind: e.kind.map_or("", |k| k.as_str()),
             local_tx_id: e.local_tx_id,
             parent_tx_id: e.parent_tx_id,
-            service_name: e.service_name,
-            instance_id: e.instance_id,
+            service_name: e.service_name.to_string(),
+            instance_id: e.instance_id.to_string(),
             timestamp_ms: e.timestamp_ms,
             payload_bytes: e.payloads.len(),
         }

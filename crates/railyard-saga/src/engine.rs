@@ -78,7 +78,7 @@ pub fn validate(ev: &EventRecord) -> Result<(), InvalidEvent> {
         return Err(InvalidEvent::Reserved(kind.as_str()));
     }
     for (name, v) in [
-        ("globalTxId", &ev.global_tx_id),
+        ("globalTxId", ev.global_tx_id.as_str()),
         ("localTxId", &ev.local_tx_id),
         ("parentTxId", &ev.parent_tx_id),
         ("serviceName", &ev.service_name),
@@ -735,8 +735,8 @@ fn view_of(saga: &Saga) -> SagaView {
             .map(|s| SubView {
                 local_tx_id: s.local_tx_id.clone(),
                 parent_tx_id: s.parent_tx_id.clone(),
-                service_name: s.service_name.clone(),
-                instance_id: s.instance_id.clone(),
+                service_name: s.service_name.to_string(),
+                instance_id: s.instance_id.to_string(),
                 state: s.state,
                 attempts: s.attempts,
                 compensation_method: s.compensation_method.clone(),

@@ -1,5 +1,7 @@
 //! The saga event as recorded: one struct for both protocols.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 /// What happened. Names and strings are ServiceComb Pack's (`type` in
@@ -106,10 +108,11 @@ pub struct EventRecord {
     pub parent_tx_id: String,
     /// What happened; `None` only in `Default`.
     pub kind: Option<EventKind>,
-    /// The reporting service.
-    pub service_name: String,
-    /// The reporting instance of that service.
-    pub instance_id: String,
+    /// The reporting service (shared: every event of a session, and the
+    /// sagas and sub-transactions it creates, point at one copy).
+    pub service_name: Arc<str>,
+    /// The reporting instance of that service (shared likewise).
+    pub instance_id: Arc<str>,
     /// The compensation method, opaque, sent back verbatim.
     pub compensation_method: String,
     /// The sub-transaction's arguments, opaque, sent back byte for byte.

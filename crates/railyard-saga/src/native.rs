@@ -76,8 +76,8 @@ fn ceil_secs(ms: u32) -> i32 {
 /// [`InvalidEvent::UnknownType`] for an unspecified or unknown type.
 pub fn from_native(
     e: SagaEvent,
-    service: &str,
-    instance: &str,
+    service: &Arc<str>,
+    instance: &Arc<str>,
 ) -> Result<EventRecord, InvalidEvent> {
     let kind = kind_of(e.r#type)?;
     Ok(EventRecord {
@@ -85,8 +85,8 @@ pub fn from_native(
         local_tx_id: e.local_tx_id,
         parent_tx_id: e.parent_tx_id,
         kind: Some(kind),
-        service_name: service.to_owned(),
-        instance_id: instance.to_owned(),
+        service_name: service.clone(),
+        instance_id: instance.clone(),
         compensation_method: e.compensation_method,
         payloads: Bytes::from(e.payloads),
         timestamp_ms: e.timestamp_ms,

@@ -86,8 +86,8 @@ pub(crate) struct Policy {
 pub(crate) struct Sub {
     pub(crate) local_tx_id: String,
     pub(crate) parent_tx_id: String,
-    pub(crate) service_name: String,
-    pub(crate) instance_id: String,
+    pub(crate) service_name: Arc<str>,
+    pub(crate) instance_id: Arc<str>,
     pub(crate) compensation_method: String,
     pub(crate) payloads: Bytes,
     /// Whether its `TxStarted` was seen (method and payloads known).
@@ -153,8 +153,8 @@ pub(crate) struct DriveStats {
 #[derive(Debug)]
 pub(crate) struct Saga {
     pub(crate) global_tx_id: Arc<str>,
-    pub(crate) service_name: String,
-    pub(crate) instance_id: String,
+    pub(crate) service_name: Arc<str>,
+    pub(crate) instance_id: Arc<str>,
     pub(crate) state: SagaState,
     /// `SagaStarted` seen (an implicit saga was created by a later event).
     pub(crate) saga_started: bool,
@@ -293,8 +293,8 @@ impl Saga {
             EventKind::SagaStarted => {
                 if !self.saga_started {
                     self.saga_started = true;
-                    self.service_name.clone_from(&ev.service_name);
-                    self.instance_id.clone_from(&ev.instance_id);
+                    self.service_name = ev.service_name.clone();
+                    self.instance_id = ev.instance_id.clone();
                     self.started_ms = ev.timestamp_ms;
                     self.timeout_s = ev.timeout_s;
                     if self.state == SagaState::Running && ev.timeout_s > 0 {
@@ -322,8 +322,8 @@ impl Saga {
                         sub.compensation_method.clone_from(&ev.compensation_method);
                         sub.payloads = ev.payloads.clone();
                         sub.parent_tx_id.clone_from(&ev.parent_tx_id);
-                        sub.service_name.clone_from(&ev.service_name);
-                        sub.instance_id.clone_from(&ev.instance_id);
+                        sub.service_name = ev.service_name.clone();
+                        sub.instance_id = ev.instance_id.clone();
                         sub.reverse_retries = ev.reverse_retries;
                         sub.reverse_timeout_s = ev.reverse_timeout_s;
                         sub.retry_delay_ms = ev.retry_delay_ms;
@@ -616,7 +616,8 @@ impl Saga {
         stats: &mut DriveStats,
     ) {
         if let Some(c) = self.current {
-            if matches!(c.phase, Phase::NoInstance(_)) && self.subs[c.sub].service_name == service {
+            if matches!(c.phase, Phase::NoInstance(_)) && &*self.subs[c.sub].service_name == service
+            {
                 self.drive(now, route, policy, stats);
             }
         }
@@ -644,8 +645,8 @@ impl Saga {
     /// The summary kept for queries and by the store once finished.
     pub(crate) fn summary(&self, finished_ms: i64) -> SagaSummary {
         SagaSummary {
-            global_tx_id: self.global_tx_id.to_string(),
-            service_name: self.service_name.clone(),
+            global_tx_id: String::from(&*self.global_tx_id),
+            service_name: String::from(&*self.service_name),
             state: self.state,
             started_ms: self.started_ms,
             finished_ms: if self.state.is_terminal() {

@@ -18,7 +18,7 @@ fn rec(kind: EventKind, gid: &str, lid: &str, service: &str, ts: i64) -> EventRe
         local_tx_id: lid.into(),
         kind: Some(kind),
         service_name: service.into(),
-        instance_id: format!("{service}-1"),
+        instance_id: format!("{service}-1").into(),
         timestamp_ms: ts,
         compensation_method: "undo".into(),
         payloads: Bytes::from_static(b"p"),

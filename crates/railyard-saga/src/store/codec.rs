@@ -57,7 +57,7 @@ pub(crate) fn encode_into<'a>(
     for e in events {
         out.push(e.kind.map_or(u8::MAX, EventKind::code));
         for s in [
-            &e.local_tx_id,
+            e.local_tx_id.as_str(),
             &e.parent_tx_id,
             &e.service_name,
             &e.instance_id,
@@ -177,8 +177,8 @@ pub(crate) fn decode(
             local_tx_id,
             parent_tx_id,
             kind: Some(kind),
-            service_name,
-            instance_id,
+            service_name: service_name.into(),
+            instance_id: instance_id.into(),
             compensation_method,
             payloads,
             timestamp_ms,
@@ -233,7 +233,7 @@ mod tests {
                 parent_tx_id: "p".into(),
                 kind: Some(EventKind::ALL[i]),
                 service_name: "svc é".into(),
-                instance_id: "i".repeat(200),
+                instance_id: "i".repeat(200).into(),
                 compensation_method: "m".into(),
                 payloads: Bytes::from(vec![0, 255, i as u8]),
                 timestamp_ms: -5,

@@ -621,7 +621,7 @@ impl PostgresStore {
 /// Whether a text field holds `\0` (PostgreSQL's `text` cannot).
 fn has_nul(e: &EventRecord) -> bool {
     [
-        &e.global_tx_id,
+        e.global_tx_id.as_str(),
         &e.local_tx_id,
         &e.parent_tx_id,
         &e.service_name,
