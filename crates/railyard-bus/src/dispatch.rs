@@ -104,6 +104,8 @@ pub fn enable_loop_dispatch() -> bool {
     let dispatcher = Arc::new(Dispatcher::new());
     handle.spawn(DispatchTask(dispatcher.clone()));
     THIS_LOOP.with(|d| *d.borrow_mut() = Some(dispatcher));
+    // Relays made for an earlier dispatcher of this thread would go through it.
+    drop(take_relay_cache());
     true
 }
 
@@ -142,20 +144,43 @@ struct CachedRelay {
     task: Waker,
     /// The waker that relays other threads' wake-ups of it.
     relay: Waker,
-    /// The dispatcher `relay` goes through: an entry made for an earlier
-    /// dispatcher of this thread is stale.
+}
+
+/// A relaying loop's relay wakers, all made for one dispatcher.
+struct RelayCache {
+    /// Their dispatcher (null while empty): set by the first miss, and the
+    /// cache is emptied when that dispatcher is dropped or replaced, so the
+    /// hit path needs no look at the dispatcher itself (whose lines the
+    /// other threads keep writing).
     dispatcher: *const Dispatcher,
+    /// Direct-mapped by the task waker's address ([`relay_slot`]).
+    slots: Vec<Option<CachedRelay>>,
 }
 
 thread_local! {
-    /// This loop's relay wakers, direct-mapped by the task waker's address.
-    /// Without it every request made an `Arc` of its own (allocated here,
-    /// freed by whichever thread dropped the reply slot last) and cloned the
-    /// task's and the dispatcher's reference counts, about 6-8 % of a
-    /// relayed round trip's CPU. A slot holds its task's waker, so a task
-    /// that has finished stays allocated until its slot is reused or the
-    /// loop's dispatcher is dropped: at most `RELAY_CACHE_SLOTS` tasks per loop.
-    static RELAY_CACHE: RefCell<Vec<Option<CachedRelay>>> = const { RefCell::new(Vec::new()) };
+    /// This loop's relay wakers. Without it every request made an `Arc` of
+    /// its own (allocated here, freed by whichever thread dropped the reply
+    /// slot last) and cloned the task's and the dispatcher's reference
+    /// counts. A slot holds its task's waker, so a task that has finished
+    /// stays allocated until its slot is reused or the loop's dispatcher is
+    /// dropped: at most `RELAY_CACHE_SLOTS` tasks per loop.
+    static RELAY_CACHE: RefCell<RelayCache> = const {
+        RefCell::new(RelayCache { dispatcher: std::ptr::null(), slots: Vec::new() })
+    };
+}
+
+/// Empties this thread's relay cache; its entries are dropped by the caller,
+/// outside the borrow (a waker's drop may run arbitrary code).
+fn take_relay_cache() -> Option<Vec<Option<CachedRelay>>> {
+    RELAY_CACHE
+        .try_with(|c| {
+            c.try_borrow_mut().ok().map(|mut c| {
+                c.dispatcher = std::ptr::null();
+                std::mem::take(&mut c.slots)
+            })
+        })
+        .ok()
+        .flatten()
 }
 
 /// Calls `f` with the waker a reply should wake for `task`, a task of this
@@ -170,34 +195,37 @@ pub(crate) fn with_reply_waker<R>(task: &Waker, f: impl FnOnce(&Waker) -> R) -> 
     if !RELAYS.with(Cell::get) {
         return f(task);
     }
-    let Some(dispatcher) = this_loop_ptr() else {
-        return f(task);
-    };
     RELAY_CACHE.with(|cache| {
         let mut cache = cache.borrow_mut();
-        if cache.is_empty() {
-            cache.resize_with(RELAY_CACHE_SLOTS, || None);
-        }
-        let slot = &mut cache[relay_slot(task)];
-        let hit = slot
-            .as_ref()
-            .is_some_and(|c| std::ptr::eq(c.dispatcher, dispatcher) && c.task.will_wake(task));
+        let cache = &mut *cache;
+        let index = relay_slot(task);
+        let hit = !cache.dispatcher.is_null()
+            && cache.slots[index]
+                .as_ref()
+                .is_some_and(|c| c.task.will_wake(task));
         if !hit {
             let Some(d) = this_loop() else {
                 return f(task);
             };
+            if !std::ptr::eq(cache.dispatcher, Arc::as_ptr(&d)) {
+                // First use, or a cache left by an earlier dispatcher.
+                cache.slots.clear();
+                cache.slots.resize_with(RELAY_CACHE_SLOTS, || None);
+                cache.dispatcher = Arc::as_ptr(&d);
+            }
             let relay = Waker::from(Arc::new(Relay {
                 dispatcher: d,
                 real: task.clone(),
                 owner: thread_mark(),
             }));
-            *slot = Some(CachedRelay {
+            cache.slots[index] = Some(CachedRelay {
                 task: task.clone(),
                 relay,
-                dispatcher,
             });
         }
-        let cached = slot.as_ref().expect("the slot was just filled");
+        let cached = cache.slots[index]
+            .as_ref()
+            .expect("the slot was just filled");
         f(&cached.relay)
     })
 }
@@ -208,17 +236,6 @@ fn relay_slot(task: &Waker) -> usize {
     let h = addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RELAY_CACHE_SLOTS.trailing_zeros());
     // The shift leaves log2(RELAY_CACHE_SLOTS) bits: always an index.
     usize::try_from(h).unwrap_or(0)
-}
-
-/// The address of this thread's live dispatcher, without touching its
-/// reference count.
-fn this_loop_ptr() -> Option<*const Dispatcher> {
-    THIS_LOOP.with(|d| {
-        d.borrow()
-            .as_ref()
-            .filter(|d| d.alive.load(Ordering::Acquire))
-            .map(Arc::as_ptr)
-    })
 }
 
 /// See [`with_reply_waker`].
@@ -450,11 +467,7 @@ impl Drop for DispatchTask {
             drop(nearby);
             // The relay cache is this dispatcher's: its entries (and the
             // tasks they hold) go with it, not at the thread's exit.
-            let cached = RELAY_CACHE
-                .try_with(|c| c.try_borrow_mut().map(|mut c| std::mem::take(&mut *c)))
-                .ok()
-                .and_then(Result::ok);
-            drop(cached);
+            drop(take_relay_cache());
         }
     }
 }
