@@ -199,10 +199,11 @@ pub(crate) fn with_reply_waker<R>(task: &Waker, f: impl FnOnce(&Waker) -> R) -> 
         let mut cache = cache.borrow_mut();
         let cache = &mut *cache;
         let index = relay_slot(task);
-        let hit = !cache.dispatcher.is_null()
-            && cache.slots[index]
-                .as_ref()
-                .is_some_and(|c| c.task.will_wake(task));
+        let hit = cache
+            .slots
+            .get(index)
+            .and_then(Option::as_ref)
+            .is_some_and(|c| c.task.will_wake(task));
         if !hit {
             let Some(d) = this_loop() else {
                 return f(task);

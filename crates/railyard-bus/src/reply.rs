@@ -279,10 +279,10 @@ impl<'a> PendingReply<'a> {
         let timeouts = &self.shared.timeouts;
         match self.timer {
             None => {
-                // No clock read here (it was about a tenth of a cross-loop
-                // round trip's CPU with the one in `request`): a deadline
-                // that has already passed fires at the next sweep, at most
-                // one tick late, like any other.
+                // No clock read here (with the one in `request`, the clock
+                // was 5-7.5 % of a send-reply run's CPU): a deadline that has
+                // already passed fires at the next sweep, at most one tick
+                // late, like any other.
                 self.timer = Some(timeouts.arm(self.deadline, cx.waker()));
                 Poll::Pending
             }

@@ -323,10 +323,16 @@ pub struct ClientStats {
     pub in_flight: u64,
 }
 
-/// One event on its way: the event, who waits for its ack, and its share of
-/// the in-flight budget (returned when this is dropped).
+/// One event on its way: the event, and who waits for its ack.
 pub(crate) struct Submit {
     pub(crate) event: SagaEvent,
+    pub(crate) waiter: Waiter,
+}
+
+/// Who waits for one event's answer, and its share of the in-flight budget
+/// (returned when this is dropped). Kept apart from the event once it is
+/// sent, the events being shared with the frame.
+pub(crate) struct Waiter {
     pub(crate) reply: oneshot::Sender<Result<Outcome, SagaError>>,
     pub(crate) _permit: OwnedSemaphorePermit,
 }
@@ -369,8 +375,10 @@ impl Reporter {
         self.tx
             .send(Submit {
                 event,
-                reply,
-                _permit: permit,
+                waiter: Waiter {
+                    reply,
+                    _permit: permit,
+                },
             })
             .await
             .map_err(|_| self.closed_error())?;

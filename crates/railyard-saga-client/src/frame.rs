@@ -13,7 +13,7 @@ use std::sync::Arc;
 use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, message, WireType};
 use prost::Message;
 use railyard_saga_proto::native::{ClientFrame, SagaEvent, ServerFrame};
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codec::{Codec, EncodeBuf, Encoder};
 use tonic::Status;
 
 /// `ClientFrame.events` (the `EventBatch` of the `kind` oneof).
@@ -59,7 +59,7 @@ fn encode_batch(seq: u64, events: &[SagaEvent], buf: &mut impl bytes::BufMut) {
     }
 }
 
-/// Encodes [`OutFrame`]s, decodes `ServerFrame`s with prost.
+/// Encodes [`OutFrame`]s; decodes `ServerFrame`s with prost's decoder.
 #[derive(Debug, Default)]
 pub(crate) struct OutCodec;
 
@@ -90,27 +90,14 @@ impl Codec for OutCodec {
     type Encode = OutFrame;
     type Decode = ServerFrame;
     type Encoder = OutEncoder;
-    type Decoder = ServerDecoder;
+    type Decoder = tonic_prost::ProstDecoder<ServerFrame>;
 
     fn encoder(&mut self) -> OutEncoder {
         OutEncoder
     }
 
-    fn decoder(&mut self) -> ServerDecoder {
-        ServerDecoder(tonic_prost::ProstDecoder::default())
-    }
-}
-
-/// The decoding half of [`OutCodec`]: prost's.
-#[derive(Debug)]
-pub(crate) struct ServerDecoder(tonic_prost::ProstDecoder<ServerFrame>);
-
-impl Decoder for ServerDecoder {
-    type Item = ServerFrame;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<ServerFrame>, Status> {
-        self.0.decode(buf)
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::default()
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
+use railyard_saga_proto::native::saga_coordinator_server;
 use railyard_saga_proto::native::{
     client_frame, server_frame, Ack, ClientFrame, Compensate, EventType, Hello, SagaEvent,
     ServerFrame,
@@ -22,7 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::Streaming;
 
-use crate::client::{kind_name, now_ms, Outcome, Reporter, Settings, StatsCounters, Submit};
+use crate::client::{
+    kind_name, now_ms, Outcome, Reporter, Settings, StatsCounters, Submit, Waiter,
+};
 use crate::compensation::{Compensation, Registry};
 use crate::error::{CompensationError, SagaError};
 use crate::frame::{OutCodec, OutFrame};
@@ -32,12 +35,6 @@ use crate::frame::{OutCodec, OutFrame};
 struct Sent {
     events: Arc<Vec<SagaEvent>>,
     waiters: Vec<Waiter>,
-}
-
-/// Who waits for one event's answer, and its share of the in-flight budget.
-struct Waiter {
-    reply: oneshot::Sender<Result<Outcome, SagaError>>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// How a session ended.
@@ -179,7 +176,7 @@ impl Session {
             .into_values()
             .flat_map(|b| b.waiters)
             .map(|w| w.reply)
-            .chain(self.pending.drain(..).chain(queued).map(|s| s.reply));
+            .chain(self.pending.drain(..).chain(queued).map(|s| s.waiter.reply));
         for reply in replies {
             let _ = reply.send(Err(err.clone()));
         }
@@ -215,9 +212,10 @@ impl Session {
                 .await
                 .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?;
             let mut request = tonic::Request::new(ReceiverStream::new(rx));
-            request
-                .extensions_mut()
-                .insert(tonic::GrpcMethod::new(SERVICE, "Session"));
+            request.extensions_mut().insert(tonic::GrpcMethod::new(
+                saga_coordinator_server::SERVICE_NAME,
+                "Session",
+            ));
             let mut inbound = grpc
                 .streaming(request, PathAndQuery::from_static(SESSION_PATH), OutCodec)
                 .await
@@ -267,11 +265,7 @@ impl Session {
             // The old session's frames are gone by now, so this is a move.
             let events = Arc::unwrap_or_clone(batch.events);
             for (event, w) in events.into_iter().zip(batch.waiters).rev() {
-                self.pending.push_front(Submit {
-                    event,
-                    reply: w.reply,
-                    _permit: w._permit,
-                });
+                self.pending.push_front(Submit { event, waiter: w });
             }
         }
     }
@@ -289,7 +283,7 @@ impl Session {
                     None => {
                         self.accepting = false;
                         // Nobody is left to hear about what is queued.
-                        if self.pending.iter().all(|s| s.reply.is_closed()) {
+                        if self.pending.iter().all(|s| s.waiter.reply.is_closed()) {
                             return false;
                         }
                     }
@@ -355,10 +349,7 @@ impl Session {
         let mut waiters = Vec::with_capacity(n);
         for s in self.pending.drain(..n) {
             events.push(s.event);
-            waiters.push(Waiter {
-                reply: s.reply,
-                _permit: s._permit,
-            });
+            waiters.push(s.waiter);
         }
         let events = Arc::new(events);
         let seq = self.next_seq;
@@ -485,8 +476,6 @@ impl Session {
     }
 }
 
-/// The native service, as the generated client names it.
-const SERVICE: &str = "railyard.saga.v1.SagaCoordinator";
 /// `SagaCoordinator.Session`'s path.
 const SESSION_PATH: &str = "/railyard.saga.v1.SagaCoordinator/Session";
 

@@ -11,7 +11,8 @@
 //!
 //! [`Coalesced`] lets the other ready tasks run first: the first write of a
 //! flush cycle yields once (`tokio::task::yield_now` semantics: the task
-//! runs again after the tasks already queued), so the answers those tasks
+//! runs again after the tasks already queued, or at the worker's next
+//! maintenance), so the answers those tasks
 //! produce go out in the same write. The cost is one extra poll of the
 //! connection's task per cycle; the latency, one turn of the scheduler.
 //! Writes after the first of a cycle, and reads, pass straight through.
@@ -56,14 +57,11 @@ impl<T> Coalesced<T> {
             return Poll::Ready(());
         }
         self.yield_first = false;
-        // `yield_now` defers the wake-up until the tasks already queued
-        // have run (outside a runtime it wakes at once); dropping it after
-        // its first poll keeps that wake-up.
-        let mut turn = std::pin::pin!(tokio::task::yield_now());
-        match turn.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(()),
-            Poll::Pending => Poll::Pending,
-        }
+        // `yield_now` defers the wake-up until the worker has run the tasks
+        // already queued or does its periodic maintenance (outside a runtime
+        // it wakes at once); dropping it after its first poll keeps that
+        // wake-up.
+        std::pin::pin!(tokio::task::yield_now()).poll(cx)
     }
 }
 
