@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hdrhistogram::Histogram;
-use railyard_saga_client::{SagaClient, Step, StepError};
+use railyard_saga_client::{Connection, SagaClient, Step, StepError};
 use railyard_saga_proto::omega::tx_event_service_client::TxEventServiceClient;
 use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 use serde::{Deserialize, Serialize};
@@ -844,10 +844,14 @@ async fn run_native(
     // clients[k][0] is the starter, clients[k][1..] the three services.
     let mut clients: Vec<Vec<SagaClient>> = Vec::with_capacity(cfg.channels);
     for k in 0..cfg.channels {
+        // One connection per simulated process, shared by its four service
+        // instances, as the Omega load's processes share theirs.
+        let conn = Connection::open(endpoint).await?;
         let mut row = Vec::with_capacity(SERVICES + 1);
         row.push(
             SagaClient::builder(endpoint, STARTER)
                 .instance_id(instance_id(STARTER, k))
+                .connection(&conn)
                 .max_batches_in_flight(bif)
                 .connect()
                 .await?,
@@ -858,6 +862,7 @@ async fn run_native(
             row.push(
                 SagaClient::builder(endpoint, name.clone())
                     .instance_id(instance_id(&name, k))
+                    .connection(&conn)
                     .max_batches_in_flight(bif)
                     .compensation(compensation_method(s), move |cmd| {
                         c.commands.fetch_add(1, Ordering::Relaxed);

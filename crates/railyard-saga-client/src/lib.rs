@@ -80,7 +80,7 @@ mod frame;
 mod saga;
 mod session;
 
-pub use client::{ClientBuilder, ClientStats, SagaClient};
+pub use client::{ClientBuilder, ClientStats, Connection, SagaClient};
 pub use compensation::Compensation;
 pub use error::{CompensationError, EventKindName, SagaError, StepError};
 pub use railyard_saga_proto::native::{EventType, SagaEvent};

@@ -185,12 +185,15 @@ impl Session {
     /// Connects and opens the stream, with the Hello already queued.
     async fn open(&mut self) -> Result<(mpsc::Sender<OutFrame>, Streaming<ServerFrame>), End> {
         let attempt = async {
-            let channel = self
-                .settings
-                .endpoint
-                .connect()
-                .await
-                .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?;
+            let channel = match &self.settings.shared {
+                Some(shared) => shared.clone(),
+                None => self
+                    .settings
+                    .endpoint
+                    .connect()
+                    .await
+                    .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?,
+            };
             let mut grpc = tonic::client::Grpc::new(channel)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(64 << 20);
@@ -496,7 +499,7 @@ fn classify(status: tonic::Status) -> End {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

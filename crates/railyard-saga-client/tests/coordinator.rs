@@ -1,13 +1,13 @@
 //! The SDK against a real coordinator (`railyard-saga`, in-memory store) on
 //! loopback: commit, compensation in reverse order with payloads handed back,
-//! batching, back-pressure, refusal, and reconnection across a coordinator
-//! crash and restart.
+//! batching, back-pressure, refusal, reconnection across a coordinator
+//! crash and restart, and clients sharing one connection.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use railyard_saga::{serve, Coordinator, CoordinatorConfig, MemoryStore, SagaState, SagaStore};
-use railyard_saga_client::{CompensationError, SagaClient, SagaError, Step, StepError};
+use railyard_saga_client::{CompensationError, Connection, SagaClient, SagaError, Step, StepError};
 
 /// A coordinator on its own runtime (so a test can crash it: dropping the
 /// runtime closes every connection at once, as a killed process would).
@@ -332,4 +332,65 @@ async fn events_survive_a_coordinator_crash_and_are_resent_after_reconnecting() 
     let s = client.stats();
     assert!(s.sessions >= 2, "{s:?}");
     assert_eq!(s.in_flight, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_crash() {
+    let store: Arc<dyn SagaStore> = Arc::new(MemoryStore::new());
+    let node = Node::start(store.clone(), fast_config(), 0).await;
+    let conn = Connection::open(node.endpoint.clone()).await.expect("open");
+    let client = |service: &str| {
+        SagaClient::builder(node.endpoint.clone(), service)
+            .connection(&conn)
+            .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .connect()
+    };
+    let front = client("front").await.expect("connect front");
+    let stock = client("stock").await.expect("connect stock");
+    // Both sessions work over the one connection: a saga across them commits.
+    let saga = front.start_saga(None).await.expect("start");
+    stock
+        .join_saga(saga.id())
+        .step(Step::new("release").local_id("s1"), async {
+            Ok::<_, Boom>(())
+        })
+        .await
+        .expect("stock step");
+    saga.end().await.expect("end");
+    node.wait_state(saga.id(), SagaState::Committed).await;
+    // The connection breaks: events reported meanwhile by both clients are
+    // sent again once it is back.
+    let port = node.crash();
+    let second = {
+        let (front, stock) = (front.clone(), stock.clone());
+        tokio::spawn(async move {
+            let saga = front.start_saga(None).await.map_err(|e| e.to_string())?;
+            stock
+                .join_saga(saga.id())
+                .step(Step::new("release").local_id("s2"), async {
+                    Ok::<_, Boom>(())
+                })
+                .await
+                .map_err(|e| format!("{e:?}"))?;
+            saga.end().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(saga.id().to_owned())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "nothing is acknowledged while the coordinator is down"
+    );
+    let node = Node::start(store, fast_config(), port).await;
+    let id = tokio::time::timeout(Duration::from_secs(20), second)
+        .await
+        .expect("acknowledged after the restart")
+        .expect("task")
+        .expect("saga finished");
+    node.wait_state(&id, SagaState::Committed).await;
+    for c in [&front, &stock] {
+        let s = c.stats();
+        assert!(s.sessions >= 2, "each client reopened its session: {s:?}");
+        assert_eq!(s.in_flight, 0);
+    }
 }
