@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use railyard_saga::{serve, Coordinator, CoordinatorConfig, MemoryStore, SagaState, SagaStore};
-use railyard_saga_client::{CompensationError, Connection, SagaClient, SagaError, Step, StepError};
+use railyard_saga_client::{
+    CompensationError, Connection, Saga, SagaClient, SagaError, Step, StepError,
+};
 
 /// A coordinator on its own runtime (so a test can crash it: dropping the
 /// runtime closes every connection at once, as a killed process would).
@@ -189,6 +191,24 @@ async fn a_failed_step_compensates_the_ended_ones_in_reverse_order() {
     assert!(matches!(saga.end().await, Err(SagaError::Aborted(_))));
 }
 
+/// Starts a saga on `front` and runs one step of it on `stock`, compensated
+/// by `release`.
+async fn start_with_stock_step(
+    front: &SagaClient,
+    stock: &SagaClient,
+    local: &str,
+) -> Result<Saga, String> {
+    let saga = front.start_saga(None).await.map_err(|e| e.to_string())?;
+    stock
+        .join_saga(saga.id())
+        .step(Step::new("release").local_id(local), async {
+            Ok::<_, Boom>(())
+        })
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(saga)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_of_other_services_join_the_saga_and_are_compensated_there() {
     let node = Node::memory().await;
@@ -206,14 +226,9 @@ async fn steps_of_other_services_join_the_saga_and_are_compensated_there() {
         .connect()
         .await
         .expect("connect stock");
-    let saga = starter.start_saga(None).await.expect("start");
-    stock
-        .join_saga(saga.id())
-        .step(Step::new("release").local_id("s1"), async {
-            Ok::<_, Boom>(())
-        })
+    let saga = start_with_stock_step(&starter, &stock, "s1")
         .await
-        .expect("stock step");
+        .expect("a saga with a stock step");
     saga.abort().await.expect("abort");
     node.wait_state(saga.id(), SagaState::Compensated).await;
     assert_eq!(*compensated.lock().unwrap(), vec!["s1".to_owned()]);
@@ -348,14 +363,9 @@ async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_cras
     let front = client("front").await.expect("connect front");
     let stock = client("stock").await.expect("connect stock");
     // Both sessions work over the one connection: a saga across them commits.
-    let saga = front.start_saga(None).await.expect("start");
-    stock
-        .join_saga(saga.id())
-        .step(Step::new("release").local_id("s1"), async {
-            Ok::<_, Boom>(())
-        })
+    let saga = start_with_stock_step(&front, &stock, "s1")
         .await
-        .expect("stock step");
+        .expect("a saga with a stock step");
     saga.end().await.expect("end");
     node.wait_state(saga.id(), SagaState::Committed).await;
     // The connection breaks: events reported meanwhile by both clients are
@@ -364,14 +374,7 @@ async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_cras
     let second = {
         let (front, stock) = (front.clone(), stock.clone());
         tokio::spawn(async move {
-            let saga = front.start_saga(None).await.map_err(|e| e.to_string())?;
-            stock
-                .join_saga(saga.id())
-                .step(Step::new("release").local_id("s2"), async {
-                    Ok::<_, Boom>(())
-                })
-                .await
-                .map_err(|e| format!("{e:?}"))?;
+            let saga = start_with_stock_step(&front, &stock, "s2").await?;
             saga.end().await.map_err(|e| e.to_string())?;
             Ok::<_, String>(saga.id().to_owned())
         })
