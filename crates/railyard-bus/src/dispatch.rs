@@ -108,7 +108,7 @@ pub fn enable_loop_dispatch() -> bool {
     let dispatcher = Arc::new(Dispatcher::new());
     handle.spawn(DispatchTask {
         dispatcher: dispatcher.clone(),
-        seen_waits: 0,
+        seen_waits: RELAYED_WAITS.with(Cell::get),
     });
     THIS_LOOP.with(|d| *d.borrow_mut() = Some(dispatcher));
     // Relays made for an earlier dispatcher of this thread would go through it.
@@ -451,7 +451,7 @@ const OTHERS_EVERY: usize = 16;
 /// The task that runs a loop's ready consumers.
 struct DispatchTask {
     dispatcher: Arc<Dispatcher>,
-    /// `RELAYED_WAITS` at the end of the last poll that did not park.
+    /// `RELAYED_WAITS` at this dispatcher's last look (see [`linger`]).
     seen_waits: u64,
 }
 

@@ -3,6 +3,7 @@
 //! batching, back-pressure, refusal, reconnection across a coordinator
 //! crash and restart, and clients sharing one connection.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -191,6 +192,29 @@ async fn a_failed_step_compensates_the_ended_ones_in_reverse_order() {
     assert!(matches!(saga.end().await, Err(SagaError::Aborted(_))));
 }
 
+/// A loopback proxy to `target` that counts the connections it accepted:
+/// returns its endpoint and the count.
+async fn counting_proxy(target: u16) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the proxy");
+    let port = listener.local_addr().expect("local addr").port();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                // Refused while the coordinator is down: the client retries.
+                if let Ok(mut up) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+                }
+            });
+        }
+    });
+    (format!("http://127.0.0.1:{port}"), accepted)
+}
+
 /// Starts a saga on `front` and runs one step of it on `stock`, compensated
 /// by `release`.
 async fn start_with_stock_step(
@@ -353,9 +377,10 @@ async fn events_survive_a_coordinator_crash_and_are_resent_after_reconnecting() 
 async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_crash() {
     let store: Arc<dyn SagaStore> = Arc::new(MemoryStore::new());
     let node = Node::start(store.clone(), fast_config(), 0).await;
-    let conn = Connection::open(node.endpoint.clone()).await.expect("open");
+    let (endpoint, accepted) = counting_proxy(node.port).await;
+    let conn = Connection::open(endpoint.clone()).await.expect("open");
     let client = |service: &str| {
-        SagaClient::builder(node.endpoint.clone(), service)
+        SagaClient::builder(endpoint.clone(), service)
             .connection(&conn)
             .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
             .connect()
@@ -368,6 +393,11 @@ async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_cras
         .expect("a saga with a stock step");
     saga.end().await.expect("end");
     node.wait_state(saga.id(), SagaState::Committed).await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "both sessions went over the one connection"
+    );
     // The connection breaks: events reported meanwhile by both clients are
     // sent again once it is back.
     let port = node.crash();
