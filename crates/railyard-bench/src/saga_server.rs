@@ -138,11 +138,7 @@ impl CoordinatorUnderTest {
                         store: "memory",
                         reason: e.to_string(),
                     })?;
-                tokio::spawn(async move {
-                    if let Err(e) = serve(coordinator, listener, std::future::pending()).await {
-                        tracing::error!(error = %e, "bench coordinator stopped");
-                    }
-                });
+                tokio::spawn(serve(coordinator, listener, std::future::pending()));
                 Ok::<_, ServerError>(port)
             })
             .await;

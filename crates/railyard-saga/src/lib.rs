@@ -20,6 +20,8 @@
 //! - `native`: the `SagaCoordinator.Session` gRPC service;
 //! - [`api`]: the REST query API (axum router);
 //! - [`coalesce`]: fewer, larger socket writes on the gRPC connections;
+//! - `server`: the port: hyper connections, requests routed by path to the
+//!   two gRPC services or the REST API;
 //! - `metrics`: Prometheus metrics;
 //! - [`config`]: the coordinator's settings, [`CoordinatorConfig`].
 //!
@@ -36,6 +38,7 @@ mod metrics;
 mod native;
 mod omega;
 mod saga;
+mod server;
 pub mod store;
 
 use std::future::Future;
@@ -180,47 +183,27 @@ impl Coordinator {
     }
 }
 
-/// Why [`serve`] stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    /// The gRPC server failed (e.g. the listener broke).
-    #[error("saga gRPC server failed: {0}")]
-    Transport(#[from] tonic::transport::Error),
-}
-
 /// Serves Omega's `TxEventService`, the native `SagaCoordinator` and, over
-/// HTTP/1.1 on the same port, the REST query API ([`api::router`]) on
-/// `listener` until `shutdown` resolves. Then participant streams
-/// (`OnConnected`, `Session`) are closed, in-flight calls finish, and the
-/// function returns; the coordinator stays usable (e.g. to `flush`), but
-/// streams opened on it afterwards close at once: serve a coordinator once.
-///
-/// # Errors
-/// [`ServeError`] if the server fails.
+/// HTTP/1.1 or HTTP/2 on the same port, the REST query API ([`api::router`])
+/// on `listener` until `shutdown` resolves. Then participant streams
+/// (`OnConnected`, `Session`) are closed, the listener is dropped, in-flight
+/// calls finish, and the function returns once every connection has closed;
+/// the coordinator stays usable (e.g. to `flush`), but streams opened on it
+/// afterwards close at once: serve a coordinator once. Accept errors (such
+/// as running out of file descriptors) are logged and retried, so this
+/// returns only after `shutdown`. How the port is served: `server.rs`.
 pub async fn serve(
     coordinator: Coordinator,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), ServeError> {
-    let incoming = tokio_stream::StreamExt::map(
-        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-        |conn| conn.map(coalesce::Coalesced::new),
+) {
+    let routes = server::Routes::new(
+        coordinator.omega_service(),
+        coordinator.native_service(),
+        api::router(coordinator.clone()),
     );
-    let rest = api::router(coordinator.clone());
     let engine = coordinator.engine.clone();
-    let shutdown = async move {
-        shutdown.await;
-        // Participant streams never end on their own: close them so the
-        // graceful shutdown can complete.
-        engine.close_streams();
-    };
-    tonic::transport::Server::builder()
-        .accept_http1(true)
-        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
-        .add_routes(tonic::service::Routes::from(rest))
-        .add_service(coordinator.omega_service())
-        .add_service(coordinator.native_service())
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
-    Ok(())
+    // Participant streams never end on their own: close them so the
+    // graceful stop can complete.
+    server::run(routes, listener, shutdown, move || engine.close_streams()).await;
 }

@@ -407,6 +407,72 @@ async fn a_store_failure_is_an_error_not_an_ack() {
 }
 
 #[tokio::test]
+async fn a_stop_closes_streams_refuses_connections_and_waits_for_calls_in_flight() {
+    let gating = Arc::new(AtomicBool::new(false));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let (g, r, e) = (gating.clone(), release.clone(), entered.clone());
+    let store = Arc::new(GatedStore::new(move || {
+        let (gate, release, entered) = (g.load(Ordering::SeqCst), r.clone(), e.clone());
+        Box::pin(async move {
+            if gate {
+                entered.notify_one();
+                let _permit = release
+                    .acquire()
+                    .await
+                    .map_err(|_| StoreError::Unavailable("gate closed".into()))?;
+            }
+            Ok(())
+        })
+    }));
+    let mut server = Server::start(store, fast()).await;
+    let mut c = server.omega().await;
+    let mut instance = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
+    server.wait_instances(1).await;
+    gating.store(true, Ordering::SeqCst);
+    let mut c2 = c.clone();
+    let call = tokio::spawn(async move {
+        c2.on_tx_event(ev("SagaStartedEvent", "g", "g", "svc"))
+            .await
+    });
+    tokio::time::timeout(Duration::from_secs(10), entered.notified())
+        .await
+        .expect("the call's append started within 10 s");
+    let serving = server.signal_stop();
+    // The participant's stream ends (streams never end on their own) ...
+    let end = tokio::time::timeout(Duration::from_secs(10), instance.commands.message())
+        .await
+        .expect("the stream ends within 10 s");
+    assert!(
+        !matches!(end, Ok(Some(_))),
+        "a command instead of the end: {end:?}"
+    );
+    // ... the port no longer accepts ...
+    let refused = tokio::net::TcpStream::connect(server.addr).await;
+    assert!(
+        refused.is_err(),
+        "a new connection was accepted after the stop"
+    );
+    // ... and the server waits for the call still in the store.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !serving.is_finished(),
+        "serve returned with a call in flight"
+    );
+    release.add_permits(1);
+    let answer = tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .expect("the call is answered within 10 s")
+        .expect("the call's task")
+        .expect("an acknowledgement, not an error");
+    assert!(!answer.into_inner().aborted);
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect("serve returns within 10 s of the last answer")
+        .expect("the serving task");
+}
+
+#[tokio::test]
 async fn many_concurrent_clients_are_all_acknowledged() {
     let (server, store) = Server::memory(fast()).await;
     let mut tasks = Vec::new();

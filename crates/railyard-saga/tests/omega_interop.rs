@@ -58,7 +58,6 @@ async fn serve(advertise_akka: bool) -> Served {
             let _ = stopped.await;
         })
         .await
-        .expect("the coordinator serves");
     });
     Served {
         coordinator,

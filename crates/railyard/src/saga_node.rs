@@ -48,7 +48,7 @@ pub(crate) enum StoreKind {
 pub(crate) struct SagaHandle {
     coordinator: Coordinator,
     stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<(), railyard_saga::ServeError>>,
+    task: JoinHandle<()>,
 }
 
 impl SagaHandle {
@@ -57,8 +57,7 @@ impl SagaHandle {
     pub(crate) async fn stop(self) {
         let _ = self.stop.send(());
         match self.task.await {
-            Ok(Ok(())) => tracing::info!("saga coordinator stopped"),
-            Ok(Err(e)) => tracing::error!(error = %e, "saga coordinator failed"),
+            Ok(()) => tracing::info!("saga coordinator stopped"),
             Err(e) => tracing::error!(error = %e, "saga coordinator task failed"),
         }
         if let Err(e) = self.coordinator.flush().await {

@@ -38,7 +38,6 @@ impl Server {
                 let _ = rx.await;
             })
             .await
-            .expect("serve");
         });
         Self {
             addr,
@@ -66,6 +65,14 @@ impl Server {
         if let Some(t) = self.task.take() {
             let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
         }
+    }
+
+    /// Signals the stop and hands back the serving task, to watch it end.
+    pub fn signal_stop(&mut self) -> JoinHandle<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task.take().expect("the server is serving")
     }
 
     /// Waits (bounded) until `n` instances are registered.

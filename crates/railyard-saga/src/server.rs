@@ -1,0 +1,222 @@
+//! The coordinator's listener: both gRPC services and the REST API on one
+//! port, over hyper directly.
+//!
+//! Every accepted socket gets one hyper connection (HTTP/2 or HTTP/1.1,
+//! told apart by the preface), and every request goes to one of three
+//! services by its path: `/<gRPC service name>/...` to Omega's
+//! `TxEventService` or the native `SagaCoordinator`, anything else to the
+//! REST router ([`crate::api::router`]). A name neither service has falls to
+//! the REST router too, whose answer is 404.
+//!
+//! Hand-written instead of `tonic::transport::Server` because of measured
+//! cost. With tonic's server, the request path of every call went through
+//! an axum router (which allocates its URL parameters), a `ConnectInfo`
+//! layer (an `Extensions` map allocated per request), the `grpc-timeout`
+//! layer, a boxed request body and several future wrappers that each move
+//! the call's state: in a profile of `railyard bench saga --protocol omega`
+//! (`perf record --call-graph dwarf`) those layers held 16.6 % of the
+//! coordinator's samples. Here a call is one path comparison away from the
+//! generated service. The generated services are tonic's, unchanged.
+//!
+//! What tonic's server did that this one does too: `TCP_NODELAY`, HTTP/2
+//! keep-alive pings (every 30 s), hyper's HTTP/1 header-read timeout, and a
+//! graceful stop (stop accepting, then `GOAWAY` on every connection and wait
+//! until each has finished its calls). What it does not: `grpc-timeout`
+//! headers are not enforced on the server (the clients enforce their own
+//! deadlines; no call here waits on anything but the store, which answers or
+//! fails by itself).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinatorServer;
+use railyard_saga_proto::omega::tx_event_service_server::TxEventServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::codegen::Service as _;
+use tonic::server::NamedService;
+
+use crate::coalesce::Coalesced;
+use crate::{NativeService, OmegaService};
+
+/// How often an HTTP/2 connection is pinged to detect dead peers.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+/// The pause after an accept error (e.g. out of file descriptors) before
+/// accepting again, so that the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// One answer's body, whichever service produced it.
+type Body = tonic::body::Body;
+type RouteFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+/// The three services behind the port.
+#[derive(Clone)]
+pub(crate) struct Routes {
+    omega: TxEventServiceServer<OmegaService>,
+    native: SagaCoordinatorServer<NativeService>,
+    rest: axum::Router,
+}
+
+/// Which service serves `path`.
+#[derive(Debug, PartialEq, Eq)]
+enum Target {
+    Omega,
+    Native,
+    Rest,
+}
+
+fn target(path: &str) -> Target {
+    let service = path
+        .strip_prefix('/')
+        .and_then(|rest| rest.split_once('/'))
+        .map(|(service, _)| service);
+    match service {
+        Some(TxEventServiceServer::<OmegaService>::NAME) => Target::Omega,
+        Some(SagaCoordinatorServer::<NativeService>::NAME) => Target::Native,
+        _ => Target::Rest,
+    }
+}
+
+impl Routes {
+    pub(crate) fn new(
+        omega: TxEventServiceServer<OmegaService>,
+        native: SagaCoordinatorServer<NativeService>,
+        rest: axum::Router,
+    ) -> Self {
+        Self {
+            omega,
+            native,
+            rest,
+        }
+    }
+}
+
+impl hyper::service::Service<Request<Incoming>> for Routes {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = RouteFuture;
+
+    fn call(&self, req: Request<Incoming>) -> RouteFuture {
+        // The generated services and the router are always ready (their
+        // `poll_ready` returns `Ready` at once), and cheap to clone (an
+        // `Arc` each): `call` needs `&mut`.
+        match target(req.uri().path()) {
+            // Already boxed by the generated code: no second allocation.
+            Target::Omega => self.omega.clone().call(req),
+            Target::Native => self.native.clone().call(req),
+            Target::Rest => {
+                let fut = self.rest.clone().call(req);
+                Box::pin(async move {
+                    let res = fut.await?;
+                    Ok(res.map(Body::new))
+                })
+            }
+        }
+    }
+}
+
+/// Accepts on `listener` and serves `routes` until `shutdown` resolves,
+/// then runs `on_stop`, asks every connection to finish (HTTP/2 `GOAWAY`;
+/// HTTP/1.1 closes after the request in progress) and returns once all have.
+pub(crate) async fn run(
+    routes: Routes,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    on_stop: impl FnOnce(),
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(KEEPALIVE));
+    // hyper enforces its HTTP/1 header-read timeout only with a timer.
+    builder.http1().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    tracing::warn!(error = %e, "saga listener: accept failed; retrying");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        tokio::spawn(serve_connection(
+            builder.clone(),
+            routes.clone(),
+            tcp,
+            stop_rx.clone(),
+        ));
+    }
+    // Stop accepting at once: the kernel refuses new connections from here.
+    drop(listener);
+    on_stop();
+    let _ = stop_tx.send(true);
+    drop(stop_rx);
+    // Every connection task holds a receiver until it ends.
+    stop_tx.closed().await;
+}
+
+async fn serve_connection(
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    routes: Routes,
+    tcp: tokio::net::TcpStream,
+    mut stop: watch::Receiver<bool>,
+) {
+    let io = TokioIo::new(Coalesced::new(tcp));
+    let conn = builder.serve_connection(io, routes);
+    tokio::pin!(conn);
+    let mut stopping = *stop.borrow();
+    if stopping {
+        conn.as_mut().graceful_shutdown();
+    }
+    loop {
+        tokio::select! {
+            res = conn.as_mut() => {
+                if let Err(e) = res {
+                    tracing::debug!(error = %e, "saga connection ended with an error");
+                }
+                return;
+            }
+            changed = stop.changed(), if !stopping => {
+                // A closed channel means the server is gone: stop too.
+                let _ = changed;
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_paths_go_to_their_service_and_everything_else_to_rest() {
+        let omega = format!("/{}/OnTxEvent", TxEventServiceServer::<OmegaService>::NAME);
+        let native = format!("/{}/Session", SagaCoordinatorServer::<NativeService>::NAME);
+        assert_eq!(target(&omega), Target::Omega);
+        assert_eq!(target(&native), Target::Native);
+        assert_eq!(target("/sagas/abc"), Target::Rest);
+        assert_eq!(target("/"), Target::Rest);
+        assert_eq!(target(""), Target::Rest);
+        // The service name must match whole, not as a prefix.
+        let longer = format!("/{}X/OnTxEvent", TxEventServiceServer::<OmegaService>::NAME);
+        assert_eq!(target(&longer), Target::Rest);
+        assert_eq!(target("/unknown.Service/Method"), Target::Rest);
+    }
+}
