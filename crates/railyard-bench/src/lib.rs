@@ -29,6 +29,7 @@ pub mod cluster;
 pub mod dtm;
 pub mod echo;
 pub mod loops;
+mod omega_wire;
 pub mod peer;
 pub mod pingpong;
 pub mod plot;

@@ -41,10 +41,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hdrhistogram::Histogram;
 use railyard_saga_client::{Connection, SagaClient, Step, StepError};
-use railyard_saga_proto::omega::tx_event_service_client::TxEventServiceClient;
 use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+
+use crate::omega_wire::OmegaWire;
 
 /// Participant services per transaction (the starter is a fourth).
 pub const SERVICES: usize = 3;
@@ -506,119 +506,37 @@ async fn drain(comps: &Compensations, timeout: Duration, progress: &Progress) {
 
 // ---------------------------------------------------------------- Omega --
 
-/// One HTTP/2 connection driven straight through hyper, as the Omega load's
-/// transport: tonic's `Channel` adds a buffer task (one more task hop per
-/// call) and reconnection the bench does not need, and every CPU cycle the
-/// load generator saves goes to the coordinator on this 2-core machine.
-#[derive(Clone)]
-struct H2Conn(hyper::client::conn::http2::SendRequest<tonic::body::Body>);
-
-impl tower::Service<http::Request<tonic::body::Body>> for H2Conn {
-    type Response = http::Response<hyper::body::Incoming>;
-    type Error = hyper::Error;
-    type Future = futures::future::BoxFuture<'static, Result<Self::Response, hyper::Error>>;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), hyper::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
-        Box::pin(self.0.send_request(req))
-    }
-}
-
-type OmegaClient = TxEventServiceClient<H2Conn>;
-
-/// Connects one HTTP/2 connection to `endpoint` (`http://host:port`).
-async fn omega_channel(endpoint: &str) -> Result<OmegaConn, SagaBenchError> {
-    let err = |reason: String| SagaBenchError::Connect {
-        endpoint: endpoint.to_owned(),
-        reason,
-    };
-    let origin: http::Uri = endpoint.parse().map_err(|e| err(format!("{e}")))?;
-    let authority = origin
-        .authority()
-        .ok_or_else(|| err("the endpoint has no host:port".into()))?
-        .to_string();
-    let tcp = tokio::time::timeout(
-        Duration::from_secs(5),
-        tokio::net::TcpStream::connect(authority.as_str()),
-    )
-    .await
-    .map_err(|_| err("connect timed out".into()))?
-    .map_err(|e| err(e.to_string()))?;
-    let _ = tcp.set_nodelay(true);
-    // Requests of concurrent calls share socket writes, as grpc-java's
-    // (Omega's transport) do: it flushes its queue of pending writes once
-    // per batch, not once per call.
-    let tcp = railyard_saga::coalesce::Coalesced::new(tcp);
-    let (send, conn) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .map_err(|e| err(format!("HTTP/2 handshake: {e}")))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "bench HTTP/2 connection ended");
-        }
-    });
-    Ok(OmegaConn {
-        send: H2Conn(send),
-        origin,
-    })
-}
-
-/// A connection and the origin its requests name.
-#[derive(Clone)]
-struct OmegaConn {
-    send: H2Conn,
-    origin: http::Uri,
-}
-
-impl OmegaConn {
-    fn client(&self) -> OmegaClient {
-        TxEventServiceClient::with_origin(self.send.clone(), self.origin.clone())
-    }
-}
-
 fn instance_id(service: &str, k: usize) -> String {
     format!("{service}-{k}")
 }
 
-/// One simulated Omega process's instance of `service` on `channel`: keeps
+/// One simulated Omega process's instance of `service` on `wire`: keeps
 /// its `OnConnected` stream open and answers every compensation command with
-/// `TxCompensatedEvent`. Returns the config sender, whose drop ends the stream.
+/// `TxCompensatedEvent`. Returns the task reading the stream, whose abort
+/// ends the stream.
 async fn omega_instance(
-    channel: OmegaConn,
+    wire: OmegaWire,
     service: String,
     instance: String,
     comps: Arc<Compensations>,
     errors: Arc<AtomicU64>,
-) -> Result<mpsc::Sender<GrpcServiceConfig>, SagaBenchError> {
-    let (tx, rx) = mpsc::channel(1);
+) -> Result<tokio::task::JoinHandle<()>, SagaBenchError> {
     let config = GrpcServiceConfig {
         service_name: service.clone(),
         instance_id: instance.clone(),
     };
-    // Cannot fail: fresh channel with room for one.
-    let _ = tx.try_send(config);
-    let mut client = channel.client();
-    let mut commands = client
-        .on_connected(tokio_stream::wrappers::ReceiverStream::new(rx))
+    let mut commands = wire
+        .on_connected(&config)
         .await
-        .map_err(|s| SagaBenchError::Connect {
+        .map_err(|e| SagaBenchError::Connect {
             endpoint: String::new(),
-            reason: format!("OnConnected: {s}"),
-        })?
-        .into_inner();
-    tokio::spawn(async move {
-        while let Ok(Some(cmd)) = commands.message().await {
+            reason: format!("OnConnected: {e}"),
+        })?;
+    Ok(tokio::spawn(async move {
+        while let Ok(Some(cmd)) = commands.next().await {
             comps.commands.fetch_add(1, Ordering::Relaxed);
-            let mut client = channel.client();
-            let (service, instance, comps, errors) = (
+            let (wire, service, instance, comps, errors) = (
+                wire.clone(),
                 service.clone(),
                 instance.clone(),
                 comps.clone(),
@@ -643,7 +561,7 @@ async fn omega_instance(
                     instance_id: instance,
                     ..GrpcTxEvent::default()
                 };
-                match client.on_tx_event(event).await {
+                match wire.on_tx_event(&event).await {
                     Ok(_) => comps.done(&global_tx_id, &local_tx_id),
                     Err(_) => {
                         errors.fetch_add(1, Ordering::Relaxed);
@@ -651,8 +569,7 @@ async fn omega_instance(
                 }
             });
         }
-    });
-    Ok(tx)
+    }))
 }
 
 async fn run_omega(
@@ -665,7 +582,12 @@ async fn run_omega(
     let mut channels = Vec::with_capacity(cfg.channels);
     let mut streams = Vec::new();
     for k in 0..cfg.channels {
-        let ch = omega_channel(endpoint).await?;
+        let ch = OmegaWire::connect(endpoint)
+            .await
+            .map_err(|reason| SagaBenchError::Connect {
+                endpoint: endpoint.to_owned(),
+                reason,
+            })?;
         for service in std::iter::once(STARTER.to_owned()).chain((0..SERVICES).map(service_name)) {
             let inst = instance_id(&service, k);
             streams.push(
@@ -687,7 +609,7 @@ async fn run_omega(
     let mut workers = Vec::with_capacity(cfg.concurrency);
     for w in 0..cfg.concurrency {
         let k = w % cfg.channels;
-        let client = channels[k].client();
+        let client = channels[k].clone();
         let range = share(cfg.transactions, cfg.concurrency, w);
         let (prefix, comps, progress) = (prefix.clone(), comps.clone(), progress.clone());
         let ratio = cfg.abort_ratio;
@@ -699,14 +621,16 @@ async fn run_omega(
     let elapsed = t0.elapsed();
     drain(&comps, cfg.drain_timeout, &progress).await;
     let cpu = cpu0.zip(cpu_seconds_self()).map(|(a, b)| b - a);
-    drop(streams);
+    for s in streams {
+        s.abort();
+    }
     let mut r = finish(cfg, totals, &comps, elapsed, cpu, 0.0, 0);
     r.errors += comp_errors.load(Ordering::Relaxed);
     Ok(r)
 }
 
 struct OmegaTx<'a> {
-    client: &'a mut OmegaClient,
+    client: &'a OmegaWire,
     global: &'a str,
     k: usize,
 }
@@ -733,15 +657,15 @@ impl OmegaTx<'_> {
             ..GrpcTxEvent::default()
         };
         self.client
-            .on_tx_event(event)
+            .on_tx_event(&event)
             .await
             .ok()
-            .map(|r| r.into_inner().aborted)
+            .map(|r| r.aborted)
     }
 }
 
 async fn omega_worker(
-    mut client: OmegaClient,
+    client: OmegaWire,
     k: usize,
     range: std::ops::Range<u64>,
     ratio: f64,
@@ -758,7 +682,7 @@ async fn omega_worker(
         let abort = aborts(i, ratio);
         let started = Instant::now();
         let mut tx = OmegaTx {
-            client: &mut client,
+            client: &client,
             global: &global,
             k,
         };
