@@ -1,9 +1,9 @@
 //! The Omega load generator's client: Omega's `TxEventService` calls written
 //! straight onto an HTTP/2 connection with the `h2` crate.
 //!
-//! What goes on the wire is what any gRPC client sends: a `POST` to
-//! `/<service>/<method>` with `content-type: application/grpc` and
-//! `te: trailers`, the protobuf message in one length-prefixed gRPC frame;
+//! What goes on the wire is what grpc-java, Omega's transport, sends: a
+//! `POST` to `/<service>/<method>` with `content-type: application/grpc`,
+//! `te: trailers`, its `user-agent` and `grpc-accept-encoding`, the protobuf message in one length-prefixed gRPC frame;
 //! the answer is read the same way and its `grpc-status` checked. Only the
 //! client's own machinery is left out. tonic's client encodes through a
 //! streaming body, a decoder and a status parser per call, and hyper's
@@ -22,12 +22,18 @@
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, Request, Uri};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Uri};
 use prost::Message;
 // Omega's service, as its paths name it (its proto file has no package).
 use railyard_saga_proto::omega::tx_event_service_server::SERVICE_NAME as SERVICE;
 use railyard_saga_proto::omega::{GrpcAck, GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 
+/// The user agent of grpc-java 1.44.1, the release Omega 0.7.1 pins.
+const USER_AGENT: &str = "grpc-java-netty/1.44.1";
+// Named once: a `&str` key would be parsed and validated at every lookup.
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+const GRPC_ACCEPT_ENCODING: HeaderName = HeaderName::from_static("grpc-accept-encoding");
 /// A gRPC frame's header: one flag byte (compressed or not), four length bytes.
 const FRAME_HEADER: usize = 5;
 /// The largest answer accepted (a compensation command carries payloads).
@@ -128,6 +134,12 @@ impl OmegaWire {
             HeaderValue::from_static("application/grpc"),
         );
         headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        // What grpc-java (Omega's transport) sends besides.
+        headers.insert(
+            http::header::USER_AGENT,
+            HeaderValue::from_static(USER_AGENT),
+        );
+        headers.insert(GRPC_ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
         let (response, mut stream) = send.send_request(req, false)?;
         stream.send_data(frame(message), end)?;
         Ok((response, stream))
@@ -214,7 +226,7 @@ fn answer_status(status: http::StatusCode, headers: &HeaderMap) -> Result<(), Ca
 }
 
 fn check_trailers(trailers: Option<&HeaderMap>) -> Result<(), CallError> {
-    let Some(code) = trailers.and_then(|t| t.get("grpc-status")) else {
+    let Some(code) = trailers.and_then(|t| t.get(GRPC_STATUS)) else {
         return Ok(());
     };
     if code == "0" {
@@ -226,7 +238,7 @@ fn check_trailers(trailers: Option<&HeaderMap>) -> Result<(), CallError> {
     };
     Err(CallError::Status {
         code: text(Some(code)),
-        message: text(trailers.and_then(|t| t.get("grpc-message"))),
+        message: text(trailers.and_then(|t| t.get(GRPC_MESSAGE))),
     })
 }
 
