@@ -19,6 +19,7 @@
 //! gRPC client: unary calls and one server-streaming read, no compression,
 //! no deadlines, no retries (a failed call is a failed transaction).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -63,6 +64,8 @@ pub(crate) enum CallError {
 #[derive(Clone)]
 pub(crate) struct OmegaWire {
     send: h2::client::SendRequest<Bytes>,
+    /// The endpoint as given, for errors.
+    endpoint: Arc<str>,
     on_tx_event: Uri,
     on_connected: Uri,
 }
@@ -111,9 +114,15 @@ impl OmegaWire {
         };
         Ok(Self {
             send,
+            endpoint: Arc::from(endpoint),
             on_tx_event: uri("OnTxEvent")?,
             on_connected: uri("OnConnected")?,
         })
+    }
+
+    /// The endpoint this connection was opened to.
+    pub(crate) fn endpoint(&self) -> &str {
+        &self.endpoint
     }
 
     /// Opens a stream for a call to `uri` and sends `message` on it; the

@@ -529,7 +529,7 @@ async fn omega_instance(
         .on_connected(&config)
         .await
         .map_err(|e| SagaBenchError::Connect {
-            endpoint: String::new(),
+            endpoint: wire.endpoint().to_owned(),
             reason: format!("OnConnected: {e}"),
         })?;
     Ok(tokio::spawn(async move {

@@ -498,9 +498,10 @@ impl Drop for DispatchTask {
 /// dispatcher parked whenever it ran dry between two requesters' turns,
 /// so relays paid that system call anyway: `bench echo --cluster etcd
 /// --consumer consumer --delivery local-only --method send-reply` made
-/// 232k `write` calls (and the plain bus 53) in 4 s. Staying scheduled
-/// costs one poll per round of the loop's run queue; a loop with nothing
-/// else to run comes back at once, finds nothing new, and parks.
+/// 232k-444k `write` calls per 4-s run (the plain bus 53; docs/benchmarks.md).
+/// Staying scheduled costs one poll per round of the loop's run queue; a
+/// loop with nothing else to run comes back at once, finds nothing new, and
+/// parks.
 fn linger(seen_waits: &mut u64, runs: usize) -> bool {
     if !RELAYS.with(Cell::get) {
         return false;

@@ -139,7 +139,7 @@ pub(crate) async fn run(
     // hyper enforces its HTTP/1 header-read timeout only with a timer.
     builder.http1().timer(TokioTimer::new());
     let builder = Arc::new(builder);
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let (stop_tx, stop_rx) = watch::channel(());
     tokio::pin!(shutdown);
     loop {
         let tcp = tokio::select! {
@@ -164,7 +164,7 @@ pub(crate) async fn run(
     // Stop accepting at once: the kernel refuses new connections from here.
     drop(listener);
     on_stop();
-    let _ = stop_tx.send(true);
+    let _ = stop_tx.send(());
     drop(stop_rx);
     // Every connection task holds a receiver until it ends.
     stop_tx.closed().await;
@@ -174,15 +174,14 @@ async fn serve_connection(
     builder: Arc<auto::Builder<TokioExecutor>>,
     routes: Routes,
     tcp: tokio::net::TcpStream,
-    mut stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<()>,
 ) {
     let io = TokioIo::new(Coalesced::new(tcp));
     let conn = builder.serve_connection(io, routes);
     tokio::pin!(conn);
-    let mut stopping = *stop.borrow();
-    if stopping {
-        conn.as_mut().graceful_shutdown();
-    }
+    // `stop` was cloned before the stop was signalled, so `changed`
+    // resolves even if the signal came before this task first ran.
+    let mut stopping = false;
     loop {
         tokio::select! {
             res = conn.as_mut() => {
@@ -191,9 +190,8 @@ async fn serve_connection(
                 }
                 return;
             }
-            changed = stop.changed(), if !stopping => {
-                // A closed channel means the server is gone: stop too.
-                let _ = changed;
+            // An error (the server is gone) means stop too.
+            _ = stop.changed(), if !stopping => {
                 stopping = true;
                 conn.as_mut().graceful_shutdown();
             }
