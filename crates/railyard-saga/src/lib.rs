@@ -40,6 +40,7 @@ mod omega;
 mod saga;
 mod server;
 pub mod store;
+mod unary;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -100,7 +101,7 @@ impl Coordinator {
         TxEventServiceServer::new(OmegaService {
             engine: self.engine.clone(),
         })
-        .max_decoding_message_size(16 * 1024 * 1024)
+        .max_decoding_message_size(unary::MAX_MESSAGE)
     }
 
     /// The native `SagaCoordinator` as a tonic service.
@@ -198,6 +199,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) {
     let routes = server::Routes::new(
+        OmegaService {
+            engine: coordinator.engine.clone(),
+        },
         coordinator.omega_service(),
         coordinator.native_service(),
         api::router(coordinator.clone()),

@@ -71,6 +71,44 @@ fn invalid(e: &InvalidEvent) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
+impl OmegaService {
+    /// `OnTxEvent`: validates, appends durably, applies, then acknowledges.
+    /// Both the tonic service and the hand-written path
+    /// ([`crate::unary`]) answer through this.
+    pub(crate) async fn tx_event(&self, event: GrpcTxEvent) -> Result<GrpcAck, Status> {
+        let ev = from_grpc(event).map_err(|e| {
+            self.engine
+                .metrics
+                .rejected
+                .get_or_create(&crate::metrics::ReasonLabels { reason: "invalid" })
+                .inc();
+            invalid(&e)
+        })?;
+        // Runs to completion even if Omega gives up on the call: an append
+        // already under way is still applied (never durable but unapplied
+        // until a restart). Polled inline; only a call dropped mid-way moves
+        // its remainder to a task, instead of a task for every call (a few
+        // percent of Omega throughput, within this machine's run-to-run
+        // noise).
+        let engine = self.engine.clone();
+        let outcomes = FinishOnDrop::new(async move { engine.handle(vec![ev], "omega").await })
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        match outcomes.into_iter().next() {
+            Some(Outcome::Done { aborted }) => {
+                self.engine
+                    .metrics
+                    .acks
+                    .get_or_create(&ProtocolLabels { protocol: "omega" })
+                    .inc();
+                Ok(GrpcAck { aborted })
+            }
+            Some(Outcome::Invalid(e)) => Err(invalid(&e)),
+            None => Err(Status::internal("no outcome for the event")),
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl TxEventService for OmegaService {
     type OnConnectedStream = ReceiverStream<Result<GrpcCompensateCommand, Status>>;
@@ -132,36 +170,7 @@ impl TxEventService for OmegaService {
         &self,
         request: Request<GrpcTxEvent>,
     ) -> Result<Response<GrpcAck>, Status> {
-        let ev = from_grpc(request.into_inner()).map_err(|e| {
-            self.engine
-                .metrics
-                .rejected
-                .get_or_create(&crate::metrics::ReasonLabels { reason: "invalid" })
-                .inc();
-            invalid(&e)
-        })?;
-        // Runs to completion even if Omega gives up on the call: an append
-        // already under way is still applied (never durable but unapplied
-        // until a restart). Polled inline; only a call dropped mid-way moves
-        // its remainder to a task, instead of a task for every call (a few
-        // percent of Omega throughput, within this machine's run-to-run
-        // noise).
-        let engine = self.engine.clone();
-        let outcomes = FinishOnDrop::new(async move { engine.handle(vec![ev], "omega").await })
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
-        match outcomes.into_iter().next() {
-            Some(Outcome::Done { aborted }) => {
-                self.engine
-                    .metrics
-                    .acks
-                    .get_or_create(&ProtocolLabels { protocol: "omega" })
-                    .inc();
-                Ok(Response::new(GrpcAck { aborted }))
-            }
-            Some(Outcome::Invalid(e)) => Err(invalid(&e)),
-            None => Err(Status::internal("no outcome for the event")),
-        }
+        self.tx_event(request.into_inner()).await.map(Response::new)
     }
 
     async fn on_disconnected(

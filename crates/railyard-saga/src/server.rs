@@ -30,6 +30,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -40,11 +41,11 @@ use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinatorServer;
 use railyard_saga_proto::omega::tx_event_service_server::TxEventServiceServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tonic::codegen::Service as _;
+use tonic::codegen::{BoxFuture, Service as _};
 use tonic::server::NamedService;
 
 use crate::coalesce::Coalesced;
-use crate::{NativeService, OmegaService};
+use crate::{unary, NativeService, OmegaService};
 
 /// How often an HTTP/2 connection is pinged to detect dead peers.
 const KEEPALIVE: Duration = Duration::from_secs(30);
@@ -52,14 +53,16 @@ const KEEPALIVE: Duration = Duration::from_secs(30);
 /// accepting again, so that the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// One answer's body, whichever service produced it.
-type Body = tonic::body::Body;
-type RouteFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+/// Whatever a route answers with.
+type Body = unary::Body;
 
-/// The three services behind the port.
+/// The three services behind the port, and the hand-written `OnTxEvent`
+/// path ([`unary`]) in front of the Omega one.
 #[derive(Clone)]
 pub(crate) struct Routes {
     omega: TxEventServiceServer<OmegaService>,
+    /// The same service, called directly by the `OnTxEvent` path.
+    omega_calls: OmegaService,
     native: SagaCoordinatorServer<NativeService>,
     rest: axum::Router,
 }
@@ -86,14 +89,37 @@ fn target(path: &str) -> Target {
 
 impl Routes {
     pub(crate) fn new(
+        omega_calls: OmegaService,
         omega: TxEventServiceServer<OmegaService>,
         native: SagaCoordinatorServer<NativeService>,
         rest: axum::Router,
     ) -> Self {
         Self {
             omega,
+            omega_calls,
             native,
             rest,
+        }
+    }
+}
+
+/// A route's answer in the making: the generated services' futures come
+/// boxed already, so they are kept as they are instead of boxed again.
+pub(crate) enum RouteFuture {
+    Grpc(BoxFuture<Response<tonic::body::Body>, Infallible>),
+    Other(Pin<Box<dyn Future<Output = Response<Body>> + Send>>),
+}
+
+impl Future for RouteFuture {
+    type Output = Result<Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            Self::Grpc(f) => f
+                .as_mut()
+                .poll(cx)
+                .map(|r| r.map(|res| res.map(Body::Tonic))),
+            Self::Other(f) => f.as_mut().poll(cx).map(Ok),
         }
     }
 }
@@ -108,15 +134,19 @@ impl hyper::service::Service<Request<Incoming>> for Routes {
         // `poll_ready` returns `Ready` at once), and cheap to clone (an
         // `Arc` each): `call` needs `&mut`.
         match target(req.uri().path()) {
-            // Already boxed by the generated code: no second allocation.
-            Target::Omega => self.omega.clone().call(req),
-            Target::Native => self.native.clone().call(req),
+            Target::Omega if unary::handles(&req) => {
+                RouteFuture::Other(Box::pin(unary::on_tx_event(self.omega_calls.clone(), req)))
+            }
+            Target::Omega => RouteFuture::Grpc(self.omega.clone().call(req)),
+            Target::Native => RouteFuture::Grpc(self.native.clone().call(req)),
             Target::Rest => {
                 let fut = self.rest.clone().call(req);
-                Box::pin(async move {
-                    let res = fut.await?;
-                    Ok(res.map(Body::new))
-                })
+                RouteFuture::Other(Box::pin(async move {
+                    match fut.await {
+                        Ok(res) => res.map(|b| Body::Tonic(tonic::body::Body::new(b))),
+                        Err(never) => match never {},
+                    }
+                }))
             }
         }
     }
@@ -216,5 +246,11 @@ mod tests {
         let longer = format!("/{}X/OnTxEvent", TxEventServiceServer::<OmegaService>::NAME);
         assert_eq!(target(&longer), Target::Rest);
         assert_eq!(target("/unknown.Service/Method"), Target::Rest);
+    }
+
+    #[test]
+    fn the_hand_written_path_is_the_generated_services_on_tx_event() {
+        let omega = format!("/{}/OnTxEvent", TxEventServiceServer::<OmegaService>::NAME);
+        assert_eq!(unary::ON_TX_EVENT, omega);
     }
 }

@@ -589,3 +589,89 @@ async fn finished_sagas_are_compacted_in_the_background() {
     assert!(server.coordinator.instances().is_empty());
     server.stop().await;
 }
+
+/// One `OnTxEvent` call written by hand on an HTTP/2 connection: the gRPC
+/// status it got (from the trailers, or the headers of a trailers-only
+/// answer) and its message.
+async fn raw_call(
+    send: &mut h2::client::SendRequest<bytes::Bytes>,
+    body: Vec<u8>,
+) -> (String, String) {
+    let req = http::Request::post("/TxEventService/OnTxEvent")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (answer, mut stream) = send.send_request(req, false).unwrap();
+    stream.send_data(bytes::Bytes::from(body), true).unwrap();
+    let answer = answer.await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let head = answer.headers().clone();
+    let mut body = answer.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap_or(head);
+    let field = |name: &str| {
+        trailers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    (field("grpc-status"), field("grpc-message"))
+}
+
+fn grpc_frame(flag: u8, message: &[u8]) -> Vec<u8> {
+    let mut out = vec![flag];
+    out.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    out.extend_from_slice(message);
+    out
+}
+
+#[tokio::test]
+async fn malformed_grpc_bytes_fail_their_own_call_and_the_connection_keeps_serving() {
+    use prost::Message;
+    let (server, store) = Server::memory(fast()).await;
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let internal = (tonic::Code::Internal as i32).to_string();
+
+    // Not protobuf (a field with wire type 7).
+    let (status, message) = raw_call(&mut send, grpc_frame(0, &[0x0f, 0xff, 0xff])).await;
+    assert_eq!(status, internal, "{message}");
+    assert!(message.contains("decode"), "{message}");
+    // The compressed flag without a grpc-encoding.
+    let (status, message) = raw_call(&mut send, grpc_frame(1, b"abc")).await;
+    assert_eq!(status, internal, "{message}");
+    assert!(message.contains("compressed"), "{message}");
+    // A body that ends inside its message, and one with no message at all.
+    let mut cut = grpc_frame(0, &ev("SagaStartedEvent", "g", "g", "svc").encode_to_vec());
+    cut.truncate(cut.len() - 3);
+    let (status, message) = raw_call(&mut send, cut).await;
+    assert_eq!(status, internal, "{message}");
+    let (status, message) = raw_call(&mut send, Vec::new()).await;
+    assert_eq!(status, internal, "{message}");
+    // Over the 16 MiB limit: refused from its prefix.
+    let mut big = vec![0];
+    big.extend_from_slice(&(16 * 1024 * 1024 + 1u32).to_be_bytes());
+    let (status, message) = raw_call(&mut send, big).await;
+    assert_eq!(
+        status,
+        (tonic::Code::OutOfRange as i32).to_string(),
+        "{message}"
+    );
+
+    assert!(
+        store.unfinished().await.unwrap().is_empty(),
+        "nothing recorded"
+    );
+    // The same connection still takes a well-formed event, answered with
+    // an ack frame and grpc-status 0.
+    let good = grpc_frame(0, &ev("SagaStartedEvent", "g", "g", "svc").encode_to_vec());
+    let (status, message) = raw_call(&mut send, good).await;
+    assert_eq!((status.as_str(), message.as_str()), ("0", ""));
+    assert_eq!(server.coordinator.state("g"), Some(SagaState::Running));
+    server.stop().await;
+}
