@@ -632,7 +632,14 @@ async fn run_omega(
 struct OmegaTx<'a> {
     client: &'a OmegaWire,
     global: &'a str,
-    k: usize,
+}
+
+/// A participant as the Omega load reports it: service, instance id (of
+/// this simulated process), compensation method.
+struct Participant {
+    service: String,
+    instance: String,
+    method: String,
 }
 
 impl OmegaTx<'_> {
@@ -640,10 +647,9 @@ impl OmegaTx<'_> {
     async fn call(
         &mut self,
         kind: &str,
-        service: &str,
+        who: &Participant,
         local: &str,
         parent: &str,
-        method: &str,
     ) -> Option<bool> {
         let event = GrpcTxEvent {
             timestamp: now_ms(),
@@ -651,9 +657,9 @@ impl OmegaTx<'_> {
             local_tx_id: local.to_owned(),
             parent_tx_id: parent.to_owned(),
             r#type: kind.to_owned(),
-            compensation_method: method.to_owned(),
-            service_name: service.to_owned(),
-            instance_id: instance_id(service, self.k),
+            compensation_method: who.method.clone(),
+            service_name: who.service.clone(),
+            instance_id: who.instance.clone(),
             ..GrpcTxEvent::default()
         };
         self.client
@@ -674,8 +680,21 @@ async fn omega_worker(
     progress: &Progress,
 ) -> WorkerTotals {
     let mut t = WorkerTotals::new();
-    let services: Vec<(String, String)> = (0..SERVICES)
-        .map(|s| (service_name(s), compensation_method(s)))
+    // Built once per worker, not per call.
+    let starter = Participant {
+        service: STARTER.to_owned(),
+        instance: instance_id(STARTER, k),
+        method: String::new(),
+    };
+    let services: Vec<Participant> = (0..SERVICES)
+        .map(|s| {
+            let service = service_name(s);
+            Participant {
+                instance: instance_id(&service, k),
+                service,
+                method: compensation_method(s),
+            }
+        })
         .collect();
     for i in range {
         let global = format!("{prefix}-{i}");
@@ -684,11 +703,10 @@ async fn omega_worker(
         let mut tx = OmegaTx {
             client: &client,
             global: &global,
-            k,
         };
         let ok = 'tx: {
             if tx
-                .call("SagaStartedEvent", STARTER, &global, "", "")
+                .call("SagaStartedEvent", &starter, &global, "")
                 .await
                 .is_none()
             {
@@ -696,12 +714,9 @@ async fn omega_worker(
             }
             t.events += 1;
             let mut ended = Vec::with_capacity(SERVICES);
-            for (s, (service, method)) in services.iter().enumerate() {
+            for (s, who) in services.iter().enumerate() {
                 let local = format!("{global}-{}", s + 1);
-                match tx
-                    .call("TxStartedEvent", service, &local, &global, method)
-                    .await
-                {
+                match tx.call("TxStartedEvent", who, &local, &global).await {
                     Some(false) => t.events += 1,
                     _ => break 'tx false,
                 }
@@ -709,7 +724,7 @@ async fn omega_worker(
                 if abort && last {
                     comps.expect(global.clone(), started, std::mem::take(&mut ended));
                     if tx
-                        .call("TxAbortedEvent", service, &local, &global, method)
+                        .call("TxAbortedEvent", who, &local, &global)
                         .await
                         .is_none()
                     {
@@ -718,7 +733,7 @@ async fn omega_worker(
                     }
                 } else {
                     if tx
-                        .call("TxEndedEvent", service, &local, &global, method)
+                        .call("TxEndedEvent", who, &local, &global)
                         .await
                         .is_none()
                     {
@@ -731,7 +746,7 @@ async fn omega_worker(
             if abort {
                 // Omega 0.7 without AkkaEnabled: the failed @SagaStart.
                 if tx
-                    .call("TxAbortedEvent", STARTER, &global, "", "")
+                    .call("TxAbortedEvent", &starter, &global, "")
                     .await
                     .is_none()
                 {
@@ -741,7 +756,7 @@ async fn omega_worker(
                 t.aborted += 1;
                 true
             } else {
-                match tx.call("SagaEndedEvent", STARTER, &global, "", "").await {
+                match tx.call("SagaEndedEvent", &starter, &global, "").await {
                     Some(false) => {
                         t.events += 1;
                         t.committed += 1;
