@@ -515,6 +515,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_session_path_names_the_generated_service() {
+        let generated = format!(
+            "/{}/Session",
+            railyard_saga_proto::native::saga_coordinator_server::SERVICE_NAME
+        );
+        assert_eq!(SESSION_PATH, generated);
+    }
+
+    #[test]
     fn refusals_are_fatal_and_outages_are_retried() {
         assert!(matches!(
             classify(tonic::Status::unauthenticated("bad token")),
