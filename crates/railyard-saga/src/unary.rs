@@ -130,29 +130,32 @@ where
         };
         if pending.is_empty() {
             // The usual case: the whole message in one DATA frame, no copy.
-            if let Some(message) = cut(&data, limit)? {
-                return Ok(message);
+            if let Some(len) = prefix(&data, limit)? {
+                if data.len() >= PREFIX + len {
+                    return Ok(data.slice(PREFIX..PREFIX + len));
+                }
             }
         }
+        // Spread over frames: gathered once, each byte copied once.
         pending.extend_from_slice(&data);
-        let whole = pending.split().freeze();
-        match cut(&whole, limit)? {
-            Some(message) => return Ok(message),
-            None => pending.extend_from_slice(&whole),
+        if let Some(len) = prefix(&pending, limit)? {
+            if pending.len() >= PREFIX + len {
+                let mut whole = pending.split_to(PREFIX + len).freeze();
+                return Ok(whole.split_off(PREFIX));
+            }
         }
     }
 }
 
-/// The first message in `buf`, if it is all there.
+/// The length of the first message in `buf`, once its prefix is all there.
 ///
 /// # Errors
 /// `INTERNAL` for a compressed message (no encoding was negotiated),
 /// `OUT_OF_RANGE` for one over `limit`.
-fn cut(buf: &Bytes, limit: usize) -> Result<Option<Bytes>, Status> {
-    if buf.len() < PREFIX {
+fn prefix(buf: &[u8], limit: usize) -> Result<Option<usize>, Status> {
+    let Some(mut head) = buf.get(..PREFIX) else {
         return Ok(None);
-    }
-    let mut head = &buf[..PREFIX];
+    };
     let compressed = head.get_u8();
     let len = head.get_u32() as usize;
     if compressed != 0 {
@@ -165,7 +168,7 @@ fn cut(buf: &Bytes, limit: usize) -> Result<Option<Bytes>, Status> {
             "the OnTxEvent message is {len} bytes; the limit is {limit}"
         )));
     }
-    Ok((buf.len() >= PREFIX + len).then(|| buf.slice(PREFIX..PREFIX + len)))
+    Ok(Some(len))
 }
 
 /// The body of every answer on the port: tonic's, or this path's ack.
@@ -271,6 +274,15 @@ mod tests {
         let parts = wire.iter().map(|b| vec![*b]).collect();
         let got = read_message(chunks(parts), MAX_MESSAGE).await.unwrap();
         assert_eq!(GrpcTxEvent::decode(got).unwrap(), event);
+        // A 4 MiB message in HTTP/2's default 16 KiB frames.
+        let big = GrpcTxEvent {
+            payloads: vec![7; 4 << 20],
+            ..event.clone()
+        };
+        let wire = framed(0, &big.encode_to_vec());
+        let parts = wire.chunks(16 << 10).map(<[u8]>::to_vec).collect();
+        let got = read_message(chunks(parts), MAX_MESSAGE).await.unwrap();
+        assert_eq!(GrpcTxEvent::decode(got).unwrap(), big);
     }
 
     #[tokio::test]
