@@ -22,10 +22,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Uri};
 use prost::Message;
 // Omega's service, as its paths name it (its proto file has no package).
+use railyard_saga::grpc_frame::{self, PREFIX};
 use railyard_saga_proto::omega::tx_event_service_server::SERVICE_NAME as SERVICE;
 use railyard_saga_proto::omega::{GrpcAck, GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 
@@ -35,8 +36,6 @@ const USER_AGENT: &str = "grpc-java-netty/1.44.1";
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 const GRPC_ACCEPT_ENCODING: HeaderName = HeaderName::from_static("grpc-accept-encoding");
-/// A gRPC frame's header: one flag byte (compressed or not), four length bytes.
-const FRAME_HEADER: usize = 5;
 /// The largest answer accepted (a compensation command carries payloads).
 const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 
@@ -150,7 +149,7 @@ impl OmegaWire {
         );
         headers.insert(GRPC_ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
         let (response, mut stream) = send.send_request(req, false)?;
-        stream.send_data(frame(message), end)?;
+        stream.send_data(grpc_frame::encode(message), end)?;
         Ok((response, stream))
     }
 
@@ -212,18 +211,6 @@ impl Commands {
     }
 }
 
-/// `message` as one uncompressed gRPC frame.
-fn frame(message: &impl Message) -> Bytes {
-    let len = message.encoded_len();
-    let mut buf = BytesMut::with_capacity(FRAME_HEADER + len);
-    buf.put_u8(0);
-    // Messages here are a few hundred bytes; prost's own limit is 4 GiB.
-    buf.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
-    // Cannot fail: the buffer has exactly the room encoded_len asked for.
-    let _ = message.encode(&mut buf);
-    buf.freeze()
-}
-
 /// Checks an answer's head: HTTP 200, and no error status in a
 /// trailers-only answer.
 fn answer_status(status: http::StatusCode, headers: &HeaderMap) -> Result<(), CallError> {
@@ -283,24 +270,15 @@ impl FrameReader {
 
     /// The first whole message in the buffer, if there is one.
     fn take(&mut self) -> Result<Option<Bytes>, CallError> {
-        if self.buf.len() < FRAME_HEADER {
+        let Some(len) = grpc_frame::message_len(&self.buf, MAX_MESSAGE)
+            .map_err(|e| CallError::Malformed(e.to_string()))?
+        else {
+            return Ok(None);
+        };
+        if self.buf.len() < PREFIX + len {
             return Ok(None);
         }
-        if self.buf[0] != 0 {
-            return Err(CallError::Malformed(
-                "a compressed message (none was asked for)".into(),
-            ));
-        }
-        let len = (&self.buf[1..FRAME_HEADER]).get_u32() as usize;
-        if len > MAX_MESSAGE {
-            return Err(CallError::Malformed(format!(
-                "a {len}-byte message (limit {MAX_MESSAGE})"
-            )));
-        }
-        if self.buf.len() < FRAME_HEADER + len {
-            return Ok(None);
-        }
-        self.buf.advance(FRAME_HEADER);
+        self.buf.advance(PREFIX);
         Ok(Some(self.buf.split_to(len).freeze()))
     }
 }
@@ -308,6 +286,7 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::BufMut;
 
     #[test]
     fn frames_split_into_messages_across_and_within_chunks() {
@@ -317,8 +296,8 @@ mod tests {
             instance_id: "orders-1".into(),
         };
         let mut wire = BytesMut::new();
-        wire.extend_from_slice(&frame(&a));
-        wire.extend_from_slice(&frame(&b));
+        wire.extend_from_slice(&grpc_frame::encode(&a));
+        wire.extend_from_slice(&grpc_frame::encode(&b));
         // Byte by byte: a message is returned only once whole.
         let mut r = FrameReader::default();
         let mut got = Vec::new();

@@ -34,6 +34,7 @@ pub mod config;
 mod dispatch;
 mod engine;
 pub mod event;
+pub mod grpc_frame;
 mod metrics;
 mod native;
 mod omega;
@@ -198,14 +199,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) {
-    let routes = server::Routes::new(
-        OmegaService {
-            engine: coordinator.engine.clone(),
-        },
-        coordinator.omega_service(),
-        coordinator.native_service(),
-        api::router(coordinator.clone()),
-    );
+    let routes = server::Routes::new(&coordinator);
     let engine = coordinator.engine.clone();
     // Participant streams never end on their own: close them so the
     // graceful stop can complete.

@@ -45,7 +45,7 @@ use tonic::codegen::{BoxFuture, Service as _};
 use tonic::server::NamedService;
 
 use crate::coalesce::Coalesced;
-use crate::{unary, NativeService, OmegaService};
+use crate::{unary, Coordinator, NativeService, OmegaService};
 
 /// How often an HTTP/2 connection is pinged to detect dead peers.
 const KEEPALIVE: Duration = Duration::from_secs(30);
@@ -88,17 +88,15 @@ fn target(path: &str) -> Target {
 }
 
 impl Routes {
-    pub(crate) fn new(
-        omega_calls: OmegaService,
-        omega: TxEventServiceServer<OmegaService>,
-        native: SagaCoordinatorServer<NativeService>,
-        rest: axum::Router,
-    ) -> Self {
+    /// `coordinator`'s services and REST router.
+    pub(crate) fn new(coordinator: &Coordinator) -> Self {
         Self {
-            omega,
-            omega_calls,
-            native,
-            rest,
+            omega: coordinator.omega_service(),
+            omega_calls: OmegaService {
+                engine: coordinator.engine.clone(),
+            },
+            native: coordinator.native_service(),
+            rest: crate::api::router(coordinator.clone()),
         }
     }
 }

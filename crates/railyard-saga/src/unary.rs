@@ -33,7 +33,7 @@ use std::pin::Pin;
 use std::sync::LazyLock;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue, Method, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -43,6 +43,7 @@ use prost::Message;
 use railyard_saga_proto::omega::{GrpcAck, GrpcTxEvent};
 use tonic::Status;
 
+use crate::grpc_frame::{self, FrameError, PREFIX};
 use crate::OmegaService;
 
 /// The path of Omega's `OnTxEvent` (the proto has no package).
@@ -52,9 +53,6 @@ pub(crate) const ON_TX_EVENT: &str = "/TxEventService/OnTxEvent";
 /// `max_decoding_message_size`.
 pub(crate) const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 
-/// gRPC's message prefix: a compressed flag and a big-endian length.
-const PREFIX: usize = 5;
-
 /// `application/grpc`, the content type of every answer.
 const GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
 const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
@@ -62,18 +60,8 @@ const GRPC_ENCODING: http::HeaderName = http::HeaderName::from_static("grpc-enco
 
 /// The two possible answers, framed once: `GrpcAck { aborted }` is
 /// `false` (an empty message) or `true`.
-static ACKS: LazyLock<[Bytes; 2]> = LazyLock::new(|| [frame(false), frame(true)]);
-
-fn frame(aborted: bool) -> Bytes {
-    let ack = GrpcAck { aborted };
-    let len = ack.encoded_len();
-    let mut out = Vec::with_capacity(PREFIX + len);
-    out.push(0);
-    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-    ack.encode(&mut out)
-        .expect("a Vec grows to fit the message");
-    Bytes::from(out)
-}
+static ACKS: LazyLock<[Bytes; 2]> =
+    LazyLock::new(|| [false, true].map(|aborted| grpc_frame::encode(&GrpcAck { aborted })));
 
 /// Whether this path answers `req`: `POST` to `OnTxEvent`, uncompressed.
 pub(crate) fn handles<B>(req: &Request<B>) -> bool {
@@ -153,22 +141,10 @@ where
 /// `INTERNAL` for a compressed message (no encoding was negotiated),
 /// `OUT_OF_RANGE` for one over `limit`.
 fn prefix(buf: &[u8], limit: usize) -> Result<Option<usize>, Status> {
-    let Some(mut head) = buf.get(..PREFIX) else {
-        return Ok(None);
-    };
-    let compressed = head.get_u8();
-    let len = head.get_u32() as usize;
-    if compressed != 0 {
-        return Err(Status::internal(
-            "the OnTxEvent message has its compressed flag set, but no grpc-encoding was sent",
-        ));
-    }
-    if len > limit {
-        return Err(Status::out_of_range(format!(
-            "the OnTxEvent message is {len} bytes; the limit is {limit}"
-        )));
-    }
-    Ok(Some(len))
+    grpc_frame::message_len(buf, limit).map_err(|e| match e {
+        FrameError::Compressed => Status::internal(format!("OnTxEvent: {e}")),
+        FrameError::TooLarge { .. } => Status::out_of_range(format!("OnTxEvent: {e}")),
+    })
 }
 
 /// The body of every answer on the port: tonic's, or this path's ack.
