@@ -28,6 +28,7 @@ pub mod c10k;
 pub mod cluster;
 pub mod dtm;
 pub mod echo;
+mod grpc_h2;
 pub mod loops;
 mod omega_wire;
 pub mod peer;

@@ -1,0 +1,1357 @@
+//! A lean HTTP/2 client connection for the load generator's gRPC calls
+//! (framing as in RFC 9113; response headers decoded with `loona-hpack`,
+//! RFC 7541).
+//!
+//! # Why hand-written
+//! The Omega load makes one unary call per saga event, 64,000 a second at
+//! 8,000 transactions/s, on the same two cores as the coordinator it
+//! measures. Through the `h2` crate each call went through its stream
+//! store, prioritizer, send and receive queues, `http` header maps and a
+//! task hand-off to the connection: a profile (`perf record -F 499
+//! --call-graph dwarf` around `railyard bench saga --protocol omega
+//! --transactions 30000`) put `h2` at 43 % of the load generator's samples
+//! and the load generator at 33 % of all. A unary gRPC call needs much less:
+//! a constant header block, one DATA frame, and at the end one message and
+//! a `grpc-status`. This module does only that, so the cores go to the
+//! coordinator. It is the bench's client, not a general one.
+//!
+//! # What it speaks
+//! - requests: a HEADERS frame whose block uses only static-table indexes
+//!   and literals without indexing (so the server's decoder table is never
+//!   touched), then the gRPC-framed message in DATA frames within the
+//!   server's flow-control windows and frame size, `END_STREAM` on the last
+//!   (a server stream's request stays open until [`ServerStream`] is
+//!   dropped, which resets it);
+//! - answers: HEADERS (and CONTINUATION) blocks decoded in order, so the
+//!   dynamic table stays in step; DATA gathered per stream; `:status` 200
+//!   and `grpc-status` checked; RST_STREAM fails its call; GOAWAY fails the
+//!   streams it did not process and every later call;
+//! - the connection: SETTINGS acknowledged and applied (initial window,
+//!   frame size, concurrent streams: calls beyond the server's limit wait),
+//!   PING answered, receive windows (2 MiB per stream, 5 MiB per connection,
+//!   as hyper's client) given back as data is taken;
+//! - not: server push (disabled in SETTINGS), priorities (ignored),
+//!   compression, request trailers, TLS.
+//!
+//! Writes of concurrent calls are gathered: callers append frames to one
+//! buffer and a writer task, after yielding once to the other ready tasks,
+//! sends whatever has gathered since its last write, as grpc-java (Omega's
+//! transport) flushes once per batch.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use parking_lot::Mutex;
+use railyard_saga::grpc_frame::{self, PREFIX};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{oneshot, Notify, Semaphore};
+use tokio::task::JoinHandle;
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const FRAME_HEAD: usize = 9;
+
+// Frame types (RFC 9113 §6).
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const PUSH_PROMISE: u8 = 0x5;
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+const WINDOW_UPDATE: u8 = 0x8;
+const CONTINUATION: u8 = 0x9;
+
+// Flags.
+const END_STREAM: u8 = 0x1;
+const ACK: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+
+// Settings (RFC 9113 §6.5.2).
+const SETTINGS_ENABLE_PUSH: u16 = 0x2;
+const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+const SETTINGS_MAX_FRAME_SIZE: u16 = 0x5;
+
+// Error codes (RFC 9113 §7).
+const CANCEL: u32 = 0x8;
+
+/// The protocol's initial flow-control window and frame size.
+const DEFAULT_WINDOW: i64 = 65_535;
+const DEFAULT_MAX_FRAME: usize = 16_384;
+const MAX_WINDOW: i64 = (1 << 31) - 1;
+/// The receive windows granted: hyper's client's (2 MiB per stream, 5 MiB
+/// per connection), so the flow-control traffic is what it was.
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+const CONN_WINDOW: u32 = 5 * 1024 * 1024;
+/// Concurrent streams when the server sets no limit.
+const UNLIMITED_STREAMS: u32 = 10_000;
+/// The largest answer message (a compensation command carries payloads).
+pub(crate) const MAX_MESSAGE: usize = 16 * 1024 * 1024;
+/// The largest header block accepted (HEADERS plus CONTINUATION).
+const MAX_HEADER_BLOCK: usize = 64 * 1024;
+/// The dynamic table size this client decodes with (the protocol's default,
+/// which it never changes in SETTINGS).
+const HEADER_TABLE_SIZE: usize = 4096;
+
+/// Why a call failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum CallError {
+    /// The connection failed or was closed; no later call on it succeeds.
+    #[error("HTTP/2 connection: {0}")]
+    Connection(Arc<str>),
+    /// The server reset the stream.
+    #[error("HTTP/2 stream reset by the server (error code {0:#x})")]
+    Reset(u32),
+    /// The server answered with a non-zero `grpc-status`.
+    #[error("gRPC status {code}: {message}")]
+    Status {
+        /// The status code.
+        code: String,
+        /// `grpc-message`, if any.
+        message: String,
+    },
+    /// The answer is not a well-formed gRPC answer.
+    #[error("malformed answer: {0}")]
+    Malformed(String),
+}
+
+fn broken(why: impl Into<String>) -> CallError {
+    CallError::Connection(Arc::from(why.into()))
+}
+
+// ------------------------------------------------------------ encoding --
+
+/// Appends an HPACK integer (RFC 7541 §5.1) with an `n`-bit prefix, the
+/// prefix byte's other bits set from `flags`.
+fn put_int(out: &mut Vec<u8>, mut value: usize, n: u8, flags: u8) {
+    let max = (1usize << n) - 1;
+    if value < max {
+        out.push(flags | value as u8);
+        return;
+    }
+    out.push(flags | max as u8);
+    value -= max;
+    while value >= 128 {
+        out.push((value % 128) as u8 | 0x80);
+        value /= 128;
+    }
+    out.push(value as u8);
+}
+
+/// Appends a string literal without Huffman coding (RFC 7541 §5.2).
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    put_int(out, s.len(), 7, 0);
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// A literal without indexing whose name is static-table entry `index`.
+fn put_literal(out: &mut Vec<u8>, index: usize, value: &str) {
+    put_int(out, index, 4, 0);
+    put_str(out, value);
+}
+
+/// A literal without indexing with a literal name.
+fn put_named(out: &mut Vec<u8>, name: &str, value: &str) {
+    out.push(0);
+    put_str(out, name);
+    put_str(out, value);
+}
+
+/// The header block of a gRPC `POST` to `path` at `authority`, with
+/// `extra` fields (lower-case names) after the required ones. It uses no
+/// dynamic table, so the same bytes serve every call.
+pub(crate) fn request_block(authority: &str, path: &str, extra: &[(&str, &str)]) -> Bytes {
+    // Static table (RFC 7541 Appendix A): 2 `:method: POST`... indexes
+    // used here: 1 :authority, 3 :method POST, 4 :path, 6 :scheme http,
+    // 31 content-type, 58 user-agent.
+    let mut out = Vec::with_capacity(128);
+    out.push(0x80 | 3);
+    out.push(0x80 | 6);
+    put_literal(&mut out, 4, path);
+    put_literal(&mut out, 1, authority);
+    put_literal(&mut out, 31, "application/grpc");
+    put_named(&mut out, "te", "trailers");
+    for (name, value) in extra {
+        match *name {
+            "user-agent" => put_literal(&mut out, 58, value),
+            _ => put_named(&mut out, name, value),
+        }
+    }
+    Bytes::from(out)
+}
+
+fn put_head(out: &mut BytesMut, len: usize, kind: u8, flags: u8, stream: u32) {
+    out.put_uint(len as u64, 3);
+    out.put_u8(kind);
+    out.put_u8(flags);
+    out.put_u32(stream & 0x7fff_ffff);
+}
+
+fn put_window_update(out: &mut BytesMut, stream: u32, increment: u32) {
+    put_head(out, 4, WINDOW_UPDATE, 0, stream);
+    out.put_u32(increment);
+}
+
+fn put_reset(out: &mut BytesMut, stream: u32, code: u32) {
+    put_head(out, 4, RST_STREAM, 0, stream);
+    out.put_u32(code);
+}
+
+// ------------------------------------------------------------- framing --
+
+struct Frame {
+    kind: u8,
+    flags: u8,
+    stream: u32,
+    payload: Bytes,
+}
+
+/// Cuts the next whole frame off `buf`, if one is there.
+fn next_frame(buf: &mut BytesMut) -> Result<Option<Frame>, CallError> {
+    if buf.len() < FRAME_HEAD {
+        return Ok(None);
+    }
+    let len = (usize::from(buf[0]) << 16) | (usize::from(buf[1]) << 8) | usize::from(buf[2]);
+    if len > DEFAULT_MAX_FRAME {
+        // This client never raises SETTINGS_MAX_FRAME_SIZE.
+        return Err(broken(format!(
+            "the server sent a {len}-byte frame; the limit is {DEFAULT_MAX_FRAME}"
+        )));
+    }
+    if buf.len() < FRAME_HEAD + len {
+        return Ok(None);
+    }
+    let head = buf.split_to(FRAME_HEAD);
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    Ok(Some(Frame {
+        kind: head[3],
+        flags: head[4],
+        stream,
+        payload: buf.split_to(len).freeze(),
+    }))
+}
+
+/// A DATA or HEADERS payload without its padding (and, for HEADERS, its
+/// priority fields).
+fn unpad(mut payload: Bytes, flags: u8, priority: bool) -> Result<Bytes, CallError> {
+    let pad = if flags & PADDED != 0 {
+        if payload.is_empty() {
+            return Err(broken("a padded frame without its pad length"));
+        }
+        usize::from(payload.get_u8())
+    } else {
+        0
+    };
+    if priority && flags & PRIORITY != 0 {
+        if payload.len() < 5 {
+            return Err(broken("a HEADERS frame too short for its priority"));
+        }
+        payload.advance(5);
+    }
+    if pad > payload.len() {
+        return Err(broken("padding longer than the frame"));
+    }
+    payload.truncate(payload.len() - pad);
+    Ok(payload)
+}
+
+// --------------------------------------------------------------- state --
+
+/// What a stream's answer goes to.
+enum Sink {
+    /// A unary call: the one message, or why not.
+    Unary(oneshot::Sender<Result<Bytes, CallError>>),
+    /// A server stream: messages queue until taken.
+    Stream(StreamSink),
+}
+
+#[derive(Default)]
+struct StreamSink {
+    /// Told when the answer's head arrived (or the stream failed first).
+    head: Option<oneshot::Sender<Result<(), CallError>>>,
+    messages: VecDeque<Bytes>,
+    /// How the stream ended, once it has.
+    end: Option<Result<(), CallError>>,
+    waker: Option<std::task::Waker>,
+}
+
+struct Stream {
+    send_window: i64,
+    /// Request bytes waiting for flow-control window.
+    unsent: Bytes,
+    /// Whether the request ends with `unsent`.
+    end: bool,
+    got_head: bool,
+    /// Answer bytes not yet split into messages.
+    data: BytesMut,
+    sink: Sink,
+}
+
+struct State {
+    out: BytesMut,
+    next_id: u32,
+    streams: HashMap<u32, Stream, foldhash::fast::RandomState>,
+    /// Connection-level send window.
+    send_window: i64,
+    /// The server's SETTINGS_INITIAL_WINDOW_SIZE.
+    initial_window: i64,
+    /// The server's SETTINGS_MAX_FRAME_SIZE.
+    max_frame: usize,
+    /// Stream slots handed to the semaphore so far.
+    max_streams: u32,
+    /// Streams with request bytes waiting for window, oldest first.
+    blocked: VecDeque<u32>,
+    /// Connection-level bytes received and not yet given back.
+    recv_unreturned: u32,
+    decoder: loona_hpack::Decoder<'static>,
+    /// A header block waiting for its CONTINUATION frames.
+    continuation: Option<(u32, u8, BytesMut)>,
+    /// Server streams that ended, kept until their reader has taken their
+    /// last messages and how they ended.
+    ended: HashMap<u32, StreamSink, foldhash::fast::RandomState>,
+    failed: Option<CallError>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    writer: Notify,
+    slots: Semaphore,
+}
+
+/// The head fields this client reads.
+#[derive(Default)]
+struct Head {
+    status: Option<Vec<u8>>,
+    grpc_status: Option<Vec<u8>>,
+    grpc_message: Option<Vec<u8>>,
+}
+
+impl Head {
+    /// `grpc-status` as the call's result: `Ok` for 0.
+    fn grpc(&self) -> Result<(), CallError> {
+        match self.grpc_status.as_deref() {
+            Some(b"0") => Ok(()),
+            Some(code) => Err(CallError::Status {
+                code: String::from_utf8_lossy(code).into_owned(),
+                message: self
+                    .grpc_message
+                    .as_deref()
+                    .map(|m| String::from_utf8_lossy(m).into_owned())
+                    .unwrap_or_default(),
+            }),
+            None => Err(CallError::Malformed(
+                "the answer ended without a grpc-status".into(),
+            )),
+        }
+    }
+}
+
+impl State {
+    /// Fails every stream and every later call with `e`.
+    fn fail(&mut self, e: CallError) {
+        if self.failed.is_none() {
+            self.failed = Some(e.clone());
+        }
+        let streams: Vec<(u32, Stream)> = self.streams.drain().collect();
+        for (id, s) in streams {
+            self.finish(id, s.sink, Err(e.clone()));
+        }
+        self.blocked.clear();
+    }
+
+    /// Removes stream `id` and ends its call with `result` (for a unary
+    /// call, its message).
+    fn close(&mut self, shared: &Shared, id: u32, result: Result<Bytes, CallError>) {
+        if let Some(s) = self.streams.remove(&id) {
+            self.finish(id, s.sink, result);
+            shared.slots.add_permits(1);
+        }
+    }
+
+    /// Ends a call: a unary call gets `result`; a server stream records how
+    /// it ended (its `Ok` value is unused), wakes its reader and waits in
+    /// `ended` for it.
+    fn finish(&mut self, id: u32, sink: Sink, result: Result<Bytes, CallError>) {
+        match sink {
+            Sink::Unary(tx) => {
+                let _ = tx.send(result);
+            }
+            Sink::Stream(mut sink) => {
+                let result = result.map(|_| ());
+                if let Some(tx) = sink.head.take() {
+                    let _ = tx.send(result.clone());
+                }
+                sink.end = Some(result);
+                if let Some(w) = sink.waker.take() {
+                    w.wake();
+                }
+                self.ended.insert(id, sink);
+            }
+        }
+    }
+
+    /// Sends as much of stream `id`'s request as the windows allow; `true`
+    /// when all of it is out.
+    fn send_data(&mut self, id: u32) -> bool {
+        let Some(s) = self.streams.get_mut(&id) else {
+            return true;
+        };
+        loop {
+            if s.unsent.is_empty() && !s.end {
+                return true;
+            }
+            let room = self.send_window.min(s.send_window).max(0) as usize;
+            let n = s.unsent.len().min(room).min(self.max_frame);
+            if n == 0 && !s.unsent.is_empty() {
+                return false;
+            }
+            let chunk = s.unsent.split_to(n);
+            let last = s.unsent.is_empty();
+            let flags = if last && s.end { END_STREAM } else { 0 };
+            put_head(&mut self.out, n, DATA, flags, id);
+            self.out.extend_from_slice(&chunk);
+            self.send_window -= n as i64;
+            s.send_window -= n as i64;
+            if last {
+                s.end = false;
+                return true;
+            }
+        }
+    }
+
+    /// Retries the streams waiting for window, oldest first.
+    fn unblock(&mut self) {
+        while let Some(&id) = self.blocked.front() {
+            if !self.send_data(id) {
+                return;
+            }
+            self.blocked.pop_front();
+        }
+    }
+
+    /// Handles one frame from the server.
+    fn on_frame(&mut self, shared: &Shared, f: Frame) -> Result<(), CallError> {
+        if let Some((id, _, _)) = &self.continuation {
+            if f.kind != CONTINUATION || f.stream != *id {
+                return Err(broken("a header block interrupted before its end"));
+            }
+        }
+        match f.kind {
+            DATA => self.on_data(shared, f),
+            HEADERS => {
+                let block = unpad(f.payload, f.flags, true)?;
+                self.on_block(shared, f.stream, f.flags, block)
+            }
+            CONTINUATION => {
+                let Some((id, flags, mut block)) = self.continuation.take() else {
+                    return Err(broken("CONTINUATION without HEADERS"));
+                };
+                block.extend_from_slice(&f.payload);
+                if block.len() > MAX_HEADER_BLOCK {
+                    return Err(broken("a header block over 64 KiB"));
+                }
+                if f.flags & END_HEADERS == 0 {
+                    self.continuation = Some((id, flags, block));
+                    return Ok(());
+                }
+                self.on_block(shared, id, flags | END_HEADERS, block.freeze())
+            }
+            RST_STREAM => {
+                let code = payload_u32(&f.payload)?;
+                self.close(shared, f.stream, Err(CallError::Reset(code)));
+                Ok(())
+            }
+            SETTINGS => self.on_settings(shared, &f),
+            PING if f.flags & ACK == 0 => {
+                if f.payload.len() != 8 {
+                    return Err(broken("a PING that is not 8 bytes"));
+                }
+                put_head(&mut self.out, 8, PING, ACK, 0);
+                self.out.extend_from_slice(&f.payload);
+                Ok(())
+            }
+            GOAWAY => {
+                let last = payload_u32(&f.payload)? & 0x7fff_ffff;
+                let e = broken(format!(
+                    "the server sent GOAWAY (error code {:#x})",
+                    f.payload
+                        .get(4..8)
+                        .map_or(0, |c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
+                ));
+                let unprocessed: Vec<u32> = self
+                    .streams
+                    .keys()
+                    .copied()
+                    .filter(|&id| id > last)
+                    .collect();
+                for id in unprocessed {
+                    self.close(shared, id, Err(e.clone()));
+                }
+                if self.failed.is_none() {
+                    self.failed = Some(e);
+                }
+                Ok(())
+            }
+            WINDOW_UPDATE => {
+                let inc = i64::from(payload_u32(&f.payload)? & 0x7fff_ffff);
+                if f.stream == 0 {
+                    self.send_window += inc;
+                    if self.send_window > MAX_WINDOW {
+                        return Err(broken("the connection window overflowed"));
+                    }
+                } else if let Some(s) = self.streams.get_mut(&f.stream) {
+                    s.send_window += inc;
+                }
+                self.unblock();
+                Ok(())
+            }
+            PUSH_PROMISE => Err(broken("PUSH_PROMISE although push is disabled")),
+            // PRIORITY, PING acks and unknown types carry nothing for us.
+            _ => Ok(()),
+        }
+    }
+
+    fn on_settings(&mut self, shared: &Shared, f: &Frame) -> Result<(), CallError> {
+        if f.flags & ACK != 0 {
+            return Ok(());
+        }
+        if f.payload.len() % 6 != 0 {
+            return Err(broken(
+                "a SETTINGS frame whose length is not a multiple of 6",
+            ));
+        }
+        for entry in f.payload.chunks_exact(6) {
+            let id = u16::from_be_bytes([entry[0], entry[1]]);
+            let value = u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]);
+            match id {
+                SETTINGS_INITIAL_WINDOW_SIZE => {
+                    let value = i64::from(value);
+                    if value > MAX_WINDOW {
+                        return Err(broken("SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1"));
+                    }
+                    let delta = value - self.initial_window;
+                    self.initial_window = value;
+                    for s in self.streams.values_mut() {
+                        s.send_window += delta;
+                    }
+                }
+                SETTINGS_MAX_FRAME_SIZE => {
+                    if !(16_384..=16_777_215).contains(&value) {
+                        return Err(broken("SETTINGS_MAX_FRAME_SIZE out of range"));
+                    }
+                    self.max_frame = value as usize;
+                }
+                SETTINGS_MAX_CONCURRENT_STREAMS => {
+                    let want = value.min(UNLIMITED_STREAMS);
+                    if want > self.max_streams {
+                        shared.slots.add_permits((want - self.max_streams) as usize);
+                    } else {
+                        // Taken back as streams end, if not free now.
+                        let _ = shared
+                            .slots
+                            .forget_permits((self.max_streams - want) as usize);
+                    }
+                    self.max_streams = want;
+                }
+                _ => {}
+            }
+        }
+        put_head(&mut self.out, 0, SETTINGS, ACK, 0);
+        self.unblock();
+        Ok(())
+    }
+
+    fn on_data(&mut self, shared: &Shared, f: Frame) -> Result<(), CallError> {
+        // Flow control counts the whole payload, padding included; the
+        // connection's share is given back at once (each stream's window
+        // bounds what it buffers).
+        let len = f.payload.len() as u32;
+        self.recv_unreturned += len;
+        if self.recv_unreturned >= CONN_WINDOW / 2 {
+            put_window_update(&mut self.out, 0, self.recv_unreturned);
+            self.recv_unreturned = 0;
+        }
+        let data = unpad(f.payload, f.flags, false)?;
+        let id = f.stream;
+        let Some(s) = self.streams.get_mut(&id) else {
+            // A stream already ended here (reset, failed): drop its data.
+            return Ok(());
+        };
+        if !s.got_head {
+            self.reset(
+                shared,
+                id,
+                CallError::Malformed("DATA before the answer's head".into()),
+            );
+            return Ok(());
+        }
+        s.data.extend_from_slice(&data);
+        match &mut s.sink {
+            Sink::Unary(_) => {
+                if len > 0 {
+                    put_window_update(&mut self.out, id, len);
+                }
+                if s.data.len() > PREFIX + MAX_MESSAGE {
+                    self.reset(
+                        shared,
+                        id,
+                        CallError::Malformed("an answer over 16 MiB".into()),
+                    );
+                    return Ok(());
+                }
+            }
+            Sink::Stream(sink) => {
+                // The stream's window comes back as messages are taken.
+                loop {
+                    match grpc_frame::message_len(&s.data, MAX_MESSAGE) {
+                        Ok(Some(n)) if s.data.len() >= PREFIX + n => {
+                            let mut m = s.data.split_to(PREFIX + n);
+                            m.advance(PREFIX);
+                            sink.messages.push_back(m.freeze());
+                        }
+                        Ok(_) => break,
+                        Err(e) => {
+                            self.reset(shared, id, CallError::Malformed(e.to_string()));
+                            return Ok(());
+                        }
+                    }
+                }
+                if let Some(w) = sink.waker.take() {
+                    w.wake();
+                }
+            }
+        }
+        if f.flags & END_STREAM != 0 {
+            self.close(
+                shared,
+                id,
+                Err(CallError::Malformed(
+                    "the answer ended without trailers".into(),
+                )),
+            );
+        }
+        Ok(())
+    }
+
+    /// Ends stream `id` with `e` and tells the server to drop it.
+    fn reset(&mut self, shared: &Shared, id: u32, e: CallError) {
+        put_reset(&mut self.out, id, CANCEL);
+        self.close(shared, id, Err(e));
+    }
+
+    fn on_block(
+        &mut self,
+        shared: &Shared,
+        id: u32,
+        flags: u8,
+        block: Bytes,
+    ) -> Result<(), CallError> {
+        if flags & END_HEADERS == 0 {
+            self.continuation = Some((id, flags, BytesMut::from(&block[..])));
+            return Ok(());
+        }
+        // Every block is decoded, even for a stream gone here, to keep the
+        // dynamic table in step with the server's encoder.
+        let mut head = Head::default();
+        self.decoder
+            .decode_with_cb(&block, |name, value| match &*name {
+                b":status" => head.status = Some(value.into_owned()),
+                b"grpc-status" => head.grpc_status = Some(value.into_owned()),
+                b"grpc-message" => head.grpc_message = Some(value.into_owned()),
+                _ => {}
+            })
+            .map_err(|e| broken(format!("undecodable header block: {e:?}")))?;
+        let end = flags & END_STREAM != 0;
+        let Some(s) = self.streams.get_mut(&id) else {
+            return Ok(());
+        };
+        if !s.got_head {
+            s.got_head = true;
+            if head.status.as_deref() != Some(b"200") {
+                let status = head
+                    .status
+                    .map(|v| String::from_utf8_lossy(&v).into_owned())
+                    .unwrap_or_default();
+                let e = CallError::Malformed(format!("HTTP status {status}"));
+                if end {
+                    self.close(shared, id, Err(e));
+                } else {
+                    self.reset(shared, id, e);
+                }
+                return Ok(());
+            }
+            if !end {
+                if let Sink::Stream(sink) = &mut s.sink {
+                    if let Some(tx) = sink.head.take() {
+                        let _ = tx.send(Ok(()));
+                    }
+                }
+                return Ok(());
+            }
+            // Trailers-only: the head carries the status.
+            let result = head.grpc().and_then(|()| match s.sink {
+                Sink::Unary(_) => Err(CallError::Malformed(
+                    "a unary answer without a message".into(),
+                )),
+                Sink::Stream(_) => Ok(Bytes::new()),
+            });
+            self.close(shared, id, result);
+            return Ok(());
+        }
+        if !end {
+            self.reset(
+                shared,
+                id,
+                CallError::Malformed("trailers that do not end the stream".into()),
+            );
+            return Ok(());
+        }
+        let result = head.grpc().and_then(|()| match s.sink {
+            Sink::Unary(_) => whole_message(&s.data),
+            Sink::Stream(_) if s.data.is_empty() => Ok(Bytes::new()),
+            Sink::Stream(_) => Err(CallError::Malformed(
+                "the stream ended inside a message".into(),
+            )),
+        });
+        self.close(shared, id, result);
+        Ok(())
+    }
+}
+
+/// A unary answer's body: exactly one gRPC message.
+fn whole_message(data: &BytesMut) -> Result<Bytes, CallError> {
+    match grpc_frame::message_len(data, MAX_MESSAGE) {
+        Ok(Some(n)) if data.len() == PREFIX + n => Ok(Bytes::copy_from_slice(&data[PREFIX..])),
+        Ok(Some(_)) => Err(CallError::Malformed(
+            "a unary answer that is not exactly one message".into(),
+        )),
+        Ok(None) if data.is_empty() => Err(CallError::Malformed(
+            "a unary answer without a message".into(),
+        )),
+        Ok(None) => Err(CallError::Malformed(
+            "the answer ended inside a message".into(),
+        )),
+        Err(e) => Err(CallError::Malformed(e.to_string())),
+    }
+}
+
+fn payload_u32(p: &Bytes) -> Result<u32, CallError> {
+    match p.get(..4) {
+        Some(b) => Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]])),
+        None => Err(broken("a frame too short for its fields")),
+    }
+}
+
+// ---------------------------------------------------------- connection --
+
+/// Aborts the connection's tasks when the last handle goes.
+struct Tasks(JoinHandle<()>, JoinHandle<()>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        self.0.abort();
+        self.1.abort();
+    }
+}
+
+/// One HTTP/2 connection; cheap to clone (clones share it). The
+/// connection closes when the last clone (and [`ServerStream`]) is gone.
+#[derive(Clone)]
+pub(crate) struct Conn {
+    shared: Arc<Shared>,
+    _tasks: Arc<Tasks>,
+}
+
+impl Conn {
+    /// Connects to `authority` (`host:port`), exchanges the preface and
+    /// SETTINGS, and starts the connection's reader and writer tasks on the
+    /// current runtime.
+    pub(crate) async fn connect(authority: &str) -> Result<Self, String> {
+        let mut tcp = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(authority))
+            .await
+            .map_err(|_| "connect timed out".to_owned())?
+            .map_err(|e| e.to_string())?;
+        let _ = tcp.set_nodelay(true);
+        let mut hello = BytesMut::from(PREFACE);
+        put_head(&mut hello, 12, SETTINGS, 0, 0);
+        hello.put_u16(SETTINGS_ENABLE_PUSH);
+        hello.put_u32(0);
+        hello.put_u16(SETTINGS_INITIAL_WINDOW_SIZE);
+        hello.put_u32(STREAM_WINDOW);
+        put_window_update(&mut hello, 0, CONN_WINDOW - DEFAULT_WINDOW as u32);
+        tcp.write_all(&hello)
+            .await
+            .map_err(|e| format!("HTTP/2 preface: {e}"))?;
+        let mut decoder = loona_hpack::Decoder::new();
+        decoder.set_max_allowed_table_size(HEADER_TABLE_SIZE);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                out: BytesMut::with_capacity(64 * 1024),
+                next_id: 1,
+                streams: HashMap::default(),
+                send_window: DEFAULT_WINDOW,
+                initial_window: DEFAULT_WINDOW,
+                max_frame: DEFAULT_MAX_FRAME,
+                max_streams: 0,
+                blocked: VecDeque::new(),
+                recv_unreturned: 0,
+                decoder,
+                continuation: None,
+                ended: HashMap::default(),
+                failed: None,
+            }),
+            writer: Notify::new(),
+            slots: Semaphore::new(0),
+        });
+        // The server's preface is its SETTINGS frame; streams open once its
+        // limits are known.
+        let mut buf = BytesMut::with_capacity(64 * 1024);
+        let first = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if let Some(f) = next_frame(&mut buf).map_err(|e| {
+                    format!("the server's first bytes are not HTTP/2 (is it a gRPC port?): {e}")
+                })? {
+                    return Ok::<Frame, String>(f);
+                }
+                if tcp.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
+                    return Err("the server closed the connection during the handshake".into());
+                }
+            }
+        })
+        .await
+        .map_err(|_| "HTTP/2 handshake timed out".to_owned())??;
+        if first.kind != SETTINGS || first.flags & ACK != 0 {
+            return Err("the server's first frame is not SETTINGS (is it a gRPC port?)".into());
+        }
+        {
+            let mut st = shared.state.lock();
+            st.on_settings(&shared, &first).map_err(|e| e.to_string())?;
+            if st.max_streams == 0
+                && !first
+                    .payload
+                    .chunks_exact(6)
+                    .any(|e| u16::from_be_bytes([e[0], e[1]]) == SETTINGS_MAX_CONCURRENT_STREAMS)
+            {
+                st.max_streams = UNLIMITED_STREAMS;
+                shared.slots.add_permits(UNLIMITED_STREAMS as usize);
+            }
+        }
+        let (rd, wr) = tcp.into_split();
+        let reader = tokio::spawn(read_loop(shared.clone(), rd, buf));
+        let writer = tokio::spawn(write_loop(shared.clone(), wr));
+        shared.writer.notify_one();
+        Ok(Self {
+            shared,
+            _tasks: Arc::new(Tasks(reader, writer)),
+        })
+    }
+
+    /// Opens a stream with header block `block` and sends `message` (already
+    /// gRPC-framed) on it, ending the request if `end`.
+    async fn open(
+        &self,
+        block: &Bytes,
+        message: Bytes,
+        end: bool,
+        sink: Sink,
+    ) -> Result<u32, CallError> {
+        let permit = self.shared.slots.acquire().await.map_err(|_| {
+            self.shared
+                .state
+                .lock()
+                .failed
+                .clone()
+                .unwrap_or_else(|| broken("closed"))
+        })?;
+        permit.forget();
+        let mut st = self.shared.state.lock();
+        if let Some(e) = &st.failed {
+            let e = e.clone();
+            drop(st);
+            self.shared.slots.add_permits(1);
+            return Err(e);
+        }
+        let id = st.next_id;
+        if id > 0x7fff_ffff {
+            drop(st);
+            self.shared.slots.add_permits(1);
+            return Err(broken("stream ids used up; open a new connection"));
+        }
+        st.next_id += 2;
+        let was_empty = st.out.is_empty();
+        put_head(&mut st.out, block.len(), HEADERS, END_HEADERS, id);
+        st.out.extend_from_slice(block);
+        let send_window = st.initial_window;
+        st.streams.insert(
+            id,
+            Stream {
+                send_window,
+                unsent: message,
+                end,
+                got_head: false,
+                data: BytesMut::new(),
+                sink,
+            },
+        );
+        if !st.send_data(id) {
+            st.blocked.push_back(id);
+        }
+        drop(st);
+        if was_empty {
+            self.shared.writer.notify_one();
+        }
+        Ok(id)
+    }
+
+    /// One unary call: `message` (gRPC-framed) to the method in `block`;
+    /// the answer's message, unframed.
+    pub(crate) async fn unary(&self, block: &Bytes, message: Bytes) -> Result<Bytes, CallError> {
+        let (tx, rx) = oneshot::channel();
+        self.open(block, message, true, Sink::Unary(tx)).await?;
+        rx.await.unwrap_or_else(|_| Err(broken("closed")))
+    }
+
+    /// Opens a server stream with `message` (gRPC-framed) and waits for the
+    /// answer's head; the request side stays open until the returned
+    /// stream is dropped.
+    pub(crate) async fn server_stream(
+        &self,
+        block: &Bytes,
+        message: Bytes,
+    ) -> Result<ServerStream, CallError> {
+        let (tx, rx) = oneshot::channel();
+        let sink = StreamSink {
+            head: Some(tx),
+            ..StreamSink::default()
+        };
+        let id = self.open(block, message, false, Sink::Stream(sink)).await?;
+        let stream = ServerStream {
+            conn: self.clone(),
+            id,
+        };
+        rx.await.unwrap_or_else(|_| Err(broken("closed")))?;
+        Ok(stream)
+    }
+}
+
+async fn read_loop(shared: Arc<Shared>, mut rd: tokio::net::tcp::OwnedReadHalf, mut buf: BytesMut) {
+    loop {
+        let wake = {
+            let mut st = shared.state.lock();
+            let was_empty = st.out.is_empty();
+            loop {
+                match next_frame(&mut buf) {
+                    Ok(Some(f)) => {
+                        if let Err(e) = st.on_frame(&shared, f) {
+                            st.fail(e);
+                            shared.slots.close();
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        st.fail(e);
+                        shared.slots.close();
+                        break;
+                    }
+                }
+            }
+            if st.failed.is_some() && st.streams.is_empty() && st.out.is_empty() {
+                return;
+            }
+            was_empty && !st.out.is_empty()
+        };
+        if wake {
+            shared.writer.notify_one();
+        }
+        if buf.capacity() - buf.len() < 16 * 1024 {
+            buf.reserve(64 * 1024);
+        }
+        let read = rd.read_buf(&mut buf).await;
+        let e = match read {
+            Ok(0) => broken("the server closed the connection"),
+            Ok(_) => continue,
+            Err(e) => broken(e.to_string()),
+        };
+        shared.state.lock().fail(e);
+        shared.slots.close();
+        shared.writer.notify_one();
+        return;
+    }
+}
+
+async fn write_loop(shared: Arc<Shared>, mut wr: tokio::net::tcp::OwnedWriteHalf) {
+    let mut spare = BytesMut::with_capacity(64 * 1024);
+    loop {
+        let (empty, failed) = {
+            let st = shared.state.lock();
+            (st.out.is_empty(), st.failed.is_some())
+        };
+        if empty {
+            if failed {
+                return;
+            }
+            shared.writer.notified().await;
+            continue;
+        }
+        // Let the other ready tasks (callers woken by the same read) add
+        // their frames first, so they share this write.
+        tokio::task::yield_now().await;
+        let mut chunk = std::mem::replace(&mut shared.state.lock().out, spare);
+        if let Err(e) = wr.write_all(&chunk).await {
+            shared.state.lock().fail(broken(e.to_string()));
+            shared.slots.close();
+            return;
+        }
+        chunk.clear();
+        spare = chunk;
+    }
+}
+
+/// The answer messages of a server stream; dropping it resets the stream.
+pub(crate) struct ServerStream {
+    conn: Conn,
+    id: u32,
+}
+
+impl ServerStream {
+    /// The next message; `Ok(None)` once the server ended the stream with
+    /// `grpc-status` 0.
+    pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, CallError> {
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    fn poll_next(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<Option<Bytes>, CallError>> {
+        use std::task::Poll;
+        let shared = &self.conn.shared;
+        let mut st = shared.state.lock();
+        if let Some(s) = st.streams.get_mut(&self.id) {
+            let Sink::Stream(sink) = &mut s.sink else {
+                return Poll::Ready(Err(broken("not a server stream")));
+            };
+            let Some(m) = sink.messages.pop_front() else {
+                sink.waker = Some(cx.waker().clone());
+                return Poll::Pending;
+            };
+            // The stream's window comes back as its messages are taken.
+            let was_empty = st.out.is_empty();
+            put_window_update(&mut st.out, self.id, (PREFIX + m.len()) as u32);
+            drop(st);
+            if was_empty {
+                shared.writer.notify_one();
+            }
+            return Poll::Ready(Ok(Some(m)));
+        }
+        let Some(sink) = st.ended.get_mut(&self.id) else {
+            return Poll::Ready(Ok(None));
+        };
+        if let Some(m) = sink.messages.pop_front() {
+            return Poll::Ready(Ok(Some(m)));
+        }
+        let end = st.ended.remove(&self.id).and_then(|s| s.end);
+        Poll::Ready(match end {
+            Some(Err(e)) => Err(e),
+            Some(Ok(())) | None => Ok(None),
+        })
+    }
+}
+
+impl Drop for ServerStream {
+    fn drop(&mut self) {
+        let shared = &self.conn.shared;
+        let mut st = shared.state.lock();
+        if st.streams.contains_key(&self.id) {
+            let was_empty = st.out.is_empty();
+            put_reset(&mut st.out, self.id, CANCEL);
+            st.close(shared, self.id, Ok(Bytes::new()));
+            drop(st);
+            if was_empty {
+                shared.writer.notify_one();
+            }
+            st = shared.state.lock();
+        }
+        st.ended.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{HeaderMap, HeaderValue, Response};
+
+    fn framed(body: &[u8]) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u8(0);
+        b.put_u32(body.len() as u32);
+        b.extend_from_slice(body);
+        b.freeze()
+    }
+
+    #[test]
+    fn the_request_block_decodes_to_the_grpc_headers_in_order() {
+        // A path over 127 bytes makes its length a multi-byte integer.
+        let path = format!("/{}/Call", "S".repeat(200));
+        let block = request_block(
+            "127.0.0.1:8090",
+            &path,
+            &[
+                ("user-agent", "grpc-java-netty/1.44.1"),
+                ("grpc-accept-encoding", "gzip"),
+            ],
+        );
+        let mut d = loona_hpack::Decoder::new();
+        let got: Vec<(String, String)> = d
+            .decode(&block)
+            .unwrap()
+            .into_iter()
+            .map(|(n, v)| (String::from_utf8(n).unwrap(), String::from_utf8(v).unwrap()))
+            .collect();
+        let want = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path.as_str()),
+            (":authority", "127.0.0.1:8090"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            ("user-agent", "grpc-java-netty/1.44.1"),
+            ("grpc-accept-encoding", "gzip"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(n, v)| ((*n).into(), (*v).into()))
+            .collect();
+        assert_eq!(got, want);
+        // Nothing entered the server's dynamic table: decoding it again
+        // from a fresh decoder gives the same fields.
+        assert_eq!(loona_hpack::Decoder::new().decode(&block).unwrap().len(), 8);
+    }
+
+    #[test]
+    fn frames_are_cut_whole_and_oversized_ones_refused() {
+        let mut buf = BytesMut::new();
+        put_head(&mut buf, 3, DATA, END_STREAM, 5);
+        buf.extend_from_slice(b"abc");
+        put_head(&mut buf, 2, PING, 0, 0);
+        buf.extend_from_slice(b"x");
+        let f = next_frame(&mut buf).unwrap().unwrap();
+        assert_eq!(
+            (f.kind, f.flags, f.stream, &f.payload[..]),
+            (DATA, END_STREAM, 5, &b"abc"[..])
+        );
+        // The second frame is one byte short.
+        assert!(next_frame(&mut buf).unwrap().is_none());
+        let mut big = BytesMut::new();
+        put_head(&mut big, DEFAULT_MAX_FRAME + 1, DATA, 0, 1);
+        assert!(matches!(
+            next_frame(&mut big),
+            Err(CallError::Connection(_))
+        ));
+    }
+
+    #[test]
+    fn padding_and_priority_are_stripped() {
+        let mut p = BytesMut::new();
+        p.put_u8(2); // pad length
+        p.extend_from_slice(&[0, 0, 0, 1, 16]); // priority
+        p.extend_from_slice(b"block");
+        p.extend_from_slice(&[0, 0]);
+        let got = unpad(p.freeze(), PADDED | PRIORITY, true).unwrap();
+        assert_eq!(&got[..], b"block");
+        let bad = Bytes::from_static(&[9, 1, 2]);
+        assert!(unpad(bad, PADDED, false).is_err());
+    }
+
+    /// What the test server answers a call with.
+    #[derive(Clone, Copy)]
+    enum Answer {
+        /// The request's message back, in DATA frames of 3 bytes.
+        Echo,
+        /// A trailers-only answer with grpc-status 5.
+        NotFound,
+        /// Three messages in one DATA frame, then grpc-status 0.
+        Stream,
+        /// HTTP 503 without gRPC headers.
+        Http503,
+    }
+
+    /// An `h2` server on a free loopback port answering every call with
+    /// `answer`, with a small initial window and two streams at most.
+    async fn server(answer: Answer) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut conn = h2::server::Builder::new()
+                        .initial_window_size(1_000)
+                        .max_concurrent_streams(2)
+                        .handshake::<_, Bytes>(tcp)
+                        .await
+                        .unwrap();
+                    while let Some(Ok((req, mut respond))) = conn.accept().await {
+                        tokio::spawn(async move {
+                            let mut body = req.into_body();
+                            let mut got = BytesMut::new();
+                            while let Some(Ok(chunk)) = body.data().await {
+                                let _ = body.flow_control().release_capacity(chunk.len());
+                                got.extend_from_slice(&chunk);
+                                if matches!(answer, Answer::Stream) {
+                                    break;
+                                }
+                            }
+                            let mut trailers = HeaderMap::new();
+                            trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                            match answer {
+                                Answer::Echo => {
+                                    let head = Response::builder()
+                                        .header("content-type", "application/grpc")
+                                        .body(())
+                                        .unwrap();
+                                    let mut s = respond.send_response(head, false).unwrap();
+                                    for piece in got.chunks(3) {
+                                        s.send_data(Bytes::copy_from_slice(piece), false).unwrap();
+                                    }
+                                    s.send_trailers(trailers).unwrap();
+                                }
+                                Answer::Stream => {
+                                    let head = Response::builder().body(()).unwrap();
+                                    let mut s = respond.send_response(head, false).unwrap();
+                                    let mut all = BytesMut::new();
+                                    for m in [&b"one"[..], b"two", b"three"] {
+                                        all.extend_from_slice(&framed(m));
+                                    }
+                                    s.send_data(all.freeze(), false).unwrap();
+                                    s.send_trailers(trailers).unwrap();
+                                }
+                                Answer::NotFound => {
+                                    let head = Response::builder()
+                                        .header("grpc-status", "5")
+                                        .header("grpc-message", "no such saga")
+                                        .body(())
+                                        .unwrap();
+                                    respond.send_response(head, true).unwrap();
+                                }
+                                Answer::Http503 => {
+                                    let head = Response::builder().status(503).body(()).unwrap();
+                                    respond.send_response(head, true).unwrap();
+                                }
+                            }
+                        });
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    fn block(addr: &str) -> Bytes {
+        request_block(addr, "/Test/Call", &[])
+    }
+
+    #[tokio::test]
+    async fn unary_calls_beyond_the_window_and_the_stream_limit_all_complete() {
+        let addr = server(Answer::Echo).await;
+        let conn = Conn::connect(&addr).await.unwrap();
+        let b = block(&addr);
+        // 2,500-byte messages against a 1,000-byte stream window, 20 calls
+        // against a limit of 2 streams: calls wait for window and slots.
+        let calls = (0..20u8).map(|i| {
+            let (conn, b) = (conn.clone(), b.clone());
+            async move {
+                let body = vec![i; 2_500];
+                let got = conn.unary(&b, framed(&body)).await.unwrap();
+                assert_eq!(&got[..], &body[..]);
+            }
+        });
+        futures::future::join_all(calls).await;
+        // Small ones too (one frame each way).
+        let got = conn.unary(&b, framed(b"hi")).await.unwrap();
+        assert_eq!(&got[..], b"hi");
+    }
+
+    #[tokio::test]
+    async fn statuses_and_http_errors_fail_only_their_call() {
+        let addr = server(Answer::NotFound).await;
+        let conn = Conn::connect(&addr).await.unwrap();
+        match conn.unary(&block(&addr), framed(b"x")).await {
+            Err(CallError::Status { code, message }) => {
+                assert_eq!((code.as_str(), message.as_str()), ("5", "no such saga"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let addr = server(Answer::Http503).await;
+        let conn = Conn::connect(&addr).await.unwrap();
+        for _ in 0..3 {
+            match conn.unary(&block(&addr), framed(b"x")).await {
+                Err(CallError::Malformed(m)) => assert!(m.contains("503"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_server_stream_yields_every_message_then_its_end() {
+        let addr = server(Answer::Stream).await;
+        let conn = Conn::connect(&addr).await.unwrap();
+        let mut s = conn
+            .server_stream(&block(&addr), framed(b"hello"))
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        while let Some(m) = s.next().await.unwrap() {
+            got.push(m);
+        }
+        assert_eq!(got, [&b"one"[..], b"two", b"three"]);
+        // Closing a stream hands its slot back: the limit is 2.
+        drop(s);
+        for _ in 0..3 {
+            let mut s = conn
+                .server_stream(&block(&addr), framed(b"again"))
+                .await
+                .unwrap();
+            assert_eq!(&s.next().await.unwrap().unwrap()[..], b"one");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_closed_connection_fails_pending_and_later_calls() {
+        // A server that does the handshake, takes one request, and hangs up.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut conn = h2::server::handshake(tcp).await.unwrap();
+            let _first = conn.accept().await;
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let b = block(&addr);
+        assert!(matches!(
+            conn.unary(&b, framed(b"x")).await,
+            Err(CallError::Connection(_))
+        ));
+        assert!(matches!(
+            conn.unary(&b, framed(b"y")).await,
+            Err(CallError::Connection(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_server_that_is_not_http2_is_refused_at_connect() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let _ = tcp.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await;
+        });
+        let e = Conn::connect(&addr).await.err().unwrap();
+        assert!(e.contains("not HTTP/2"), "{e}");
+    }
+}
