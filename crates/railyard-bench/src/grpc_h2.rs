@@ -287,6 +287,10 @@ struct Stream {
     /// Whether the request ends with `unsent`.
     end: bool,
     got_head: bool,
+    /// A unary answer's bytes received and not yet given back to the
+    /// stream's window (given back in halves of it, as `h2` does, so a
+    /// small answer costs no WINDOW_UPDATE).
+    recv_unreturned: u32,
     /// Answer bytes not yet split into messages.
     data: BytesMut,
     sink: Sink,
@@ -495,6 +499,8 @@ impl State {
                 if self.failed.is_none() {
                     self.failed = Some(e);
                 }
+                // Calls waiting for a stream slot fail now.
+                shared.slots.close();
                 Ok(())
             }
             WINDOW_UPDATE => {
@@ -593,8 +599,10 @@ impl State {
         s.data.extend_from_slice(&data);
         match &mut s.sink {
             Sink::Unary(_) => {
-                if len > 0 {
-                    put_window_update(&mut self.out, id, len);
+                s.recv_unreturned += len;
+                if s.recv_unreturned >= STREAM_WINDOW / 2 {
+                    put_window_update(&mut self.out, id, s.recv_unreturned);
+                    s.recv_unreturned = 0;
                 }
                 if s.data.len() > PREFIX + MAX_MESSAGE {
                     self.reset(
@@ -894,6 +902,7 @@ impl Conn {
                 unsent: message,
                 end,
                 got_head: false,
+                recv_unreturned: 0,
                 data: BytesMut::new(),
                 sink,
             },
@@ -1216,7 +1225,10 @@ mod tests {
                                         .body(())
                                         .unwrap();
                                     let mut s = respond.send_response(head, false).unwrap();
-                                    for piece in got.chunks(3) {
+                                    // Small answers in 3-byte pieces, large
+                                    // ones in 16 KiB frames.
+                                    let piece = if got.len() < 100 { 3 } else { 16_384 };
+                                    for piece in got.chunks(piece) {
                                         s.send_data(Bytes::copy_from_slice(piece), false).unwrap();
                                     }
                                     s.send_trailers(trailers).unwrap();
@@ -1275,6 +1287,47 @@ mod tests {
         // Small ones too (one frame each way).
         let got = conn.unary(&b, framed(b"hi")).await.unwrap();
         assert_eq!(&got[..], b"hi");
+        // An answer larger than this client's 2 MiB stream window: the
+        // server can only finish once the window is given back.
+        let big: Vec<u8> = (0..3 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+        let got = conn.unary(&b, framed(&big)).await.unwrap();
+        assert_eq!(got.len(), big.len());
+        assert!(got[..] == big[..]);
+    }
+
+    #[tokio::test]
+    async fn goaway_fails_new_calls_instead_of_leaving_them_waiting() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut conn = h2::server::Builder::new()
+                .max_concurrent_streams(1)
+                .handshake::<_, Bytes>(tcp)
+                .await
+                .unwrap();
+            // Takes one stream and never answers it, then says GOAWAY.
+            let held = conn.accept().await;
+            conn.graceful_shutdown();
+            let _held = held;
+            while conn.accept().await.is_some() {}
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let b = block(&addr);
+        // The first call takes the only slot; the second waits for one.
+        let first = tokio::spawn({
+            let (conn, b) = (conn.clone(), b.clone());
+            async move { conn.unary(&b, framed(b"1")).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let second = tokio::time::timeout(Duration::from_secs(5), conn.unary(&b, framed(b"2")))
+            .await
+            .expect("a call waiting for a slot must fail once the server says GOAWAY");
+        assert!(
+            matches!(second, Err(CallError::Connection(_))),
+            "{second:?}"
+        );
+        first.abort();
     }
 
     #[tokio::test]
