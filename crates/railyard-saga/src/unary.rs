@@ -261,37 +261,20 @@ mod tests {
         assert_eq!(GrpcTxEvent::decode(got).unwrap(), big);
     }
 
+    /// Reads `parts` as a body and checks the status it fails with.
+    async fn fails_with(parts: Vec<Vec<u8>>, code: tonic::Code, text: &str) {
+        let e = read_message(chunks(parts), MAX_MESSAGE).await.unwrap_err();
+        assert_eq!(e.code(), code, "{}", e.message());
+        assert!(e.message().contains(text), "{}", e.message());
+    }
+
     #[tokio::test]
     async fn bad_bodies_get_typed_statuses() {
-        let empty = read_message(chunks(vec![]), MAX_MESSAGE).await.unwrap_err();
-        assert_eq!(empty.code(), tonic::Code::Internal);
-        assert!(
-            empty.message().contains("no message"),
-            "{}",
-            empty.message()
-        );
-
+        fails_with(vec![], tonic::Code::Internal, "no message").await;
         let mut short = framed(0, b"0123456789");
         short.truncate(8);
-        let short = read_message(chunks(vec![short]), MAX_MESSAGE)
-            .await
-            .unwrap_err();
-        assert_eq!(short.code(), tonic::Code::Internal);
-        assert!(
-            short.message().contains("ended inside"),
-            "{}",
-            short.message()
-        );
-
-        let compressed = read_message(chunks(vec![framed(1, b"xx")]), MAX_MESSAGE)
-            .await
-            .unwrap_err();
-        assert_eq!(compressed.code(), tonic::Code::Internal);
-        assert!(
-            compressed.message().contains("compressed"),
-            "{}",
-            compressed.message()
-        );
+        fails_with(vec![short], tonic::Code::Internal, "ended inside").await;
+        fails_with(vec![framed(1, b"xx")], tonic::Code::Internal, "compressed").await;
 
         // Refused from the prefix alone, before the message is read.
         let mut big = vec![0];
