@@ -308,6 +308,9 @@ struct State {
     max_frame: usize,
     /// Stream slots handed to the semaphore so far.
     max_streams: u32,
+    /// Slots to keep when streams end instead of handing them back: what a
+    /// lowered limit could not take from the free slots at once.
+    slots_owed: u32,
     /// Streams with request bytes waiting for window, oldest first.
     blocked: VecDeque<u32>,
     /// Connection-level bytes received and not yet given back.
@@ -343,6 +346,7 @@ impl Shared {
                 initial_window: DEFAULT_WINDOW,
                 max_frame: DEFAULT_MAX_FRAME,
                 max_streams: UNLIMITED_STREAMS,
+                slots_owed: 0,
                 blocked: VecDeque::new(),
                 recv_unreturned: 0,
                 decoder,
@@ -402,7 +406,11 @@ impl State {
     fn close(&mut self, shared: &Shared, id: u32, result: Result<Bytes, CallError>) {
         if let Some(s) = self.streams.remove(&id) {
             self.finish(id, s.sink, result);
-            shared.slots.add_permits(1);
+            if self.slots_owed > 0 {
+                self.slots_owed -= 1;
+            } else {
+                shared.slots.add_permits(1);
+            }
         }
     }
 
@@ -584,12 +592,15 @@ impl State {
                 SETTINGS_MAX_CONCURRENT_STREAMS => {
                     let want = value.min(UNLIMITED_STREAMS);
                     if want > self.max_streams {
-                        shared.slots.add_permits((want - self.max_streams) as usize);
+                        let more = want - self.max_streams;
+                        let cancelled = more.min(self.slots_owed);
+                        self.slots_owed -= cancelled;
+                        shared.slots.add_permits((more - cancelled) as usize);
                     } else {
-                        // Taken back as streams end, if not free now.
-                        let _ = shared
-                            .slots
-                            .forget_permits((self.max_streams - want) as usize);
+                        // Free slots go now; the rest as streams end.
+                        let fewer = (self.max_streams - want) as usize;
+                        let taken = shared.slots.forget_permits(fewer);
+                        self.slots_owed += (fewer - taken) as u32;
                     }
                     self.max_streams = want;
                 }
@@ -1174,6 +1185,55 @@ mod tests {
         assert_eq!(&got[..], b"block");
         let bad = Bytes::from_static(&[9, 1, 2]);
         assert!(unpad(bad, PADDED, false).is_err());
+    }
+
+    fn max_streams(n: u32) -> Frame {
+        let mut p = BytesMut::new();
+        p.put_u16(SETTINGS_MAX_CONCURRENT_STREAMS);
+        p.put_u32(n);
+        Frame {
+            kind: SETTINGS,
+            flags: 0,
+            stream: 0,
+            payload: p.freeze(),
+        }
+    }
+
+    #[test]
+    fn a_lowered_stream_limit_holds_while_streams_are_open() {
+        let shared = Shared::new();
+        let mut st = shared.state.lock();
+        st.on_settings(&shared, &max_streams(4)).unwrap();
+        assert_eq!(shared.slots.available_permits(), 4);
+        // Three streams open.
+        for id in [1, 3, 5] {
+            shared.slots.try_acquire().unwrap().forget();
+            let (tx, _rx) = oneshot::channel();
+            st.streams.insert(
+                id,
+                Stream {
+                    send_window: DEFAULT_WINDOW,
+                    unsent: Bytes::new(),
+                    end: false,
+                    got_head: true,
+                    recv_unreturned: 0,
+                    data: BytesMut::new(),
+                    sink: Sink::Unary(tx),
+                },
+            );
+        }
+        // The server lowers its limit to 1: the free slot goes at once,
+        // and no slot comes free until only one stream is left open.
+        st.on_settings(&shared, &max_streams(1)).unwrap();
+        assert_eq!(shared.slots.available_permits(), 0);
+        st.close(&shared, 1, Ok(Bytes::new()));
+        st.close(&shared, 3, Ok(Bytes::new()));
+        assert_eq!(shared.slots.available_permits(), 0);
+        st.close(&shared, 5, Ok(Bytes::new()));
+        assert_eq!(shared.slots.available_permits(), 1);
+        // Raised again to 3: the two slots come back.
+        st.on_settings(&shared, &max_streams(3)).unwrap();
+        assert_eq!(shared.slots.available_permits(), 3);
     }
 
     /// A listener on a free loopback port, and its address.
