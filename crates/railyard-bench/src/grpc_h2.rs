@@ -321,7 +321,11 @@ struct State {
     /// Server streams that ended, kept until their reader has taken their
     /// last messages and how they ended.
     ended: HashMap<u32, StreamSink, foldhash::fast::RandomState>,
+    /// The connection is dead: every stream failed, the writer stops.
     failed: Option<CallError>,
+    /// The server sent GOAWAY: no new stream, but the streams it will
+    /// still process run to their end, so reading and writing go on.
+    goaway: Option<CallError>,
 }
 
 struct Shared {
@@ -353,6 +357,7 @@ impl Shared {
                 continuation: None,
                 ended: HashMap::default(),
                 failed: None,
+                goaway: None,
             }),
             writer: Notify::new(),
             slots: Semaphore::new(UNLIMITED_STREAMS as usize),
@@ -389,6 +394,11 @@ impl Head {
 }
 
 impl State {
+    /// Why a new stream cannot be opened, if it cannot.
+    fn refusal(&self) -> Option<CallError> {
+        self.failed.as_ref().or(self.goaway.as_ref()).cloned()
+    }
+
     /// Fails every stream and every later call with `e`.
     fn fail(&mut self, e: CallError) {
         if self.failed.is_none() {
@@ -533,9 +543,7 @@ impl State {
                 for id in unprocessed {
                     self.close(shared, id, Err(e.clone()));
                 }
-                if self.failed.is_none() {
-                    self.failed = Some(e);
-                }
+                self.goaway.get_or_insert(e);
                 // Calls waiting for a stream slot fail now.
                 shared.slots.close();
                 Ok(())
@@ -884,15 +892,14 @@ impl Conn {
             self.shared
                 .state
                 .lock()
-                .failed
-                .clone()
+                .refusal()
                 .unwrap_or_else(|| broken("closed"))
         })?;
         // The permit goes back by itself on every early return; an opened
         // stream's slot is handed back by `State::close`.
         let mut st = self.shared.state.lock();
-        if let Some(e) = &st.failed {
-            return Err(e.clone());
+        if let Some(e) = st.refusal() {
+            return Err(e);
         }
         let id = st.next_id;
         if id > 0x7fff_ffff {
@@ -979,7 +986,16 @@ async fn read_loop(shared: Arc<Shared>, mut rd: tokio::net::tcp::OwnedReadHalf, 
                     }
                 }
             }
+            if st.failed.is_none() && st.streams.is_empty() {
+                // After a GOAWAY, the last stream's end ends the connection.
+                if let Some(e) = st.goaway.clone() {
+                    st.fail(e);
+                }
+            }
             if st.failed.is_some() && st.streams.is_empty() && st.out.is_empty() {
+                drop(st);
+                // The writer stops once it sees nothing left to write.
+                shared.writer.notify_one();
                 return;
             }
             was_empty && !st.out.is_empty()
@@ -1391,6 +1407,52 @@ mod tests {
             "{second:?}"
         );
         first.abort();
+    }
+
+    #[tokio::test]
+    async fn a_stream_the_server_still_processes_after_goaway_completes() {
+        let (listener, addr) = listen().await;
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut conn = h2::server::Builder::new()
+                .initial_window_size(1_000)
+                .handshake::<_, Bytes>(tcp)
+                .await
+                .unwrap();
+            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
+            // GOAWAY before the request body is read: the rest of it
+            // needs the window this side gives back afterwards, so the
+            // client must keep writing after the GOAWAY.
+            conn.graceful_shutdown();
+            tokio::spawn(async move {
+                let mut body = req.into_body();
+                let mut got = BytesMut::new();
+                while let Some(Ok(chunk)) = body.data().await {
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                    got.extend_from_slice(&chunk);
+                }
+                let head = Response::builder().body(()).unwrap();
+                let mut s = respond.send_response(head, false).unwrap();
+                s.send_data(got.freeze(), false).unwrap();
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                s.send_trailers(trailers).unwrap();
+            });
+            while conn.accept().await.is_some() {}
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let b = block(&addr);
+        let body = vec![7u8; 3_000];
+        let got = tokio::time::timeout(Duration::from_secs(5), conn.unary(&b, framed(&body)))
+            .await
+            .expect("a stream the server keeps after GOAWAY must finish")
+            .unwrap();
+        assert_eq!(&got[..], &body[..]);
+        // No new stream after the GOAWAY.
+        assert!(matches!(
+            conn.unary(&b, framed(b"x")).await,
+            Err(CallError::Connection(_))
+        ));
     }
 
     #[tokio::test]
