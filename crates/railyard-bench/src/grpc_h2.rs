@@ -25,7 +25,8 @@
 //! - answers: HEADERS (and CONTINUATION) blocks decoded in order, so the
 //!   dynamic table stays in step; DATA gathered per stream; `:status` 200
 //!   and `grpc-status` checked; RST_STREAM fails its call; GOAWAY fails the
-//!   streams it did not process and every later call;
+//!   streams it did not process and every later call, while the streams it
+//!   did run to their end (the connection closes after the last);
 //! - the connection: SETTINGS acknowledged and applied (initial window,
 //!   frame size, concurrent streams: calls beyond the server's limit wait),
 //!   PING answered, receive windows (2 MiB per stream, 5 MiB per connection,
@@ -128,19 +129,9 @@ fn broken(why: impl Into<String>) -> CallError {
 
 /// Appends an HPACK integer (RFC 7541 §5.1) with an `n`-bit prefix, the
 /// prefix byte's other bits set from `flags`.
-fn put_int(out: &mut Vec<u8>, mut value: usize, n: u8, flags: u8) {
-    let max = (1usize << n) - 1;
-    if value < max {
-        out.push(flags | value as u8);
-        return;
-    }
-    out.push(flags | max as u8);
-    value -= max;
-    while value >= 128 {
-        out.push((value % 128) as u8 | 0x80);
-        value /= 128;
-    }
-    out.push(value as u8);
+fn put_int(out: &mut Vec<u8>, value: usize, n: u8, flags: u8) {
+    // Cannot fail: it writes into a `Vec`.
+    let _ = loona_hpack::encoder::encode_integer_into(value, n, flags, out);
 }
 
 /// Appends a string literal without Huffman coding (RFC 7541 §5.2).
@@ -166,9 +157,8 @@ fn put_named(out: &mut Vec<u8>, name: &str, value: &str) {
 /// `extra` fields (lower-case names) after the required ones. It uses no
 /// dynamic table, so the same bytes serve every call.
 pub(crate) fn request_block(authority: &str, path: &str, extra: &[(&str, &str)]) -> Bytes {
-    // Static table (RFC 7541 Appendix A): 2 `:method: POST`... indexes
-    // used here: 1 :authority, 3 :method POST, 4 :path, 6 :scheme http,
-    // 31 content-type, 58 user-agent.
+    // Static-table indexes used (RFC 7541 Appendix A): 1 :authority,
+    // 3 :method POST, 4 :path, 6 :scheme http, 31 content-type.
     let mut out = Vec::with_capacity(128);
     out.push(0x80 | 3);
     out.push(0x80 | 6);
@@ -399,11 +389,13 @@ impl State {
         self.failed.as_ref().or(self.goaway.as_ref()).cloned()
     }
 
-    /// Fails every stream and every later call with `e`.
-    fn fail(&mut self, e: CallError) {
+    /// Fails every stream, every call waiting for a slot and every later
+    /// call with `e`.
+    fn fail(&mut self, shared: &Shared, e: CallError) {
         if self.failed.is_none() {
             self.failed = Some(e.clone());
         }
+        shared.slots.close();
         let streams: Vec<(u32, Stream)> = self.streams.drain().collect();
         for (id, s) in streams {
             self.finish(id, s.sink, Err(e.clone()));
@@ -622,7 +614,8 @@ impl State {
 
     fn on_data(&mut self, shared: &Shared, f: Frame) -> Result<(), CallError> {
         // Flow control counts the whole payload, padding included; the
-        // connection's share is given back at once (each stream's window
+        // connection's share is given back once half its window is used,
+        // whatever the streams do with their data (each stream's window
         // bounds what it buffers).
         let len = f.payload.len() as u32;
         self.recv_unreturned += len;
@@ -973,15 +966,13 @@ async fn read_loop(shared: Arc<Shared>, mut rd: tokio::net::tcp::OwnedReadHalf, 
                 match next_frame(&mut buf) {
                     Ok(Some(f)) => {
                         if let Err(e) = st.on_frame(&shared, f) {
-                            st.fail(e);
-                            shared.slots.close();
+                            st.fail(&shared, e);
                             break;
                         }
                     }
                     Ok(None) => break,
                     Err(e) => {
-                        st.fail(e);
-                        shared.slots.close();
+                        st.fail(&shared, e);
                         break;
                     }
                 }
@@ -989,7 +980,7 @@ async fn read_loop(shared: Arc<Shared>, mut rd: tokio::net::tcp::OwnedReadHalf, 
             if st.failed.is_none() && st.streams.is_empty() {
                 // After a GOAWAY, the last stream's end ends the connection.
                 if let Some(e) = st.goaway.clone() {
-                    st.fail(e);
+                    st.fail(&shared, e);
                 }
             }
             if st.failed.is_some() && st.streams.is_empty() && st.out.is_empty() {
@@ -1012,8 +1003,7 @@ async fn read_loop(shared: Arc<Shared>, mut rd: tokio::net::tcp::OwnedReadHalf, 
             Ok(_) => continue,
             Err(e) => broken(e.to_string()),
         };
-        shared.state.lock().fail(e);
-        shared.slots.close();
+        shared.state.lock().fail(&shared, e);
         shared.writer.notify_one();
         return;
     }
@@ -1038,8 +1028,7 @@ async fn write_loop(shared: Arc<Shared>, mut wr: tokio::net::tcp::OwnedWriteHalf
         tokio::task::yield_now().await;
         let mut chunk = std::mem::replace(&mut shared.state.lock().out, spare);
         if let Err(e) = wr.write_all(&chunk).await {
-            shared.state.lock().fail(broken(e.to_string()));
-            shared.slots.close();
+            shared.state.lock().fail(&shared, broken(e.to_string()));
             return;
         }
         chunk.clear();
@@ -1102,17 +1091,18 @@ impl Drop for ServerStream {
     fn drop(&mut self) {
         let shared = &self.conn.shared;
         let mut st = shared.state.lock();
+        let mut wake = false;
         if st.streams.contains_key(&self.id) {
-            let was_empty = st.out.is_empty();
+            wake = st.out.is_empty();
             put_reset(&mut st.out, self.id, CANCEL);
             st.close(shared, self.id, Ok(Bytes::new()));
-            drop(st);
-            if was_empty {
-                shared.writer.notify_one();
-            }
-            st = shared.state.lock();
         }
+        // Where `close` (now or earlier) left it for this reader.
         st.ended.remove(&self.id);
+        drop(st);
+        if wake {
+            shared.writer.notify_one();
+        }
     }
 }
 
@@ -1122,11 +1112,7 @@ mod tests {
     use http::{HeaderMap, HeaderValue, Response};
 
     fn framed(body: &[u8]) -> Bytes {
-        let mut b = BytesMut::new();
-        b.put_u8(0);
-        b.put_u32(body.len() as u32);
-        b.extend_from_slice(body);
-        b.freeze()
+        railyard_saga::grpc_frame::frame_bytes(false, body)
     }
 
     #[test]
@@ -1268,6 +1254,9 @@ mod tests {
         NotFound,
         /// Three messages in one DATA frame, then grpc-status 0.
         Stream,
+        /// The same three messages, then nothing: the stream stays open
+        /// until the client resets it.
+        Open,
         /// HTTP 503 without gRPC headers.
         Http503,
     }
@@ -1292,7 +1281,7 @@ mod tests {
                             while let Some(Ok(chunk)) = body.data().await {
                                 let _ = body.flow_control().release_capacity(chunk.len());
                                 got.extend_from_slice(&chunk);
-                                if matches!(answer, Answer::Stream) {
+                                if matches!(answer, Answer::Stream | Answer::Open) {
                                     break;
                                 }
                             }
@@ -1313,7 +1302,7 @@ mod tests {
                                     }
                                     s.send_trailers(trailers).unwrap();
                                 }
-                                Answer::Stream => {
+                                Answer::Stream | Answer::Open => {
                                     let head = Response::builder().body(()).unwrap();
                                     let mut s = respond.send_response(head, false).unwrap();
                                     let mut all = BytesMut::new();
@@ -1321,7 +1310,11 @@ mod tests {
                                         all.extend_from_slice(&framed(m));
                                     }
                                     s.send_data(all.freeze(), false).unwrap();
-                                    s.send_trailers(trailers).unwrap();
+                                    if matches!(answer, Answer::Open) {
+                                        let _ = std::future::poll_fn(|cx| s.poll_reset(cx)).await;
+                                    } else {
+                                        s.send_trailers(trailers).unwrap();
+                                    }
                                 }
                                 Answer::NotFound => {
                                     let head = Response::builder()
@@ -1393,12 +1386,21 @@ mod tests {
         });
         let conn = Conn::connect(&addr).await.unwrap();
         let b = block(&addr);
-        // The first call takes the only slot; the second waits for one.
+        // The first call takes the only slot (once the server's limit of 1
+        // is known, no slot is free while it holds it); the second waits
+        // for one.
         let first = tokio::spawn({
             let (conn, b) = (conn.clone(), b.clone());
             async move { conn.unary(&b, framed(b"1")).await }
         });
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while conn.shared.slots.available_permits() > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the first call never took the slot"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let second = tokio::time::timeout(Duration::from_secs(5), conn.unary(&b, framed(b"2")))
             .await
             .expect("a call waiting for a slot must fail once the server says GOAWAY");
@@ -1488,14 +1490,22 @@ mod tests {
             got.push(m);
         }
         assert_eq!(got, [&b"one"[..], b"two", b"three"]);
-        // Closing a stream hands its slot back: the limit is 2.
-        drop(s);
-        for _ in 0..3 {
-            let mut s = conn
-                .server_stream(&block(&addr), framed(b"again"))
+
+        // Dropping a stream the server keeps open resets it and hands its
+        // slot back: a third stream against the limit of 2 opens.
+        let addr = server(Answer::Open).await;
+        let conn = Conn::connect(&addr).await.unwrap();
+        for i in 0..3 {
+            let open = async {
+                let mut s = conn
+                    .server_stream(&block(&addr), framed(b"again"))
+                    .await
+                    .unwrap();
+                assert_eq!(&s.next().await.unwrap().unwrap()[..], b"one");
+            };
+            tokio::time::timeout(Duration::from_secs(5), open)
                 .await
-                .unwrap();
-            assert_eq!(&s.next().await.unwrap().unwrap()[..], b"one");
+                .unwrap_or_else(|_| panic!("stream {i} found no free slot"));
         }
     }
 

@@ -642,15 +642,20 @@ struct Participant {
     method: String,
 }
 
+impl Participant {
+    /// `service` as simulated process `k` reports it.
+    fn new(service: String, k: usize, method: String) -> Self {
+        Self {
+            instance: instance_id(&service, k),
+            service,
+            method,
+        }
+    }
+}
+
 impl OmegaTx<'_> {
     /// One blocking call; `Some(aborted)` when answered.
-    async fn call(
-        &mut self,
-        kind: &str,
-        who: &Participant,
-        local: &str,
-        parent: &str,
-    ) -> Option<bool> {
+    async fn call(&self, kind: &str, who: &Participant, local: &str, parent: &str) -> Option<bool> {
         let event = GrpcTxEvent {
             timestamp: now_ms(),
             global_tx_id: self.global.to_owned(),
@@ -681,26 +686,15 @@ async fn omega_worker(
 ) -> WorkerTotals {
     let mut t = WorkerTotals::new();
     // Built once per worker, not per call.
-    let starter = Participant {
-        service: STARTER.to_owned(),
-        instance: instance_id(STARTER, k),
-        method: String::new(),
-    };
+    let starter = Participant::new(STARTER.to_owned(), k, String::new());
     let services: Vec<Participant> = (0..SERVICES)
-        .map(|s| {
-            let service = service_name(s);
-            Participant {
-                instance: instance_id(&service, k),
-                service,
-                method: compensation_method(s),
-            }
-        })
+        .map(|s| Participant::new(service_name(s), k, compensation_method(s)))
         .collect();
     for i in range {
         let global = format!("{prefix}-{i}");
         let abort = aborts(i, ratio);
         let started = Instant::now();
-        let mut tx = OmegaTx {
+        let tx = OmegaTx {
             client: &client,
             global: &global,
         };

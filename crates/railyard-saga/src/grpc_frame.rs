@@ -32,13 +32,27 @@ pub enum FrameError {
 pub fn encode(message: &impl Message) -> Bytes {
     let len = message.encoded_len();
     let mut buf = BytesMut::with_capacity(PREFIX + len);
-    buf.put_u8(0);
-    // Messages over 4 GiB cannot be framed by gRPC at all; prost's own
-    // limit is lower.
-    buf.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
+    put_prefix(&mut buf, false, len);
     // Cannot fail: the buffer has exactly the room `encoded_len` asked for.
     let _ = message.encode(&mut buf);
     buf.freeze()
+}
+
+/// Already-encoded `message` bytes with their prefix, its compressed flag
+/// set as asked (the bytes are not compressed here: a set flag is for
+/// feeding a peer what it must refuse).
+pub fn frame_bytes(compressed: bool, message: &[u8]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(PREFIX + message.len());
+    put_prefix(&mut buf, compressed, message.len());
+    buf.extend_from_slice(message);
+    buf.freeze()
+}
+
+fn put_prefix(buf: &mut BytesMut, compressed: bool, len: usize) {
+    buf.put_u8(u8::from(compressed));
+    // Messages over 4 GiB cannot be framed by gRPC at all; prost's own
+    // limit is lower.
+    buf.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
 }
 
 /// The length of the first message in `buf`, once its prefix is all there
@@ -71,6 +85,11 @@ mod tests {
         let len = message_len(&framed, 64).unwrap().unwrap();
         assert_eq!(framed.len(), PREFIX + len);
         assert!(GrpcAck::decode(&framed[PREFIX..]).unwrap().aborted);
+        assert_eq!(frame_bytes(false, &framed[PREFIX..]), framed);
+        assert_eq!(
+            message_len(&frame_bytes(true, b"x"), 64),
+            Err(FrameError::Compressed)
+        );
         // An incomplete prefix is not an answer yet.
         assert_eq!(message_len(&framed[..PREFIX - 1], 64), Ok(None));
         assert_eq!(

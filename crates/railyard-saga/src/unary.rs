@@ -214,10 +214,7 @@ mod tests {
     use http_body_util::{Full, StreamBody};
 
     fn framed(flag: u8, message: &[u8]) -> Vec<u8> {
-        let mut out = vec![flag];
-        out.extend_from_slice(&(message.len() as u32).to_be_bytes());
-        out.extend_from_slice(message);
-        out
+        grpc_frame::frame_bytes(flag != 0, message).to_vec()
     }
 
     fn chunks(parts: Vec<Vec<u8>>) -> impl HttpBody<Data = Bytes, Error = std::io::Error> + Unpin {
@@ -298,8 +295,10 @@ mod tests {
                 Some(&HeaderValue::from_static("0"))
             );
             let bytes = collected.to_bytes();
-            let len = u32::from_be_bytes(bytes[1..5].try_into().unwrap()) as usize;
-            assert_eq!((bytes[0], bytes.len()), (0, PREFIX + len));
+            let len = grpc_frame::message_len(&bytes, MAX_MESSAGE)
+                .unwrap()
+                .unwrap();
+            assert_eq!(bytes.len(), PREFIX + len);
             assert_eq!(GrpcAck::decode(&bytes[PREFIX..]).unwrap().aborted, aborted);
         }
     }

@@ -623,10 +623,7 @@ async fn raw_call(
 }
 
 fn grpc_frame(flag: u8, message: &[u8]) -> Vec<u8> {
-    let mut out = vec![flag];
-    out.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-    out.extend_from_slice(message);
-    out
+    railyard_saga::grpc_frame::frame_bytes(flag != 0, message).to_vec()
 }
 
 #[tokio::test]
