@@ -1245,6 +1245,15 @@ mod tests {
         (listener, addr)
     }
 
+    /// The next connection on `listener`, as an `h2` server built by `builder`.
+    async fn accept(
+        listener: &tokio::net::TcpListener,
+        builder: &mut h2::server::Builder,
+    ) -> h2::server::Connection<tokio::net::TcpStream, Bytes> {
+        let (tcp, _) = listener.accept().await.unwrap();
+        builder.handshake(tcp).await.unwrap()
+    }
+
     /// What the test server answers a call with.
     #[derive(Clone, Copy)]
     enum Answer {
@@ -1372,12 +1381,11 @@ mod tests {
     async fn goaway_fails_new_calls_instead_of_leaving_them_waiting() {
         let (listener, addr) = listen().await;
         tokio::spawn(async move {
-            let (tcp, _) = listener.accept().await.unwrap();
-            let mut conn = h2::server::Builder::new()
-                .max_concurrent_streams(1)
-                .handshake::<_, Bytes>(tcp)
-                .await
-                .unwrap();
+            let mut conn = accept(
+                &listener,
+                h2::server::Builder::new().max_concurrent_streams(1),
+            )
+            .await;
             // Takes one stream and never answers it, then says GOAWAY.
             let held = conn.accept().await;
             conn.graceful_shutdown();
@@ -1415,12 +1423,11 @@ mod tests {
     async fn a_stream_the_server_still_processes_after_goaway_completes() {
         let (listener, addr) = listen().await;
         tokio::spawn(async move {
-            let (tcp, _) = listener.accept().await.unwrap();
-            let mut conn = h2::server::Builder::new()
-                .initial_window_size(1_000)
-                .handshake::<_, Bytes>(tcp)
-                .await
-                .unwrap();
+            let mut conn = accept(
+                &listener,
+                h2::server::Builder::new().initial_window_size(1_000),
+            )
+            .await;
             let (req, mut respond) = conn.accept().await.unwrap().unwrap();
             // GOAWAY before the request body is read: the rest of it
             // needs the window this side gives back afterwards, so the
