@@ -21,7 +21,9 @@
 //!   touched), then the gRPC-framed message in DATA frames within the
 //!   server's flow-control windows and frame size, `END_STREAM` on the last
 //!   (a server stream's request stays open until [`ServerStream`] is
-//!   dropped, which resets it);
+//!   dropped, which resets it; a unary call dropped before its answer
+//!   resets its stream too, so its slot comes back); a stream short of its
+//!   own window does not hold up the ones behind it;
 //! - answers: HEADERS (and CONTINUATION) blocks decoded in order, so the
 //!   dynamic table stays in step; DATA gathered per stream; `:status` 200
 //!   and `grpc-status` checked; RST_STREAM fails its call; GOAWAY fails the
@@ -30,7 +32,9 @@
 //! - the connection: SETTINGS acknowledged and applied (initial window,
 //!   frame size, concurrent streams: calls beyond the server's limit wait),
 //!   PING answered, receive windows (2 MiB per stream, 5 MiB per connection,
-//!   as hyper's client) given back as data is taken;
+//!   as hyper's client) given back as data is taken (padding at once);
+//!   window overflows and zero increments refused as RFC 9113 §6.9 says (a
+//!   stream's: that stream is reset and its call fails);
 //! - not: server push (disabled in SETTINGS), priorities (ignored),
 //!   compression, request trailers, TLS.
 //!
@@ -79,6 +83,8 @@ const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
 const SETTINGS_MAX_FRAME_SIZE: u16 = 0x5;
 
 // Error codes (RFC 9113 §7).
+const PROTOCOL_ERROR: u32 = 0x1;
+const FLOW_CONTROL_ERROR: u32 = 0x3;
 const CANCEL: u32 = 0x8;
 
 /// The protocol's initial flow-control window and frame size.
@@ -416,6 +422,18 @@ impl State {
         }
     }
 
+    /// Resets stream `id` if it is still open (its caller gave up on it)
+    /// and hands its slot back; whether the writer must be woken.
+    fn cancel(&mut self, shared: &Shared, id: u32) -> bool {
+        if !self.streams.contains_key(&id) {
+            return false;
+        }
+        let wake = self.out.is_empty();
+        put_reset(&mut self.out, id, CANCEL);
+        self.close(shared, id, Err(broken("cancelled")));
+        wake
+    }
+
     /// Ends a call: a unary call gets `result`; a server stream records how
     /// it ended (its `Ok` value is unused), wakes its reader and waits in
     /// `ended` for it.
@@ -467,13 +485,17 @@ impl State {
         }
     }
 
-    /// Retries the streams waiting for window, oldest first.
+    /// Retries the streams waiting for window, oldest first. A stream short
+    /// of its *own* window keeps its place without holding up the ones
+    /// behind it; only an empty connection window stops the round.
     fn unblock(&mut self) {
-        while let Some(&id) = self.blocked.front() {
-            if !self.send_data(id) {
-                return;
+        let mut i = 0;
+        while i < self.blocked.len() && self.send_window > 0 {
+            if self.send_data(self.blocked[i]) {
+                self.blocked.remove(i);
+            } else {
+                i += 1;
             }
-            self.blocked.pop_front();
         }
     }
 
@@ -543,12 +565,27 @@ impl State {
             WINDOW_UPDATE => {
                 let inc = i64::from(payload_u32(&f.payload)? & 0x7fff_ffff);
                 if f.stream == 0 {
+                    if inc == 0 {
+                        return Err(broken("a connection WINDOW_UPDATE of 0"));
+                    }
                     self.send_window += inc;
                     if self.send_window > MAX_WINDOW {
                         return Err(broken("the connection window overflowed"));
                     }
                 } else if let Some(s) = self.streams.get_mut(&f.stream) {
+                    // Errors of one stream (RFC 9113 §6.9, §6.9.1): that
+                    // call fails, the connection goes on.
+                    if inc == 0 {
+                        let e = CallError::Malformed("a stream WINDOW_UPDATE of 0".into());
+                        self.reset_with(shared, f.stream, PROTOCOL_ERROR, e);
+                        return Ok(());
+                    }
                     s.send_window += inc;
+                    if s.send_window > MAX_WINDOW {
+                        let e = CallError::Malformed("the stream's window overflowed".into());
+                        self.reset_with(shared, f.stream, FLOW_CONTROL_ERROR, e);
+                        return Ok(());
+                    }
                 }
                 self.unblock();
                 Ok(())
@@ -581,6 +618,12 @@ impl State {
                     self.initial_window = value;
                     for s in self.streams.values_mut() {
                         s.send_window += delta;
+                        if s.send_window > MAX_WINDOW {
+                            // RFC 9113 §6.9.2: a connection error.
+                            return Err(broken(
+                                "SETTINGS_INITIAL_WINDOW_SIZE overflowed a stream's window",
+                            ));
+                        }
                     }
                 }
                 SETTINGS_MAX_FRAME_SIZE => {
@@ -655,7 +698,12 @@ impl State {
                 }
             }
             Sink::Stream(sink) => {
-                // The stream's window comes back as messages are taken.
+                // The stream's window comes back as messages are taken;
+                // padding carries none, so its share comes back now.
+                let padding = len - data.len() as u32;
+                if padding > 0 && f.flags & END_STREAM == 0 {
+                    put_window_update(&mut self.out, id, padding);
+                }
                 loop {
                     match grpc_frame::message_len(&s.data, MAX_MESSAGE) {
                         Ok(Some(n)) if s.data.len() >= PREFIX + n => {
@@ -689,7 +737,12 @@ impl State {
 
     /// Ends stream `id` with `e` and tells the server to drop it.
     fn reset(&mut self, shared: &Shared, id: u32, e: CallError) {
-        put_reset(&mut self.out, id, CANCEL);
+        self.reset_with(shared, id, CANCEL, e);
+    }
+
+    /// [`reset`](Self::reset) with the error code `code`.
+    fn reset_with(&mut self, shared: &Shared, id: u32, code: u32, e: CallError) {
+        put_reset(&mut self.out, id, code);
         self.close(shared, id, Err(e));
     }
 
@@ -928,10 +981,23 @@ impl Conn {
 
     /// One unary call: `message` (gRPC-framed) to the method in `block`;
     /// the answer's message, unframed.
+    ///
+    /// Dropped before its answer (the caller timed out or gave up), the call
+    /// resets its stream, so the server can stop working on it and its
+    /// stream slot comes back at once instead of when (if ever) the server
+    /// answers.
     pub(crate) async fn unary(&self, block: &Bytes, message: Bytes) -> Result<Bytes, CallError> {
         let (tx, rx) = oneshot::channel();
-        self.open(block, message, true, Sink::Unary(tx)).await?;
-        rx.await.unwrap_or_else(|_| Err(broken("closed")))
+        let id = self.open(block, message, true, Sink::Unary(tx)).await?;
+        let mut pending = CancelOnDrop {
+            shared: &self.shared,
+            id,
+            armed: true,
+        };
+        let answer = rx.await.unwrap_or_else(|_| Err(broken("closed")));
+        // Answered: the reader has closed the stream already.
+        pending.armed = false;
+        answer
     }
 
     /// Opens a server stream with `message` (gRPC-framed) and waits for the
@@ -1087,16 +1153,29 @@ impl ServerStream {
     }
 }
 
+/// A unary call waiting for its answer; see [`Conn::unary`].
+struct CancelOnDrop<'a> {
+    shared: &'a Shared,
+    id: u32,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let wake = self.shared.state.lock().cancel(self.shared, self.id);
+            if wake {
+                self.shared.writer.notify_one();
+            }
+        }
+    }
+}
+
 impl Drop for ServerStream {
     fn drop(&mut self) {
         let shared = &self.conn.shared;
         let mut st = shared.state.lock();
-        let mut wake = false;
-        if st.streams.contains_key(&self.id) {
-            wake = st.out.is_empty();
-            put_reset(&mut st.out, self.id, CANCEL);
-            st.close(shared, self.id, Ok(Bytes::new()));
-        }
+        let wake = st.cancel(shared, self.id);
         // Where `close` (now or earlier) left it for this reader.
         st.ended.remove(&self.id);
         drop(st);
@@ -1378,6 +1457,51 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_cancelled_unary_call_resets_its_stream_and_frees_its_slot() {
+        let (listener, addr) = listen().await;
+        let (reset_tx, reset_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let mut conn = accept(
+                &listener,
+                h2::server::Builder::new().max_concurrent_streams(1),
+            )
+            .await;
+            // The first call is never answered; the server reports how its
+            // stream ended. Later calls get "ok".
+            let (req, mut held) = conn.accept().await.unwrap().unwrap();
+            tokio::spawn(async move {
+                let _req = req;
+                let reason = std::future::poll_fn(|cx| held.poll_reset(cx)).await;
+                let _ = reset_tx.send(reason.ok());
+            });
+            while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                let head = Response::builder().body(()).unwrap();
+                let mut s = respond.send_response(head, false).unwrap();
+                s.send_data(framed(b"ok"), false).unwrap();
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                s.send_trailers(trailers).unwrap();
+            }
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let b = block(&addr);
+        let first =
+            tokio::time::timeout(Duration::from_millis(200), conn.unary(&b, framed(b"1"))).await;
+        assert!(first.is_err(), "the server never answers the first call");
+        let reason = tokio::time::timeout(Duration::from_secs(5), reset_rx)
+            .await
+            .expect("the given-up call's stream must be reset")
+            .unwrap();
+        assert_eq!(reason, Some(h2::Reason::CANCEL));
+        // The server allows one stream: the second call needs the first's slot.
+        let second = tokio::time::timeout(Duration::from_secs(5), conn.unary(&b, framed(b"2")))
+            .await
+            .expect("the given-up call's slot must come back")
+            .unwrap();
+        assert_eq!(&second[..], b"ok");
+    }
+
+    #[tokio::test]
     async fn goaway_fails_new_calls_instead_of_leaving_them_waiting() {
         let (listener, addr) = listen().await;
         tokio::spawn(async move {
@@ -1535,6 +1659,182 @@ mod tests {
             conn.unary(&b, framed(b"y")).await,
             Err(CallError::Connection(_))
         ));
+    }
+
+    /// Reads the client's frames until one of type `kind`: its stream and payload.
+    async fn read_until(tcp: &mut TcpStream, buf: &mut BytesMut, kind: u8) -> (u32, Bytes) {
+        loop {
+            while let Some(f) = next_frame(buf).unwrap() {
+                if f.kind == kind {
+                    return (f.stream, f.payload);
+                }
+            }
+            assert!(tcp.read_buf(buf).await.unwrap() > 0, "the client closed");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_window_overflow_fails_that_call_with_flow_control_error() {
+        let (listener, addr) = listen().await;
+        let (code_tx, code_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut out = BytesMut::new();
+            put_head(&mut out, 0, SETTINGS, 0, 0);
+            tcp.write_all(&out).await.unwrap();
+            let mut buf = BytesMut::new();
+            while buf.len() < 24 {
+                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
+            }
+            buf.advance(24); // the connection preface
+            let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
+            // 65,535 plus 2^31 - 1: past the largest window there is.
+            out.clear();
+            put_window_update(&mut out, id, 0x7fff_ffff);
+            tcp.write_all(&out).await.unwrap();
+            let (reset, payload) = read_until(&mut tcp, &mut buf, RST_STREAM).await;
+            assert_eq!(reset, id);
+            let _ = code_tx.send(payload_u32(&payload).unwrap());
+            // Hold the connection until the client is done.
+            let _ = tcp.read_buf(&mut buf).await;
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let call = tokio::time::timeout(
+            Duration::from_secs(5),
+            conn.unary(&block(&addr), framed(b"x")),
+        )
+        .await
+        .expect("the call must fail, not wait for an answer");
+        assert!(matches!(call, Err(CallError::Malformed(_))), "{call:?}");
+        assert_eq!(code_rx.await.unwrap(), FLOW_CONTROL_ERROR);
+    }
+
+    #[tokio::test]
+    async fn a_server_streams_padding_is_given_back_to_its_window() {
+        let (listener, addr) = listen().await;
+        let (sum_tx, sum_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut out = BytesMut::new();
+            put_head(&mut out, 0, SETTINGS, 0, 0);
+            tcp.write_all(&out).await.unwrap();
+            let mut buf = BytesMut::new();
+            while buf.len() < 24 {
+                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
+            }
+            buf.advance(24); // the connection preface
+            let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
+            out.clear();
+            // The head (":status: 200", static table entry 8), then one
+            // message in a DATA frame with 100 bytes of padding.
+            put_head(&mut out, 1, HEADERS, END_HEADERS, id);
+            out.put_u8(0x88);
+            let message = framed(b"one");
+            put_head(&mut out, 1 + message.len() + 100, DATA, PADDED, id);
+            out.put_u8(100);
+            out.extend_from_slice(&message);
+            out.put_bytes(0, 100);
+            tcp.write_all(&out).await.unwrap();
+            // The frame counted 109 bytes against the stream's window: the
+            // message's 8 and the padding's 101 must both come back.
+            let mut sum = 0;
+            while sum < 109 {
+                let (stream, payload) = read_until(&mut tcp, &mut buf, WINDOW_UPDATE).await;
+                if stream == id {
+                    sum += payload_u32(&payload).unwrap();
+                }
+            }
+            let _ = sum_tx.send(sum);
+            let _ = tcp.read_buf(&mut buf).await;
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let mut s = conn
+            .server_stream(&block(&addr), framed(b"hi"))
+            .await
+            .unwrap();
+        assert_eq!(&s.next().await.unwrap().unwrap()[..], b"one");
+        let sum = tokio::time::timeout(Duration::from_secs(5), sum_rx)
+            .await
+            .expect("the padding's window never came back")
+            .unwrap();
+        assert_eq!(sum, 109);
+    }
+
+    #[tokio::test]
+    async fn a_stream_short_of_its_own_window_does_not_hold_up_the_next() {
+        let (listener, addr) = listen().await;
+        let (go_tx, go_rx) = oneshot::channel::<()>();
+        let (done_tx, done_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut out = BytesMut::new();
+            // Streams get a 66,000-byte window; the connection keeps the
+            // default 65,535.
+            put_head(&mut out, 6, SETTINGS, 0, 0);
+            out.put_u16(SETTINGS_INITIAL_WINDOW_SIZE);
+            out.put_u32(66_000);
+            tcp.write_all(&out).await.unwrap();
+            let mut buf = BytesMut::new();
+            while buf.len() < 24 {
+                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
+            }
+            buf.advance(24); // the connection preface
+            let mut go = Some(go_rx);
+            loop {
+                while let Some(f) = next_frame(&mut buf).unwrap() {
+                    if f.kind == DATA && f.stream == 3 && f.flags & END_STREAM != 0 {
+                        let _ = done_tx.send(());
+                        let _ = tcp.read_buf(&mut buf).await;
+                        return;
+                    }
+                }
+                if let Some(rx) = go.take() {
+                    // Both calls wait for window: give the connection 50,000.
+                    rx.await.unwrap();
+                    out.clear();
+                    put_window_update(&mut out, 0, 50_000);
+                    tcp.write_all(&out).await.unwrap();
+                    continue;
+                }
+                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
+            }
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let b = block(&addr);
+        let wait_until = |what: &'static str, f: fn(&State) -> bool| {
+            let conn = conn.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while !f(&conn.shared.state.lock()) {
+                    assert!(tokio::time::Instant::now() < deadline, "{what}");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
+        // The first call (stream 1) takes the whole connection window with
+        // 65,535 of its 70,000 bytes; the second (stream 3) then waits too.
+        let first = tokio::spawn({
+            let (conn, b) = (conn.clone(), b.clone());
+            async move { conn.unary(&b, framed(&[1; 70_000 - PREFIX])).await }
+        });
+        wait_until("the first call never used the window", |st| {
+            st.send_window == 0
+        })
+        .await;
+        let second = tokio::spawn({
+            let (conn, b) = (conn.clone(), b.clone());
+            async move { conn.unary(&b, framed(b"2")).await }
+        });
+        wait_until("the second call never queued", |st| st.blocked.len() == 2).await;
+        go_tx.send(()).unwrap();
+        // Stream 1 can send only 465 more bytes (its own window); stream 3's
+        // request must still go out.
+        tokio::time::timeout(Duration::from_secs(5), done_rx)
+            .await
+            .expect("the second call's request stayed behind the first's")
+            .unwrap();
+        first.abort();
+        second.abort();
     }
 
     #[tokio::test]
