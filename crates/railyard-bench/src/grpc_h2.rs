@@ -1661,6 +1661,29 @@ mod tests {
         ));
     }
 
+    /// The next connection on `listener`, spoken to by hand: the server's
+    /// SETTINGS (`settings`) sent, the client's preface read; what else the
+    /// client sent is left in the buffer.
+    async fn accept_raw(
+        listener: &tokio::net::TcpListener,
+        settings: &[(u16, u32)],
+    ) -> (TcpStream, BytesMut) {
+        let (mut tcp, _) = listener.accept().await.unwrap();
+        let mut out = BytesMut::new();
+        put_head(&mut out, 6 * settings.len(), SETTINGS, 0, 0);
+        for &(id, value) in settings {
+            out.put_u16(id);
+            out.put_u32(value);
+        }
+        tcp.write_all(&out).await.unwrap();
+        let mut buf = BytesMut::new();
+        while buf.len() < 24 {
+            assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
+        }
+        buf.advance(24); // the connection preface
+        (tcp, buf)
+    }
+
     /// Reads the client's frames until one of type `kind`: its stream and payload.
     async fn read_until(tcp: &mut TcpStream, buf: &mut BytesMut, kind: u8) -> (u32, Bytes) {
         loop {
@@ -1678,15 +1701,8 @@ mod tests {
         let (listener, addr) = listen().await;
         let (code_tx, code_rx) = oneshot::channel();
         tokio::spawn(async move {
-            let (mut tcp, _) = listener.accept().await.unwrap();
+            let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
             let mut out = BytesMut::new();
-            put_head(&mut out, 0, SETTINGS, 0, 0);
-            tcp.write_all(&out).await.unwrap();
-            let mut buf = BytesMut::new();
-            while buf.len() < 24 {
-                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
-            }
-            buf.advance(24); // the connection preface
             let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
             // 65,535 plus 2^31 - 1: past the largest window there is.
             out.clear();
@@ -1714,15 +1730,8 @@ mod tests {
         let (listener, addr) = listen().await;
         let (sum_tx, sum_rx) = oneshot::channel();
         tokio::spawn(async move {
-            let (mut tcp, _) = listener.accept().await.unwrap();
+            let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
             let mut out = BytesMut::new();
-            put_head(&mut out, 0, SETTINGS, 0, 0);
-            tcp.write_all(&out).await.unwrap();
-            let mut buf = BytesMut::new();
-            while buf.len() < 24 {
-                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
-            }
-            buf.advance(24); // the connection preface
             let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
             out.clear();
             // The head (":status: 200", static table entry 8), then one
@@ -1766,19 +1775,11 @@ mod tests {
         let (go_tx, go_rx) = oneshot::channel::<()>();
         let (done_tx, done_rx) = oneshot::channel();
         tokio::spawn(async move {
-            let (mut tcp, _) = listener.accept().await.unwrap();
-            let mut out = BytesMut::new();
             // Streams get a 66,000-byte window; the connection keeps the
             // default 65,535.
-            put_head(&mut out, 6, SETTINGS, 0, 0);
-            out.put_u16(SETTINGS_INITIAL_WINDOW_SIZE);
-            out.put_u32(66_000);
-            tcp.write_all(&out).await.unwrap();
-            let mut buf = BytesMut::new();
-            while buf.len() < 24 {
-                assert!(tcp.read_buf(&mut buf).await.unwrap() > 0);
-            }
-            buf.advance(24); // the connection preface
+            let (mut tcp, mut buf) =
+                accept_raw(&listener, &[(SETTINGS_INITIAL_WINDOW_SIZE, 66_000)]).await;
+            let mut out = BytesMut::new();
             let mut go = Some(go_rx);
             loop {
                 while let Some(f) = next_frame(&mut buf).unwrap() {
