@@ -573,17 +573,19 @@ impl State {
                         return Err(broken("the connection window overflowed"));
                     }
                 } else if let Some(s) = self.streams.get_mut(&f.stream) {
+                    s.send_window += inc;
                     // Errors of one stream (RFC 9113 §6.9, §6.9.1): that
                     // call fails, the connection goes on.
-                    if inc == 0 {
-                        let e = CallError::Malformed("a stream WINDOW_UPDATE of 0".into());
-                        self.reset_with(shared, f.stream, PROTOCOL_ERROR, e);
-                        return Ok(());
-                    }
-                    s.send_window += inc;
-                    if s.send_window > MAX_WINDOW {
-                        let e = CallError::Malformed("the stream's window overflowed".into());
-                        self.reset_with(shared, f.stream, FLOW_CONTROL_ERROR, e);
+                    let refused = if inc == 0 {
+                        Some((PROTOCOL_ERROR, "a stream WINDOW_UPDATE of 0"))
+                    } else if s.send_window > MAX_WINDOW {
+                        Some((FLOW_CONTROL_ERROR, "the stream's window overflowed"))
+                    } else {
+                        None
+                    };
+                    if let Some((code, why)) = refused {
+                        let e = CallError::Malformed(why.into());
+                        self.reset_with(shared, f.stream, code, e);
                         return Ok(());
                     }
                 }
@@ -1425,6 +1427,16 @@ mod tests {
         addr
     }
 
+    /// Checks `f` on `conn`'s shared state every millisecond until it
+    /// holds; fails with `what` after 5 s.
+    async fn wait_until(conn: &Conn, what: &str, f: impl Fn(&Shared) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !f(&conn.shared) {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     fn block(addr: &str) -> Bytes {
         request_block(addr, "/Test/Call", &[])
     }
@@ -1525,14 +1537,10 @@ mod tests {
             let (conn, b) = (conn.clone(), b.clone());
             async move { conn.unary(&b, framed(b"1")).await }
         });
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while conn.shared.slots.available_permits() > 0 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the first call never took the slot"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        wait_until(&conn, "the first call never took the slot", |s| {
+            s.slots.available_permits() == 0
+        })
+        .await;
         let second = tokio::time::timeout(Duration::from_secs(5), conn.unary(&b, framed(b"2")))
             .await
             .expect("a call waiting for a slot must fail once the server says GOAWAY");
@@ -1705,7 +1713,6 @@ mod tests {
             let mut out = BytesMut::new();
             let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
             // 65,535 plus 2^31 - 1: past the largest window there is.
-            out.clear();
             put_window_update(&mut out, id, 0x7fff_ffff);
             tcp.write_all(&out).await.unwrap();
             let (reset, payload) = read_until(&mut tcp, &mut buf, RST_STREAM).await;
@@ -1733,7 +1740,6 @@ mod tests {
             let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
             let mut out = BytesMut::new();
             let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
-            out.clear();
             // The head (":status: 200", static table entry 8), then one
             // message in a DATA frame with 100 bytes of padding.
             put_head(&mut out, 1, HEADERS, END_HEADERS, id);
@@ -1802,31 +1808,24 @@ mod tests {
         });
         let conn = Conn::connect(&addr).await.unwrap();
         let b = block(&addr);
-        let wait_until = |what: &'static str, f: fn(&State) -> bool| {
-            let conn = conn.clone();
-            async move {
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-                while !f(&conn.shared.state.lock()) {
-                    assert!(tokio::time::Instant::now() < deadline, "{what}");
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        };
         // The first call (stream 1) takes the whole connection window with
         // 65,535 of its 70,000 bytes; the second (stream 3) then waits too.
         let first = tokio::spawn({
             let (conn, b) = (conn.clone(), b.clone());
             async move { conn.unary(&b, framed(&[1; 70_000 - PREFIX])).await }
         });
-        wait_until("the first call never used the window", |st| {
-            st.send_window == 0
+        wait_until(&conn, "the first call never used the window", |s| {
+            s.state.lock().send_window == 0
         })
         .await;
         let second = tokio::spawn({
             let (conn, b) = (conn.clone(), b.clone());
             async move { conn.unary(&b, framed(b"2")).await }
         });
-        wait_until("the second call never queued", |st| st.blocked.len() == 2).await;
+        wait_until(&conn, "the second call never queued", |s| {
+            s.state.lock().blocked.len() == 2
+        })
+        .await;
         go_tx.send(()).unwrap();
         // Stream 1 can send only 465 more bytes (its own window); stream 3's
         // request must still go out.
