@@ -1733,6 +1733,61 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_stream_window_update_of_zero_fails_that_call_with_protocol_error() {
+        let (listener, addr) = listen().await;
+        let (code_tx, code_rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
+            let mut out = BytesMut::new();
+            let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
+            put_window_update(&mut out, id, 0);
+            tcp.write_all(&out).await.unwrap();
+            let (reset, payload) = read_until(&mut tcp, &mut buf, RST_STREAM).await;
+            assert_eq!(reset, id);
+            let _ = code_tx.send(payload_u32(&payload).unwrap());
+            let _ = tcp.read_buf(&mut buf).await;
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let call = tokio::time::timeout(
+            Duration::from_secs(5),
+            conn.unary(&block(&addr), framed(b"x")),
+        )
+        .await
+        .expect("the call must fail, not wait for an answer");
+        assert!(matches!(call, Err(CallError::Malformed(_))), "{call:?}");
+        assert_eq!(code_rx.await.unwrap(), PROTOCOL_ERROR);
+        // A stream error: the connection itself is still usable.
+        assert!(conn.shared.state.lock().failed.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_connection_window_update_of_zero_fails_the_connection() {
+        let (listener, addr) = listen().await;
+        tokio::spawn(async move {
+            let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
+            let mut out = BytesMut::new();
+            let _ = read_until(&mut tcp, &mut buf, HEADERS).await;
+            put_window_update(&mut out, 0, 0);
+            tcp.write_all(&out).await.unwrap();
+            let _ = tcp.read_buf(&mut buf).await;
+        });
+        let conn = Conn::connect(&addr).await.unwrap();
+        let call = tokio::time::timeout(
+            Duration::from_secs(5),
+            conn.unary(&block(&addr), framed(b"x")),
+        )
+        .await
+        .expect("the call must fail, not wait for an answer");
+        match call {
+            Err(CallError::Connection(why)) => assert!(why.contains("WINDOW_UPDATE of 0"), "{why}"),
+            other => panic!("expected a connection error, got {other:?}"),
+        }
+        // Later calls fail at once.
+        let again = conn.unary(&block(&addr), framed(b"y")).await;
+        assert!(matches!(again, Err(CallError::Connection(_))), "{again:?}");
+    }
+
+    #[tokio::test]
     async fn a_server_streams_padding_is_given_back_to_its_window() {
         let (listener, addr) = listen().await;
         let (sum_tx, sum_rx) = oneshot::channel();
