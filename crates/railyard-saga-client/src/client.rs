@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use prost::Message;
 use railyard_saga_proto::native::{EventType, SagaEvent};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -17,6 +18,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::compensation::{Compensation, Registry};
 use crate::error::{EventKindName, SagaError};
 use crate::session::Session;
+use crate::MAX_EVENT_BYTES;
 
 /// The transport settings of every connection to the coordinator.
 fn endpoint(text: &str, connect_timeout: Duration) -> Result<Endpoint, SagaError> {
@@ -388,9 +390,11 @@ pub struct ClientStats {
     pub in_flight: u64,
 }
 
-/// One event on its way: the event, and who waits for its ack.
+/// One event on its way: the event, its encoded size, and who waits for
+/// its ack.
 pub(crate) struct Submit {
     pub(crate) event: SagaEvent,
+    pub(crate) size: usize,
     pub(crate) waiter: Waiter,
 }
 
@@ -430,6 +434,15 @@ impl Reporter {
     /// after, the event is still delivered (and acknowledged) but nobody
     /// hears about it.
     pub(crate) async fn report(&self, event: SagaEvent) -> Result<Outcome, SagaError> {
+        let size = event.encoded_len();
+        if size > MAX_EVENT_BYTES {
+            return Err(SagaError::TooLarge {
+                kind: kind_name(event.r#type),
+                global_tx_id: event.global_tx_id,
+                bytes: size,
+                limit: MAX_EVENT_BYTES,
+            });
+        }
         let permit = self
             .in_flight
             .clone()
@@ -440,6 +453,7 @@ impl Reporter {
         self.tx
             .send(Submit {
                 event,
+                size,
                 waiter: Waiter {
                     reply,
                     _permit: permit,

@@ -52,6 +52,19 @@ pub enum SagaError {
     /// match its batch).
     #[error("protocol violation by the saga coordinator: {0}")]
     Protocol(String),
+    /// The event is larger, encoded, than one event may be
+    /// ([`MAX_EVENT_BYTES`](crate::MAX_EVENT_BYTES)); it was not sent.
+    #[error("{kind} of saga {global_tx_id} is {bytes} bytes encoded, more than the {limit} bytes one event may be; send a smaller payload (keep large data elsewhere and pass a reference to it)")]
+    TooLarge {
+        /// The event's kind.
+        kind: EventKindName,
+        /// Its saga.
+        global_tx_id: String,
+        /// Its encoded size.
+        bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// The client was closed (by [`SagaClient::close`](crate::SagaClient::close)
     /// or a refused session) before the event was acknowledged.
     #[error("the saga client is closed{}", .0.as_deref().map(|r| format!(": {r}")).unwrap_or_default())]

@@ -45,13 +45,18 @@
 //!   [`ClientBuilder::max_concurrent_compensations`] run at once.
 //! - [`SagaError`], [`StepError`], [`CompensationError`]: typed errors.
 //!
+//! # Sizes
+//! An event may be at most [`MAX_EVENT_BYTES`] encoded (a larger one fails
+//! with [`SagaError::TooLarge`], nothing sent), and a batch frame closes
+//! before it would pass [`MAX_BATCH_BYTES`].
+//!
 //! # Back-pressure
 //! At most [`ClientBuilder::max_in_flight_events`] events are reported and
 //! not yet acknowledged; a call that would exceed it waits for acks. The
 //! session's queue is bounded by the same number, so it is never full.
 //!
 //! # Reconnection, and what the client assumes of the coordinator
-//! When the stream breaks (anything but a refusal: `INVALID_ARGUMENT`,
+//! When the stream breaks (anything but a refusal: `INVALID_ARGUMENT`, `OUT_OF_RANGE`,
 //! `UNAUTHENTICATED`, `PERMISSION_DENIED`, `UNIMPLEMENTED` close the
 //! client, since sending the same frames again cannot help), the session task
 //! reconnects with exponential backoff (with jitter, capped), sends `Hello`
@@ -72,6 +77,18 @@
 //! An event whose ack did not arrive is never reported as failed because of
 //! an outage: it waits, and is resent, until acknowledged or the client is
 //! closed.
+
+/// The largest event, encoded, a client sends: 16 MiB, the size of the
+/// largest Omega message the coordinator takes. A larger one fails with
+/// [`SagaError::TooLarge`] before it is queued.
+pub const MAX_EVENT_BYTES: usize = 16 << 20;
+
+/// The most a batch frame carries, encoded: 32 MiB, half the
+/// coordinator's 64 MiB limit on a native frame. A batch closes before the
+/// event that would take it past this (an event is never split, and
+/// [`MAX_EVENT_BYTES`] keeps a lone event well under the limit), so no
+/// frame the client sends is refused for its size.
+pub const MAX_BATCH_BYTES: usize = 32 << 20;
 
 mod client;
 mod compensation;

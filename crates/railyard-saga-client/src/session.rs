@@ -12,6 +12,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
+use prost::Message;
 use railyard_saga_proto::native::saga_coordinator_server;
 use railyard_saga_proto::native::{
     client_frame, server_frame, Ack, ClientFrame, Compensate, EventType, Hello, SagaEvent,
@@ -268,7 +269,12 @@ impl Session {
             // The old session's frames are gone by now, so this is a move.
             let events = Arc::unwrap_or_clone(batch.events);
             for (event, w) in events.into_iter().zip(batch.waiters).rev() {
-                self.pending.push_front(Submit { event, waiter: w });
+                let size = event.encoded_len();
+                self.pending.push_front(Submit {
+                    event,
+                    size,
+                    waiter: w,
+                });
             }
         }
     }
@@ -347,7 +353,11 @@ impl Session {
     }
 
     fn next_batch(&mut self) -> OutFrame {
-        let n = self.pending.len().min(self.settings.max_batch_events);
+        let n = batch_len(
+            self.pending.iter().map(|s| s.size),
+            self.settings.max_batch_events,
+            crate::MAX_BATCH_BYTES,
+        );
         let mut events = Vec::with_capacity(n);
         let mut waiters = Vec::with_capacity(n);
         for s in self.pending.drain(..n) {
@@ -479,6 +489,22 @@ impl Session {
     }
 }
 
+/// How many of the queued events (their encoded `sizes`, in order) the
+/// next batch takes: at most `max_events`, and no more than fit in
+/// `max_bytes`, but always the first.
+fn batch_len(sizes: impl Iterator<Item = usize>, max_events: usize, max_bytes: usize) -> usize {
+    let mut n = 0;
+    let mut bytes = 0usize;
+    for size in sizes.take(max_events) {
+        if n > 0 && bytes.saturating_add(size) > max_bytes {
+            break;
+        }
+        bytes = bytes.saturating_add(size);
+        n += 1;
+    }
+    n
+}
+
 /// `SagaCoordinator.Session`'s path.
 const SESSION_PATH: &str = "/railyard.saga.v1.SagaCoordinator/Session";
 
@@ -487,8 +513,10 @@ fn classify(status: tonic::Status) -> End {
     use tonic::Code;
     match status.code() {
         // Our frames broke the protocol (e.g. a batch above the
-        // coordinator's limit): sending them again would fail again.
+        // coordinator's limit: `OUT_OF_RANGE` from its decoder): sending
+        // them again would fail again.
         Code::InvalidArgument
+        | Code::OutOfRange
         | Code::Unauthenticated
         | Code::PermissionDenied
         | Code::Unimplemented => End::Fatal(SagaError::Refused {
@@ -524,6 +552,16 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_closes_at_its_event_count_or_byte_budget() {
+        assert_eq!(batch_len([10, 10, 10].into_iter(), 2, 100), 2);
+        assert_eq!(batch_len([40, 40, 40].into_iter(), 10, 100), 2);
+        assert_eq!(batch_len([40, 60, 1].into_iter(), 10, 100), 2);
+        // The first event goes even alone over the budget.
+        assert_eq!(batch_len([150, 1].into_iter(), 10, 100), 1);
+        assert_eq!(batch_len(std::iter::empty(), 10, 100), 0);
+    }
+
+    #[test]
     fn refusals_are_fatal_and_outages_are_retried() {
         assert!(matches!(
             classify(tonic::Status::unauthenticated("bad token")),
@@ -531,6 +569,10 @@ mod tests {
         ));
         assert!(matches!(
             classify(tonic::Status::invalid_argument("batch too large")),
+            End::Fatal(SagaError::Refused { .. })
+        ));
+        assert!(matches!(
+            classify(tonic::Status::out_of_range("frame too large")),
             End::Fatal(SagaError::Refused { .. })
         ));
         assert!(matches!(

@@ -133,10 +133,14 @@ async fn a_saga_with_steps_commits() {
         .expect("step 2");
     saga.end().await.expect("end");
     node.wait_state(saga.id(), SagaState::Committed).await;
-    let view = node.coordinator.saga(saga.id());
+    // A terminal saga leaves the live table; its state is remembered.
     assert!(
-        view.is_none() || view.is_some(),
-        "live view is optional once terminal"
+        node.coordinator.saga(saga.id()).is_none(),
+        "a committed saga has no live view"
+    );
+    assert_eq!(
+        node.coordinator.state(saga.id()),
+        Some(SagaState::Committed)
     );
     let stats = client.stats();
     assert_eq!(
@@ -296,6 +300,46 @@ async fn concurrent_sagas_share_batches_under_a_tight_in_flight_budget() {
         s.batches < s.events,
         "200 concurrent sagas must share frames: {s:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_over_the_size_limit_fails_alone_and_the_client_goes_on() {
+    let node = Node::memory().await;
+    let client = SagaClient::builder(node.endpoint.clone(), "orders")
+        .connect()
+        .await
+        .expect("connect");
+    let saga = client.start_saga(None).await.expect("start");
+    let big = vec![7u8; railyard_saga_client::MAX_EVENT_BYTES];
+    let mut ran = false;
+    let err = saga
+        .step(Step::new("cancel").payload(big), async {
+            ran = true;
+            Ok::<_, Boom>(())
+        })
+        .await
+        .expect_err("a payload of the whole limit plus the event's fields is too large");
+    assert!(
+        matches!(
+            err,
+            StepError::Saga(SagaError::TooLarge { bytes, limit, .. })
+                if bytes > limit && limit == railyard_saga_client::MAX_EVENT_BYTES
+        ),
+        "{err:?}"
+    );
+    assert!(
+        !ran,
+        "the step's work must not run when TX_STARTED was not sent"
+    );
+    assert_eq!(client.stats().events, 1, "only SagaStarted was sent");
+    // The session is unharmed: the saga goes on with a smaller payload.
+    saga.step(Step::new("cancel").payload(&b"small"[..]), async {
+        Ok::<_, Boom>(())
+    })
+    .await
+    .expect("a small step after the refused one");
+    saga.end().await.expect("end");
+    node.wait_state(saga.id(), SagaState::Committed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

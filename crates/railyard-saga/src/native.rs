@@ -131,7 +131,11 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                 .await;
             return;
         }
-        Some(Err(_)) | None => return,
+        Some(Err(status)) => {
+            let _ = tx.send(Err(status)).await;
+            return;
+        }
+        None => return,
     };
     if hello.service_name.is_empty() {
         let _ = tx
@@ -197,7 +201,14 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                     .await;
                 break;
             }
-            Some(Err(_)) | None => break,
+            // A frame the decoder refused (too large: `OUT_OF_RANGE`; not
+            // protobuf: `INTERNAL`): the client hears why. (After a broken
+            // transport nobody reads it.)
+            Some(Err(status)) => {
+                let _ = tx.send(Err(status)).await;
+                break;
+            }
+            None => break,
         };
         if batch.events.len() > engine.config.max_batch_events {
             let _ = tx

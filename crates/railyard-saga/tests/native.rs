@@ -293,3 +293,71 @@ async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
     assert_eq!(good.ack().await.results.len(), 8);
     server.stop().await;
 }
+
+/// One native session spoken by hand: `Hello`, then `rest` (raw gRPC
+/// bytes), then the end of the request; the answer's `grpc-status` and
+/// `grpc-message`.
+async fn raw_session(server: &Server, rest: &[u8]) -> (String, String) {
+    use prost::Message;
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post("/railyard.saga.v1.SagaCoordinator/Session")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (answer, mut stream) = send.send_request(req, false).unwrap();
+    let hello = ClientFrame {
+        kind: Some(client_frame::Kind::Hello(Hello {
+            service_name: "svc".into(),
+            instance_id: "svc-raw".into(),
+            token: String::new(),
+        })),
+    };
+    let mut body = railyard_saga::grpc_frame::frame_bytes(false, &hello.encode_to_vec()).to_vec();
+    body.extend_from_slice(rest);
+    stream.send_data(bytes::Bytes::from(body), true).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    let head = answer.headers().clone();
+    let mut body = answer.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap_or(head);
+    let field = |name: &str| {
+        trailers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    (field("grpc-status"), field("grpc-message"))
+}
+
+#[tokio::test]
+async fn a_frame_the_decoder_refuses_ends_the_session_with_its_status() {
+    let (server, store) = Server::memory(CoordinatorConfig::default()).await;
+    // Not protobuf (a field with wire type 7).
+    let garbage = railyard_saga::grpc_frame::frame_bytes(false, &[0x0f, 0xff, 0xff]).to_vec();
+    let (status, message) = raw_session(&server, &garbage).await;
+    assert_eq!(
+        status,
+        (tonic::Code::Internal as i32).to_string(),
+        "{message}"
+    );
+    // Over the 64 MiB frame limit: refused from its prefix.
+    let mut big = vec![0];
+    big.extend_from_slice(&(64 * 1024 * 1024 + 1u32).to_be_bytes());
+    let (status, message) = raw_session(&server, &big).await;
+    assert_eq!(
+        status,
+        (tonic::Code::OutOfRange as i32).to_string(),
+        "{message}"
+    );
+    assert!(store.unfinished().await.unwrap().is_empty());
+    server.stop().await;
+}

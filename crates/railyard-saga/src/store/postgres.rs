@@ -48,7 +48,8 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use super::codec::{self, group_by_saga};
 use super::queue::{
-    answer, append_run, dedup_summaries, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE,
+    answer, append_run, dedup_summaries, submit, take_batch, Retention, WriteOp, WriteRequest,
+    DEFAULT_PAGE,
 };
 use super::sqlite::parse_state;
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
@@ -322,17 +323,7 @@ struct Writer {
 impl Writer {
     async fn run(mut self, mut rx: mpsc::Receiver<WriteRequest>) {
         while let Some(first) = rx.recv().await {
-            let mut rows = first.op.weight();
-            let mut batch = vec![first];
-            while rows < self.max_rows {
-                match rx.try_recv() {
-                    Ok(req) => {
-                        rows += req.op.weight();
-                        batch.push(req);
-                    }
-                    Err(_) => break,
-                }
-            }
+            let batch = take_batch(first, &mut rx, self.max_rows);
             let result = self.write(&batch).await;
             if let Err(e) = &result {
                 tracing::error!(error = %e, requests = batch.len(), "saga store commit failed");

@@ -93,6 +93,66 @@ impl WriteOp {
             WriteOp::Finish(s) => s.len().max(1),
         }
     }
+
+    /// About how many bytes this op writes (its variable-length fields and
+    /// a fixed allowance per row), to bound a batch.
+    pub(crate) fn bytes(&self) -> usize {
+        const ROW: usize = 64;
+        match self {
+            WriteOp::Append(e) => e
+                .iter()
+                .map(|ev| {
+                    ROW + ev.global_tx_id.len()
+                        + ev.local_tx_id.len()
+                        + ev.parent_tx_id.len()
+                        + ev.service_name.len()
+                        + ev.instance_id.len()
+                        + ev.compensation_method.len()
+                        + ev.retry_method.len()
+                        + ev.payloads.len()
+                })
+                .sum(),
+            WriteOp::Finish(s) => s
+                .iter()
+                .map(|x| ROW + x.global_tx_id.len() + x.service_name.len())
+                .sum(),
+        }
+    }
+}
+
+/// Most bytes (as [`WriteOp::bytes`] counts them) one group commit takes
+/// from the queue: 64 MiB.
+///
+/// A commit is written as one value per engine call (SQLite's segment
+/// BLOB, PostgreSQL's array parameter), and both engines refuse a value
+/// near 1 GB: without this bound, a burst of large payloads from one
+/// participant would fail the whole commit, and with it the other
+/// participants' events that shared it. A single request larger than this
+/// (at most one native frame or Omega message) still commits, alone.
+pub(crate) const MAX_BATCH_BYTES: usize = 64 << 20;
+
+/// One group commit's requests: `first`, then whatever is already queued,
+/// until `max_rows` rows or [`MAX_BATCH_BYTES`] bytes are reached (the
+/// request that crosses a bound is the batch's last one).
+pub(crate) fn take_batch(
+    first: WriteRequest,
+    rx: &mut mpsc::Receiver<WriteRequest>,
+    max_rows: usize,
+) -> Vec<WriteRequest> {
+    let mut rows = first.op.weight();
+    let mut bytes = first.op.bytes();
+    let mut batch = vec![first];
+    while rows < max_rows && bytes < MAX_BATCH_BYTES {
+        match rx.try_recv() {
+            Ok(req) => {
+                rows += req.op.weight();
+                bytes += req.op.bytes();
+                batch.push(req);
+            }
+            Err(_) => break,
+        }
+    }
+    batch
 }
 
 /// One queued request and where its result goes.
@@ -177,3 +237,53 @@ pub(crate) fn dedup_summaries(done: Vec<SagaSummary>) -> Vec<SagaSummary> {
 /// Default page size of `finished` when the query's limit is 0 (as in
 /// [`MemoryStore`](super::MemoryStore)).
 pub(crate) const DEFAULT_PAGE: usize = 100;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn append(
+        events: usize,
+        payload: usize,
+    ) -> (WriteRequest, oneshot::Receiver<Result<(), StoreError>>) {
+        let ev = EventRecord {
+            global_tx_id: "g".into(),
+            payloads: Bytes::from(vec![0u8; payload]),
+            ..EventRecord::default()
+        };
+        let (done, rx) = oneshot::channel();
+        let op = WriteOp::Append(std::iter::repeat_n(ev, events).collect());
+        (WriteRequest { op, done }, rx)
+    }
+
+    #[test]
+    fn a_batch_stops_at_the_row_bound() {
+        let (tx, mut rx) = mpsc::channel(16);
+        for _ in 0..5 {
+            tx.try_send(append(3, 0).0).unwrap();
+        }
+        let (first, _) = append(3, 0);
+        // 3 + 3 + 3 + 3 = 12 rows reach 10: four requests.
+        assert_eq!(take_batch(first, &mut rx, 10).len(), 4);
+        // What is left is taken by the next batch.
+        let next = rx.try_recv().unwrap();
+        assert_eq!(take_batch(next, &mut rx, 10).len(), 2);
+    }
+
+    #[test]
+    fn a_batch_stops_at_the_byte_bound_and_a_large_request_commits_alone() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let big = MAX_BATCH_BYTES / 3;
+        for _ in 0..5 {
+            tx.try_send(append(1, big).0).unwrap();
+        }
+        let (first, _) = append(1, big);
+        // Three requests of a third each reach the bound.
+        assert_eq!(take_batch(first, &mut rx, usize::MAX).len(), 3);
+        while rx.try_recv().is_ok() {}
+        tx.try_send(append(1, 0).0).unwrap();
+        let (huge, _) = append(1, MAX_BATCH_BYTES + 1);
+        assert_eq!(take_batch(huge, &mut rx, usize::MAX).len(), 1);
+    }
+}

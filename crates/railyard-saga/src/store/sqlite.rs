@@ -69,7 +69,7 @@ use parking_lot::Mutex;
 use rusqlite::{params, Connection, OpenFlags, Row};
 use tokio::sync::mpsc;
 
-use super::queue::{answer, submit, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
+use super::queue::{answer, submit, take_batch, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
 use super::segment::{Index, Replay, SegmentBuf};
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
@@ -407,17 +407,7 @@ impl Writer {
         // `blocking_recv` is fine: this is a dedicated thread, not a tokio
         // worker. It returns `None` once every sender is gone.
         while let Some(first) = rx.blocking_recv() {
-            let mut rows = first.op.weight();
-            let mut batch = vec![first];
-            while rows < max_rows {
-                match rx.try_recv() {
-                    Ok(req) => {
-                        rows += req.op.weight();
-                        batch.push(req);
-                    }
-                    Err(_) => break,
-                }
-            }
+            let batch = take_batch(first, &mut rx, max_rows);
             let result = self.write(&batch).map_err(engine);
             if let Err(e) = &result {
                 tracing::error!(error = %e, requests = batch.len(), "saga store commit failed");
