@@ -443,23 +443,33 @@ impl Future for ResponseFuture {
             },
         };
         let conn = this.conn.take().expect("polled after completion");
-        if let Some((file, offset, remaining)) = resp.body_mut().take_sendfile_run() {
-            conn.runs.borrow_mut().push_back(Run {
+        // Not queued yet: see `ConnBody::run`.
+        let run = resp
+            .body_mut()
+            .take_sendfile_run()
+            .map(|(file, offset, remaining)| Run {
                 file,
                 offset,
                 remaining,
             });
-        }
         let secs = this.start.elapsed().as_secs_f64();
         this.core
             .record(this.route, this.method, resp.status().as_u16(), secs);
-        Poll::Ready(Ok(resp.map(|inner| ConnBody { inner, conn })))
+        Poll::Ready(Ok(resp.map(|inner| ConnBody { inner, run, conn })))
     }
 }
 
 /// A response body that tells its connection when hyper is done with it.
 pub(crate) struct ConnBody {
     inner: Body,
+    /// The file run behind a sendfile body's placeholders, queued on the
+    /// connection at the body's first poll, not when the response is made.
+    /// hyper polls only a body it will write: for a `HEAD` request or a
+    /// status that cannot carry a body (1xx, 204, 304) it drops the body
+    /// unpolled, and a run queued for it would never be consumed: it would
+    /// stay in the queue for good and hand its bytes to the next file
+    /// response on the connection.
+    run: Option<Run>,
     conn: Rc<ConnState>,
 }
 
@@ -477,6 +487,11 @@ impl http_body::Body for ConnBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        // hyper finishes one response body before it polls the next, so runs
+        // are queued in the order their placeholders are written.
+        if let Some(run) = self.run.take() {
+            self.conn.runs.borrow_mut().push_back(run);
+        }
         Pin::new(&mut self.inner).poll_frame(cx)
     }
 

@@ -43,5 +43,12 @@ pub(crate) struct Run {
 
 /// The file runs of one connection, front first. Responses are written in
 /// order, so the n-th placeholder byte written is the n-th byte of the runs.
-/// Bounded by hyper's pipelining: one run per response not yet written.
+///
+/// A run is queued when hyper first polls its body (never for a body hyper
+/// will not write: `HEAD`, 1xx, 204, 304) and removed once its last byte is
+/// sent, so it holds only runs whose placeholders hyper has taken or is about
+/// to take. hyper polls the next body only once the previous one is all in
+/// its write buffer, and stops taking chunks while that buffer is full
+/// (16 chunks or about 400 KiB), so the queue never holds more runs than
+/// that buffer holds chunks, plus the one being taken: it cannot fill up.
 pub(crate) type Runs = RefCell<VecDeque<Run>>;

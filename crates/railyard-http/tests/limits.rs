@@ -200,6 +200,14 @@ async fn the_connection_cap_holds_new_connections_until_one_closes() {
     // The second connection is accepted by the kernel but not served yet.
     let mut second = Client::connect(server.addr).await;
     second.send(b"GET /0k HTTP/1.1\r\nHost: t\r\n\r\n").await;
+    // Held back while `first` is open (without the cap: answered at once).
+    let mut byte = [0u8; 1];
+    let early =
+        tokio::time::timeout(Duration::from_millis(200), second.stream.peek(&mut byte)).await;
+    assert!(
+        early.is_err(),
+        "the second connection got an answer (or was closed) while the first held the only slot: {early:?}"
+    );
     drop(first);
     assert_eq!(second.read_response().await.unwrap().status, 200);
     server.stop().await;

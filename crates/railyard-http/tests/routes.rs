@@ -1,14 +1,17 @@
 //! Every seed route over a real socket: status, headers, body, compressed
-//! variants, the sendfile path under keep-alive; and the router without a socket.
+//! variants, the sendfile path under keep-alive (beside `HEAD` and bodiless
+//! statuses); and the router without a socket.
 
 mod common;
 
+use std::fs::File;
 use std::io::Read as _;
+use std::sync::Arc;
 
 use common::{Client, TestServer};
-use http::Request;
+use http::{Request, Response, StatusCode};
 use railyard_http::c10k::{self, C10kOptions};
-use railyard_http::{HttpConfig, RequestBody};
+use railyard_http::{Body, HttpConfig, RequestBody, Router};
 
 fn is_alnum(b: &[u8]) -> bool {
     b.iter().all(u8::is_ascii_alphanumeric)
@@ -183,4 +186,69 @@ async fn the_router_answers_without_a_socket() {
         std::fs::read(opts.upload_dir.join(&files[0])).unwrap(),
         b"hello upload"
     );
+}
+
+#[tokio::test]
+async fn bodiless_file_responses_leave_no_run_for_the_next_one() {
+    // Two files with different bytes; `/b` serves a range from an offset, so
+    // a stale run of `/a` (or the wrong offset) gives different bytes.
+    let dir = common::temp_dir("headrun");
+    let a: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let b: Vec<u8> = (0..150_000u32).map(|i| (i * 13 % 241) as u8).collect();
+    std::fs::write(dir.join("a"), &a).unwrap();
+    std::fs::write(dir.join("b"), &b).unwrap();
+    let fa = Arc::new(File::open(dir.join("a")).unwrap());
+    let fb = Arc::new(File::open(dir.join("b")).unwrap());
+    let (b_off, b_len) = (10_000u64, 120_000u64);
+    let want_b = &b[10_000..130_000];
+    let (fa2, fa3) = (fa.clone(), fa.clone());
+    let router = Router::new()
+        .get("/a", move |_req| {
+            std::future::ready(Response::new(Body::file(fa.clone(), 0, 100_000)))
+        })
+        .get("/b", move |_req| {
+            std::future::ready(Response::new(Body::file(fb.clone(), b_off, b_len)))
+        })
+        // Statuses that cannot carry a body, with a file body all the same:
+        // hyper drops the body unwritten.
+        .get("/unchanged", move |_req| {
+            let mut r = Response::new(Body::file(fa2.clone(), 0, 100_000));
+            *r.status_mut() = StatusCode::NOT_MODIFIED;
+            std::future::ready(r)
+        })
+        .get("/nothing", move |_req| {
+            let mut r = Response::new(Body::file(fa3.clone(), 0, 100_000));
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            std::future::ready(r)
+        });
+    let server = TestServer::start(router, HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+
+    // One at a time on the keep-alive connection...
+    for _ in 0..3 {
+        c.send(b"HEAD /a HTTP/1.1\r\nHost: t\r\n\r\n").await;
+        let h = c.read_response_for("HEAD").await.unwrap();
+        assert_eq!(h.status, 200);
+        assert_eq!(h.header("content-length"), Some("100000"));
+    }
+    assert_eq!(c.get("/unchanged", "").await.status, 304);
+    assert_eq!(c.get("/nothing", "").await.status, 204);
+    let r = c.get("/b", "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-length"), Some("120000"));
+    assert!(r.body == want_b, "`/b`'s own bytes, not another response's");
+
+    // ...and pipelined: bodiless responses back to back, then two file bodies.
+    c.send(
+        b"HEAD /a HTTP/1.1\r\nHost: t\r\n\r\nHEAD /b HTTP/1.1\r\nHost: t\r\n\r\nGET /unchanged HTTP/1.1\r\nHost: t\r\n\r\nHEAD /a HTTP/1.1\r\nHost: t\r\n\r\nGET /b HTTP/1.1\r\nHost: t\r\n\r\nGET /a HTTP/1.1\r\nHost: t\r\n\r\n",
+    )
+    .await;
+    for (method, status) in [("HEAD", 200), ("HEAD", 200), ("GET", 304), ("HEAD", 200)] {
+        let r = c.read_response_for(method).await.unwrap();
+        assert_eq!(r.status, status);
+        assert!(r.body.is_empty());
+    }
+    assert!(c.read_response().await.unwrap().body == want_b);
+    assert!(c.read_response().await.unwrap().body == a);
+    server.stop().await;
 }
