@@ -19,6 +19,7 @@ pub const DEFAULT_PORT: u16 = 7000;
 /// inbound_permitted = [{ address = "railyard.node.echo" }, { address_regex = "orders\\..+" }]
 /// outbound_permitted = [{ address_regex = "news\\..+" }]
 /// max_frame_size = 1048576
+/// max_headers = 1024
 /// auth_token = "change-me"
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +42,14 @@ pub struct BridgeConfig {
     /// length prefix excluded). A larger length prefix gets an
     /// `frame_too_large` err frame and the connection is closed. Default 1 MiB.
     pub max_frame_size: usize,
+    /// Most headers one inbound frame may carry: the keys of its `headers`
+    /// object, `authToken` and the delivery options (`timeout`, ...)
+    /// included. Every header is kept on the message and written again for
+    /// each client it is delivered to, so this bounds that work per message
+    /// (`max_frame_size` alone lets a frame carry over 100,000 short ones).
+    /// A frame (other than `ping`) with more gets a `too_many_headers` err
+    /// frame and is not acted on; the connection stays open. Default 1024.
+    pub max_headers: usize,
     /// Most addresses one connection may be registered at. Default 1024.
     pub max_registrations: usize,
     /// Most requests (`send` with `replyAddress`) one connection may have
@@ -73,6 +82,7 @@ impl Default for BridgeConfig {
             inbound_permitted: Vec::new(),
             outbound_permitted: Vec::new(),
             max_frame_size: 1 << 20,
+            max_headers: 1024,
             max_registrations: 1024,
             max_pending_requests: 1024,
             max_pending_replies: 1024,

@@ -255,6 +255,19 @@ impl<'a> Conn<'a> {
             }
             self.authed = true;
         }
+        // Refused before anything copies the headers: they would be kept on
+        // the bus message and written again for every client it reaches.
+        let headers = f.headers.as_ref().map_or(0, Map::len);
+        if headers > self.shared.config.max_headers {
+            self.local.0.limit_rejections += 1;
+            tracing::debug!(
+                headers,
+                max_headers = self.shared.config.max_headers,
+                "bridge frame refused: too many headers"
+            );
+            self.err("too_many_headers");
+            return Flow::Continue;
+        }
         let Some(address) = f.address.clone() else {
             self.err("missing_address");
             return Flow::Continue;

@@ -8,6 +8,8 @@
 //! are encoded in place (length patched after serializing) with no
 //! intermediate buffer.
 
+use std::collections::hash_map::{Entry, HashMap};
+
 use bytes::{Buf, BufMut, BytesMut};
 use railyard_bus::{Body, Headers};
 use serde::ser::{SerializeMap, Serializer};
@@ -45,10 +47,19 @@ impl FrameError {
     }
 }
 
+/// Most room [`next_frame`] reserves for a partial frame at a time.
+const RESERVE_STEP: usize = 64 * 1024;
+
 /// Takes the next complete frame's payload off the front of `buf`.
 ///
 /// `Ok(None)` means more bytes are needed. Oversized lengths are refused as
 /// soon as the prefix is read, before any payload is buffered.
+///
+/// Room for the rest of a partial frame is reserved [`RESERVE_STEP`] at a
+/// time, not from the announced length: the length is the peer's word (and
+/// may come before it has authenticated), so a prefix announcing
+/// `max_frame_size` and no payload must not cost `max_frame_size` of
+/// memory. The buffer grows with the bytes that actually arrive.
 pub(crate) fn next_frame(buf: &mut BytesMut, max: usize) -> Result<Option<BytesMut>, FrameError> {
     if buf.len() < 4 {
         return Ok(None);
@@ -61,7 +72,7 @@ pub(crate) fn next_frame(buf: &mut BytesMut, max: usize) -> Result<Option<BytesM
         });
     }
     if buf.len() - 4 < len {
-        buf.reserve(4 + len - buf.len());
+        buf.reserve((4 + len - buf.len()).min(RESERVE_STEP));
         return Ok(None);
     }
     buf.advance(4);
@@ -114,15 +125,43 @@ fn framed(
 /// at the position of its first (what Vert.x's `JsonObject.put` does).
 struct HeadersJson<'a>(&'a Headers);
 
-impl Serialize for HeadersJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut pairs: Vec<(&str, &str)> = Vec::with_capacity(self.0.len());
-        for (n, v) in self.0.iter() {
+/// Up to this many headers, repeated names are found by scanning the names
+/// already collected: no allocation besides the pairs, and faster than
+/// hashing for the usual handful. Past it they are found through a hash
+/// index, so the cost stays linear in the header count.
+const SCAN_HEADERS: usize = 8;
+
+/// Each distinct name once, in the order of its first occurrence, with its
+/// last value.
+fn last_value_per_name(headers: &Headers) -> Vec<(&str, &str)> {
+    let mut pairs: Vec<(&str, &str)> = Vec::with_capacity(headers.len());
+    if headers.len() <= SCAN_HEADERS {
+        for (n, v) in headers.iter() {
             match pairs.iter_mut().find(|(m, _)| *m == n) {
                 Some(slot) => slot.1 = v,
                 None => pairs.push((n, v)),
             }
         }
+        return pairs;
+    }
+    // Names can come from clients: std's randomly keyed hasher keeps them
+    // from choosing colliding names.
+    let mut index: HashMap<&str, usize> = HashMap::with_capacity(headers.len());
+    for (n, v) in headers.iter() {
+        match index.entry(n) {
+            Entry::Occupied(at) => pairs[*at.get()].1 = v,
+            Entry::Vacant(slot) => {
+                slot.insert(pairs.len());
+                pairs.push((n, v));
+            }
+        }
+    }
+    pairs
+}
+
+impl Serialize for HeadersJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let pairs = last_value_per_name(self.0);
         let mut map = s.serialize_map(Some(pairs.len()))?;
         for (n, v) in pairs {
             map.serialize_entry(n, v)?;
@@ -349,6 +388,98 @@ mod tests {
         put_err(&mut out, "access_denied");
         assert_eq!(&out[4..19], br#"{"type":"pong"}"#);
         assert_eq!(&out[23..], br#"{"type":"err","message":"access_denied"}"#);
+    }
+
+    #[test]
+    fn decoder_reserves_as_bytes_arrive_not_the_announced_length() {
+        const MIB: usize = 1 << 20;
+        let mut b = BytesMut::new();
+        b.put_u32(MIB as u32);
+        assert!(next_frame(&mut b, MIB).unwrap().is_none());
+        assert!(
+            b.capacity() <= 4 + RESERVE_STEP,
+            "a bare prefix announcing 1 MiB reserved {} bytes",
+            b.capacity()
+        );
+        // Fed as a socket would feed it: at most the spare room per read.
+        let payload: Vec<u8> = std::iter::once(b'"')
+            .chain(std::iter::repeat_n(b'x', MIB - 2))
+            .chain(std::iter::once(b'"'))
+            .collect();
+        let mut sent = 0;
+        let frame = loop {
+            if let Some(f) = next_frame(&mut b, MIB).unwrap() {
+                break f;
+            }
+            let spare = b.capacity() - b.len();
+            assert!(spare > 0, "more bytes are needed, so room is reserved");
+            let n = spare.min(payload.len() - sent);
+            b.put_slice(&payload[sent..sent + n]);
+            sent += n;
+            // Vec-style doubling aside, room follows what arrived.
+            assert!(
+                b.capacity() <= 2 * b.len() + RESERVE_STEP,
+                "{} bytes reserved for {} received",
+                b.capacity(),
+                b.len()
+            );
+        };
+        assert_eq!(&frame[..], &payload[..]);
+        assert!(b.is_empty());
+    }
+
+    /// The writer as it was before the hash index, kept as the reference
+    /// the output must not drift from.
+    fn quadratic_reference(h: &Headers) -> String {
+        let mut pairs: Vec<(&str, &str)> = Vec::new();
+        for (n, v) in h.iter() {
+            match pairs.iter_mut().find(|(m, _)| *m == n) {
+                Some(slot) => slot.1 = v,
+                None => pairs.push((n, v)),
+            }
+        }
+        let mut out = String::from("{");
+        for (i, (n, v)) in pairs.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&serde_json::to_string(n).unwrap());
+            out.push(':');
+            out.push_str(&serde_json::to_string(v).unwrap());
+        }
+        out.push('}');
+        out
+    }
+
+    fn headers_json(h: &Headers) -> String {
+        serde_json::to_string(&HeadersJson(h)).unwrap()
+    }
+
+    #[test]
+    fn header_writer_output_is_unchanged_for_many_and_repeated_names() {
+        // Above the scan threshold, with repeats: first position, last value;
+        // names are compared exactly (case matters on the wire, as before).
+        let mut h = Headers::new();
+        for i in 0..SCAN_HEADERS + 2 {
+            h.add(format!("h{i}"), format!("v{i}"));
+        }
+        h.add("h3", "again").add("H3", "upper").add("h0", "last");
+        assert_eq!(
+            headers_json(&h),
+            r#"{"h0":"last","h1":"v1","h2":"v2","h3":"again","h4":"v4","h5":"v5","h6":"v6","h7":"v7","h8":"v8","h9":"v9","H3":"upper"}"#
+        );
+        assert_eq!(headers_json(&h), quadratic_reference(&h));
+        // Every size around the threshold, and many distinct names.
+        for n in [0, 1, SCAN_HEADERS - 1, SCAN_HEADERS, SCAN_HEADERS + 1, 5000] {
+            let mut h = Headers::new();
+            for i in 0..n {
+                h.add(format!("n{i}"), "a");
+                if i % 3 == 0 {
+                    h.add(format!("n{}", i / 2), format!("b{i}"));
+                }
+            }
+            assert_eq!(headers_json(&h), quadratic_reference(&h), "{n} headers");
+        }
     }
 
     #[test]

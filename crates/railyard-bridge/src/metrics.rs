@@ -82,7 +82,8 @@ counters! {
     malformed_frames,
     /// Length prefixes above `max_frame_size` (connection closed).
     oversized_frames,
-    /// Frames refused by a per-connection limit (registrations, pending requests or replies).
+    /// Frames refused by a limit (registrations, pending requests or replies
+    /// per connection, headers per frame).
     limit_rejections,
     /// Connections closed for a missing or wrong `authToken`.
     auth_failures,

@@ -47,6 +47,7 @@ impl BridgeServer {
     pub fn new(bus: EventBus, config: BridgeConfig) -> Result<Self, ConfigError> {
         for (field, v) in [
             ("max_frame_size", config.max_frame_size),
+            ("max_headers", config.max_headers),
             ("max_registrations", config.max_registrations),
             ("max_pending_requests", config.max_pending_requests),
             ("max_pending_replies", config.max_pending_replies),

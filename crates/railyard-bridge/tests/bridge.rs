@@ -509,6 +509,57 @@ async fn per_connection_limits_answer_with_err_frames() {
 }
 
 #[tokio::test]
+async fn too_many_headers_refuse_the_frame_and_keep_the_connection() {
+    let bus = EventBus::new();
+    let mut sink = bus.consumer("test.sink").stream().await.unwrap();
+    let _e = echo(&bus, "test.echo").await;
+    let config = BridgeConfig {
+        max_headers: 3,
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    let too_many = json!({"type":"err","message":"too_many_headers"});
+
+    // Delivery options count: four keys is one too many.
+    c.send(json!({"type":"send","address":"test.sink","headers":{"a":"1","b":"2","c":"3","timeout":100},"body":"no"}))
+        .await;
+    assert_eq!(c.recv().await, too_many);
+    c.send(json!({"type":"publish","address":"test.sink","headers":{"a":"1","b":"2","c":"3","d":"4"},"body":"no"}))
+        .await;
+    assert_eq!(c.recv().await, too_many);
+    c.send(json!({"type":"send","address":"test.echo","replyAddress":"r1","headers":{"a":"1","b":"2","c":"3","d":"4"},"body":"no"}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        too_many,
+        "a request is refused the same way"
+    );
+    c.send(json!({"type":"register","address":"test.sink","headers":{"a":"1","b":"2","c":"3","d":"4"}}))
+        .await;
+    assert_eq!(c.recv().await, too_many);
+
+    // The connection stays open and a frame at the limit goes through.
+    c.ping_pong().await;
+    c.send(json!({"type":"send","address":"test.sink","headers":{"a":"1","b":"2","c":"3"},"body":"yes"}))
+        .await;
+    let m = tokio::time::timeout(WAIT, sink.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        m.body::<Value>(),
+        Some(&json!("yes")),
+        "the refused frames never reached the bus"
+    );
+    assert_eq!(m.headers().len(), 3);
+    assert_eq!(bus.consumer_count("test.sink"), 1, "register was refused");
+    let metrics = bridge.metrics();
+    assert_eq!((metrics.limit_rejections, metrics.sends), (4, 1));
+    bridge.shutdown().await;
+}
+
+#[tokio::test]
 async fn shared_token_authentication() {
     let bus = EventBus::new();
     let _e = echo(&bus, "test.echo").await;

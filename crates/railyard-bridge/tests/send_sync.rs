@@ -26,6 +26,7 @@ fn config_defaults_are_documented_values() {
     assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 7000));
     assert!(c.inbound_permitted.is_empty() && c.outbound_permitted.is_empty());
     assert_eq!(c.max_frame_size, 1 << 20);
+    assert_eq!(c.max_headers, 1024);
     assert_eq!(c.outbound_queue_bytes, 1 << 20);
     assert!(c.auth_token.is_none());
     let zero = BridgeConfig {
