@@ -16,7 +16,7 @@ use crate::error::RedisError;
 use crate::refresh::{self, Reason, RefreshStats, StatsCells, Trigger};
 use crate::slot::key_slot;
 use crate::topology::SlotTable;
-use crate::value::{Cmd, Protocol, ToArg, Value};
+use crate::value::{Cmd, Protocol, ToArg, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// Where reads go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -175,6 +175,25 @@ impl ClusterClientBuilder {
     #[must_use]
     pub fn protocol(self, p: Protocol) -> Self {
         self.set(true, "", |c| c.conn.protocol = p)
+    }
+    /// Largest reply accepted, in bytes (default 512 MiB, Redis's own
+    /// `proto-max-bulk-len`; at least 1 KiB).
+    ///
+    /// It bounds each connection's read buffer: without it, one bad length
+    /// prefix makes the client buffer bytes until memory runs out. A reply
+    /// that declares a longer string or more elements, or that is still
+    /// incomplete at this size, is refused with [`RedisError::Protocol`] and
+    /// its connection closed and reopened; the other connections carry on.
+    /// Leave room for `CLUSTER NODES`, about 126 bytes per node.
+    #[must_use]
+    pub fn max_reply_size(self, bytes: usize) -> Self {
+        self.set(
+            bytes >= 1024,
+            "max_reply_size must be at least 1 KiB",
+            |c| {
+                c.conn.max_reply = bytes;
+            },
+        )
     }
 
     /// Connects to the seeds, reads the topology and starts the refresher.
@@ -440,6 +459,7 @@ impl ClusterClient {
                     reconnects_before_refresh: 2,
                     protocol: Protocol::Resp2,
                     readonly: false,
+                    max_reply: DEFAULT_MAX_REPLY_SIZE,
                 },
             },
             error: None,

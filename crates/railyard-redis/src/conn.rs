@@ -12,6 +12,16 @@
 //! command is not sent. At most `max_in_flight` requests are written and
 //! awaiting replies; beyond that the task stops reading its queue.
 //!
+//! # Reply size
+//! The read buffer holds the reply being received, which may not be larger
+//! than `max_reply` (`ClusterClientBuilder::max_reply_size`, default 512 MiB):
+//! the decoder checks after every read, and a reply that declares a longer
+//! string or more elements, or that is still incomplete at that size, is a
+//! malformed reply (below). A read adds at most the buffer's spare capacity,
+//! and the buffer at most doubles to make room, so one connection's read
+//! buffer stays under about twice the limit. A reply nested deeper than 64
+//! levels is malformed too: decoding it would overflow the stack.
+//!
 //! # Failure
 //! A malformed reply or an I/O error closes the socket; every request in
 //! flight gets the error ([`RedisError::Protocol`] / [`RedisError::Io`]).
@@ -46,6 +56,8 @@ pub(crate) struct ConnConfig {
     pub(crate) protocol: Protocol,
     /// Send `READONLY` after connecting (replica reads).
     pub(crate) readonly: bool,
+    /// Largest reply in bytes; see [`crate::ClusterClientBuilder::max_reply_size`].
+    pub(crate) max_reply: usize,
 }
 
 struct Request {
@@ -248,12 +260,12 @@ async fn connect(addr: &Arc<str>, cfg: &ConnConfig) -> Result<TcpStream, RedisEr
                 cfg.protocol
             };
             let v = loop {
-                if let Some(v) =
-                    decode(&mut rbuf, proto).map_err(|detail| RedisError::Protocol {
+                if let Some(v) = decode(&mut rbuf, proto, cfg.max_reply).map_err(|detail| {
+                    RedisError::Protocol {
                         node: addr.clone(),
                         detail,
-                    })?
-                {
+                    }
+                })? {
                     break v;
                 }
                 if s.read_buf(&mut rbuf).await.map_err(io)? == 0 {
@@ -320,7 +332,7 @@ async fn serve(
                     Ok(_) => {}
                     Err(e) => break End::Failed(io(e)),
                 }
-                if let Err(e) = dispatch(addr, &mut rbuf, &mut pending, cfg.protocol) {
+                if let Err(e) = dispatch(addr, &mut rbuf, &mut pending, cfg) {
                     break End::Failed(e);
                 }
             }
@@ -363,10 +375,10 @@ fn dispatch(
     addr: &Arc<str>,
     rbuf: &mut BytesMut,
     pending: &mut VecDeque<Pending>,
-    proto: Protocol,
+    cfg: &ConnConfig,
 ) -> Result<(), RedisError> {
     loop {
-        let v = match decode(rbuf, proto) {
+        let v = match decode(rbuf, cfg.protocol, cfg.max_reply) {
             Ok(Some(v)) => v,
             Ok(None) => return Ok(()),
             Err(detail) => {

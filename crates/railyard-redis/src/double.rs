@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::slot::{key_slot, SLOTS};
-use crate::value::{decode, Protocol, Value};
+use crate::value::{decode, Protocol, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// One node of the double's topology.
 #[derive(Debug, Clone)]
@@ -306,7 +306,7 @@ async fn serve(mut sock: TcpStream, me: usize, state: Arc<State>) {
             Ok(_) => {}
         }
         loop {
-            let args = match decode(&mut rbuf, Protocol::Resp2) {
+            let args = match decode(&mut rbuf, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE) {
                 Ok(Some(Value::Array(a))) => a,
                 Ok(None) => break,
                 _ => {

@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::topology::fingerprint;
-use crate::value::{decode, Cmd, Protocol, Value};
+use crate::value::{decode, Cmd, Protocol, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// Why a local cluster could not be started or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +67,7 @@ pub async fn query(addr: &str, cmd: &Cmd) -> Result<Value, String> {
             .map_err(|e| e.to_string())?;
         let mut buf = BytesMut::with_capacity(4096);
         loop {
-            if let Some(v) = decode(&mut buf, Protocol::Resp2)? {
+            if let Some(v) = decode(&mut buf, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE)? {
                 return Ok(v);
             }
             if s.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {

@@ -1,11 +1,14 @@
 //! The client against the in-process cluster double: routing, views that
-//! disagree, periodic refresh, and malformed replies from a fake server.
+//! disagree, periodic refresh, and malformed, too deep or too large replies
+//! from a fake server.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use railyard_redis::double::ClusterDouble;
 use railyard_redis::slot::key_slot;
-use railyard_redis::{ClusterClient, RedisError};
+use railyard_redis::{ClusterClient, ClusterClientBuilder, Cmd, Protocol, RedisError, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -225,16 +228,20 @@ async fn a_lasting_disagreement_costs_no_full_refreshes() {
     assert!(s.checks <= 3, "{s:?}");
 }
 
-#[tokio::test]
-async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
+/// A one-node cluster on loopback that answers `CLUSTER NODES` and `HELLO`
+/// properly and every other command with `reply`. Returns its address, a
+/// count of accepted connections, and the accept loop (abort it at the end).
+async fn fake_node(reply: Vec<u8>) -> (String, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
-    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let accepted = Arc::new(AtomicUsize::new(0));
     let acc = accepted.clone();
+    let reply: Arc<[u8]> = reply.into();
     let server = tokio::spawn(async move {
         loop {
             let (mut s, _) = l.accept().await.unwrap();
-            acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            acc.fetch_add(1, Ordering::SeqCst);
+            let reply = reply.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];
                 loop {
@@ -243,33 +250,49 @@ async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
                         Ok(n) => n,
                     };
                     let req = String::from_utf8_lossy(&buf[..n]).to_ascii_uppercase();
-                    let reply = if req.contains("NODES") {
+                    let out = if req.contains("NODES") {
                         let text = format!(
                             "{:040x} 127.0.0.1:{port}@{} myself,master - 0 0 1 connected 0-16383\n",
                             1,
                             u32::from(port) + 10000
                         );
-                        format!("${}\r\n{text}\r\n", text.len())
+                        format!("${}\r\n{text}\r\n", text.len()).into_bytes()
+                    } else if req.contains("HELLO") {
+                        b"%1\r\n+proto\r\n:3\r\n".to_vec()
                     } else {
-                        "?this is not RESP\r\n".to_owned()
+                        reply.to_vec()
                     };
-                    if s.write_all(reply.as_bytes()).await.is_err() {
+                    if s.write_all(&out).await.is_err() {
                         return;
                     }
                 }
             });
         }
     });
-    let c = ClusterClient::builder([format!("127.0.0.1:{port}")])
-        .adaptive_refresh(false, Duration::from_secs(1))
-        .build()
-        .await
-        .unwrap();
+    (format!("127.0.0.1:{port}"), accepted, server)
+}
+
+fn client_of(addr: &str) -> ClusterClientBuilder {
+    ClusterClient::builder([addr]).adaptive_refresh(false, Duration::from_secs(1))
+}
+
+/// The detail of a [`RedisError::Protocol`]; fails the test for anything else.
+fn protocol_detail(r: Result<Value, RedisError>) -> String {
+    match r {
+        Err(RedisError::Protocol { detail, .. }) => detail,
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
+    let (addr, accepted, server) = fake_node(b"?this is not RESP\r\n".to_vec()).await;
+    let c = client_of(&addr).build().await.unwrap();
     let err = c.get("k").await.unwrap_err();
     assert!(matches!(err, RedisError::Protocol { .. }), "{err:?}");
     // Counted after the command connection that failed was accepted, so
     // only a re-opened connection can raise it.
-    let before = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    let before = accepted.load(Ordering::SeqCst);
     // The connection was closed and is re-opened for the next command.
     let err = c.get("k").await.unwrap_err();
     assert!(
@@ -284,8 +307,106 @@ async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
     // not a disconnection.
     let err = c.get("k").await.unwrap_err();
     assert!(matches!(err, RedisError::Protocol { .. }), "{err:?}");
-    assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) > before);
+    assert!(accepted.load(Ordering::SeqCst) > before);
     server.abort();
+}
+
+#[tokio::test]
+async fn a_deeply_nested_reply_is_a_typed_error_not_a_stack_overflow() {
+    // 100,000 nested arrays, 400 KB: decoded recursively, this aborts the
+    // whole test process with a stack overflow.
+    let mut deep = b"*1\r\n".repeat(100_000);
+    deep.extend_from_slice(b":1\r\n");
+    let (addr, accepted, server) = fake_node(deep).await;
+    for proto in [Protocol::Resp2, Protocol::Resp3] {
+        let c = client_of(&addr).protocol(proto).build().await.unwrap();
+        let get = Cmd::new("GET").key("k");
+        let detail = protocol_detail(c.cmd(&get).await);
+        assert!(
+            detail.contains("deeper than 64 levels"),
+            "{proto:?}: {detail}"
+        );
+        // Only that connection was closed: a fresh one gets the same typed
+        // error, and the process is still here to see it.
+        let before = accepted.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let detail = protocol_detail(c.cmd(&get).await);
+        assert!(
+            detail.contains("deeper than 64 levels"),
+            "{proto:?}: {detail}"
+        );
+        assert!(accepted.load(Ordering::SeqCst) > before);
+    }
+    server.abort();
+}
+
+#[tokio::test]
+async fn a_reply_nested_to_the_limit_still_arrives() {
+    // 64 nested maps, the deepest allowed and the decoder's most
+    // stack-hungry shape, decoded on the client's own runtime.
+    let mut deep = b"%1\r\n+k\r\n".repeat(64);
+    deep.extend_from_slice(b":7\r\n");
+    let (addr, _, server) = fake_node(deep).await;
+    let c = client_of(&addr)
+        .protocol(Protocol::Resp3)
+        .build()
+        .await
+        .unwrap();
+    let mut v = c.cmd(&Cmd::new("GET").key("k")).await.unwrap();
+    let mut depth = 0;
+    while let Value::Map(mut m) = v {
+        assert_eq!(m.len(), 1);
+        v = m.pop().unwrap().1;
+        depth += 1;
+    }
+    assert_eq!((depth, v), (64, Value::Int(7)));
+    server.abort();
+}
+
+#[tokio::test]
+async fn a_reply_over_max_reply_size_closes_the_connection() {
+    // A declared length over the limit is refused at its header, before
+    // any of the payload is buffered.
+    let (addr, _, server) = fake_node(b"$1000000\r\nxyz".to_vec()).await;
+    let c = client_of(&addr)
+        .max_reply_size(64 * 1024)
+        .build()
+        .await
+        .unwrap();
+    let detail = protocol_detail(c.cmd(&Cmd::new("GET").key("k")).await);
+    assert!(detail.contains("1000000-byte string"), "{detail}");
+    server.abort();
+    // Elements that are each small but never end: refused once the
+    // buffered reply passes the limit (80 KB sent, 64 KiB allowed).
+    let mut endless = b"*60000\r\n".to_vec();
+    endless.extend(b":1\r\n".repeat(20_000));
+    let (addr, _, server) = fake_node(endless.clone()).await;
+    let c = client_of(&addr)
+        .max_reply_size(64 * 1024)
+        .build()
+        .await
+        .unwrap();
+    let detail = protocol_detail(c.cmd(&Cmd::new("GET").key("k")).await);
+    assert!(
+        detail.contains("incomplete reply already holds"),
+        "{detail}"
+    );
+    // Under the default limit the same bytes are just a reply in progress:
+    // the command times out waiting for the rest.
+    let c = client_of(&addr)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let err = c.cmd(&Cmd::new("GET").key("k")).await.unwrap_err();
+    assert!(matches!(err, RedisError::Timeout { .. }), "{err:?}");
+    server.abort();
+    let err = ClusterClient::builder([addr])
+        .max_reply_size(100)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RedisError::Config(_)), "{err:?}");
 }
 
 #[tokio::test]
