@@ -1704,16 +1704,17 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_stream_window_overflow_fails_that_call_with_flow_control_error() {
+    /// A call whose stream gets a WINDOW_UPDATE of `increment` from a
+    /// hand-spoken server: what the call returned, the code of the
+    /// RST_STREAM the client sent for it, and the connection.
+    async fn stream_window_update(increment: u32) -> (Result<Bytes, CallError>, u32, Conn) {
         let (listener, addr) = listen().await;
         let (code_tx, code_rx) = oneshot::channel();
         tokio::spawn(async move {
             let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
             let mut out = BytesMut::new();
             let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
-            // 65,535 plus 2^31 - 1: past the largest window there is.
-            put_window_update(&mut out, id, 0x7fff_ffff);
+            put_window_update(&mut out, id, increment);
             tcp.write_all(&out).await.unwrap();
             let (reset, payload) = read_until(&mut tcp, &mut buf, RST_STREAM).await;
             assert_eq!(reset, id);
@@ -1728,34 +1729,22 @@ mod tests {
         )
         .await
         .expect("the call must fail, not wait for an answer");
+        (call, code_rx.await.unwrap(), conn)
+    }
+
+    #[tokio::test]
+    async fn a_stream_window_overflow_fails_that_call_with_flow_control_error() {
+        // 65,535 plus 2^31 - 1: past the largest window there is.
+        let (call, code, _) = stream_window_update(0x7fff_ffff).await;
         assert!(matches!(call, Err(CallError::Malformed(_))), "{call:?}");
-        assert_eq!(code_rx.await.unwrap(), FLOW_CONTROL_ERROR);
+        assert_eq!(code, FLOW_CONTROL_ERROR);
     }
 
     #[tokio::test]
     async fn a_stream_window_update_of_zero_fails_that_call_with_protocol_error() {
-        let (listener, addr) = listen().await;
-        let (code_tx, code_rx) = oneshot::channel();
-        tokio::spawn(async move {
-            let (mut tcp, mut buf) = accept_raw(&listener, &[]).await;
-            let mut out = BytesMut::new();
-            let (id, _) = read_until(&mut tcp, &mut buf, HEADERS).await;
-            put_window_update(&mut out, id, 0);
-            tcp.write_all(&out).await.unwrap();
-            let (reset, payload) = read_until(&mut tcp, &mut buf, RST_STREAM).await;
-            assert_eq!(reset, id);
-            let _ = code_tx.send(payload_u32(&payload).unwrap());
-            let _ = tcp.read_buf(&mut buf).await;
-        });
-        let conn = Conn::connect(&addr).await.unwrap();
-        let call = tokio::time::timeout(
-            Duration::from_secs(5),
-            conn.unary(&block(&addr), framed(b"x")),
-        )
-        .await
-        .expect("the call must fail, not wait for an answer");
+        let (call, code, conn) = stream_window_update(0).await;
         assert!(matches!(call, Err(CallError::Malformed(_))), "{call:?}");
-        assert_eq!(code_rx.await.unwrap(), PROTOCOL_ERROR);
+        assert_eq!(code, PROTOCOL_ERROR);
         // A stream error: the connection itself is still usable.
         assert!(conn.shared.state.lock().failed.is_none());
     }

@@ -302,12 +302,6 @@ async fn raw_session(server: &Server, rest: &[u8]) -> (String, String) {
     let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(conn);
-    let req = http::Request::post("/railyard.saga.v1.SagaCoordinator/Session")
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    let (answer, mut stream) = send.send_request(req, false).unwrap();
     let hello = ClientFrame {
         kind: Some(client_frame::Kind::Hello(Hello {
             service_name: "svc".into(),
@@ -317,25 +311,7 @@ async fn raw_session(server: &Server, rest: &[u8]) -> (String, String) {
     };
     let mut body = railyard_saga::grpc_frame::frame_bytes(false, &hello.encode_to_vec()).to_vec();
     body.extend_from_slice(rest);
-    stream.send_data(bytes::Bytes::from(body), true).unwrap();
-    let answer = tokio::time::timeout(Duration::from_secs(10), answer)
-        .await
-        .expect("an answer within 10 s")
-        .unwrap();
-    let head = answer.headers().clone();
-    let mut body = answer.into_body();
-    while let Some(chunk) = body.data().await {
-        let chunk = chunk.unwrap();
-        let _ = body.flow_control().release_capacity(chunk.len());
-    }
-    let trailers = body.trailers().await.unwrap().unwrap_or(head);
-    let field = |name: &str| {
-        trailers
-            .get(name)
-            .map(|v| v.to_str().unwrap().to_owned())
-            .unwrap_or_default()
-    };
-    (field("grpc-status"), field("grpc-message"))
+    common::raw_grpc_call(&mut send, "/railyard.saga.v1.SagaCoordinator/Session", body).await
 }
 
 #[tokio::test]

@@ -591,35 +591,12 @@ async fn finished_sagas_are_compacted_in_the_background() {
 }
 
 /// One `OnTxEvent` call written by hand on an HTTP/2 connection: the gRPC
-/// status it got (from the trailers, or the headers of a trailers-only
-/// answer) and its message.
+/// status it got and its message.
 async fn raw_call(
     send: &mut h2::client::SendRequest<bytes::Bytes>,
     body: Vec<u8>,
 ) -> (String, String) {
-    let req = http::Request::post("/TxEventService/OnTxEvent")
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    let (answer, mut stream) = send.send_request(req, false).unwrap();
-    stream.send_data(bytes::Bytes::from(body), true).unwrap();
-    let answer = answer.await.unwrap();
-    assert_eq!(answer.status(), 200);
-    let head = answer.headers().clone();
-    let mut body = answer.into_body();
-    while let Some(chunk) = body.data().await {
-        let chunk = chunk.unwrap();
-        let _ = body.flow_control().release_capacity(chunk.len());
-    }
-    let trailers = body.trailers().await.unwrap().unwrap_or(head);
-    let field = |name: &str| {
-        trailers
-            .get(name)
-            .map(|v| v.to_str().unwrap().to_owned())
-            .unwrap_or_default()
-    };
-    (field("grpc-status"), field("grpc-message"))
+    common::raw_grpc_call(send, "/TxEventService/OnTxEvent", body).await
 }
 
 fn grpc_frame(flag: u8, message: &[u8]) -> Vec<u8> {

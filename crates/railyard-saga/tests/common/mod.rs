@@ -183,3 +183,40 @@ pub async fn send(client: &mut TxEventServiceClient<Channel>, e: GrpcTxEvent) ->
         .into_inner()
         .aborted
 }
+
+/// One gRPC call written by hand on an HTTP/2 connection: `body` (raw gRPC
+/// bytes) sent to `path` with the end of the request; the answer's
+/// `grpc-status` (from the trailers, or the headers of a trailers-only
+/// answer) and `grpc-message`.
+pub async fn raw_grpc_call(
+    send: &mut h2::client::SendRequest<bytes::Bytes>,
+    path: &str,
+    body: Vec<u8>,
+) -> (String, String) {
+    let req = http::Request::post(path)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (answer, mut stream) = send.send_request(req, false).unwrap();
+    stream.send_data(bytes::Bytes::from(body), true).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let head = answer.headers().clone();
+    let mut body = answer.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap_or(head);
+    let field = |name: &str| {
+        trailers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    (field("grpc-status"), field("grpc-message"))
+}
