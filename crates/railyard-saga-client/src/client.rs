@@ -195,8 +195,11 @@ impl ClientBuilder {
         self
     }
 
-    /// Most compensation handlers running at once (default 256); further
-    /// commands wait for a free slot.
+    /// Most compensation handlers running at once (default 256); as many
+    /// more commands wait for a free slot, and commands beyond those are
+    /// dropped unanswered (counted in [`ClientStats::compensations_dropped`]):
+    /// the coordinator sends each again once the step's reverse timeout
+    /// passes, so a burst costs time, not memory.
     pub fn max_concurrent_compensations(mut self, n: usize) -> Self {
         self.max_concurrent_compensations = n;
         self
@@ -369,6 +372,7 @@ pub(crate) struct StatsCounters {
     pub(crate) resent: AtomicU64,
     pub(crate) sessions: AtomicU64,
     pub(crate) compensations: AtomicU64,
+    pub(crate) compensations_dropped: AtomicU64,
 }
 
 /// A snapshot of a client's counters.
@@ -386,6 +390,11 @@ pub struct ClientStats {
     pub sessions: u64,
     /// Compensation commands received.
     pub compensations: u64,
+    /// Compensation commands dropped unanswered because the client already
+    /// held twice [`ClientBuilder::max_concurrent_compensations`] (running
+    /// or waiting); the coordinator sends each again after its reverse
+    /// timeout.
+    pub compensations_dropped: u64,
     /// Events reported and not yet answered (queued, sent or being resent).
     pub in_flight: u64,
 }
@@ -553,6 +562,7 @@ impl SagaClient {
             resent: s.resent.load(Ordering::Relaxed),
             sessions: s.sessions.load(Ordering::Relaxed),
             compensations: s.compensations.load(Ordering::Relaxed),
+            compensations_dropped: s.compensations_dropped.load(Ordering::Relaxed),
             in_flight: self
                 .shared
                 .settings

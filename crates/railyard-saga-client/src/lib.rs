@@ -42,7 +42,9 @@
 //! - [`Compensation`]: what a compensation handler gets; handlers are
 //!   registered by compensation method name and answer `TX_COMPENSATED` or
 //!   `TX_COMPENSATE_FAILED`. Up to
-//!   [`ClientBuilder::max_concurrent_compensations`] run at once.
+//!   [`ClientBuilder::max_concurrent_compensations`] run at once and as
+//!   many wait; further commands are dropped unanswered (the coordinator
+//!   sends them again after the step's reverse timeout).
 //! - [`SagaError`], [`StepError`], [`CompensationError`]: typed errors.
 //!
 //! # Sizes

@@ -61,6 +61,10 @@ pub(crate) struct Session {
     meta: Arc<RwLock<HashMap<String, String>>>,
     stop: CancellationToken,
     compensation_slots: Arc<Semaphore>,
+    /// Commands held (running or waiting for a slot): twice the slots. A
+    /// command that finds no room is dropped unanswered (counted, logged);
+    /// the coordinator sends it again once its reverse timeout passes.
+    compensation_room: Arc<Semaphore>,
     /// Events queued, not yet sent on the current session (a reconnection
     /// puts unacknowledged batches back at the front).
     pending: VecDeque<Submit>,
@@ -95,6 +99,7 @@ impl Session {
             meta,
             stop,
             compensation_slots: Arc::new(Semaphore::new(slots)),
+            compensation_room: Arc::new(Semaphore::new(slots.saturating_mul(2))),
             pending: VecDeque::new(),
             unacked: BTreeMap::new(),
             next_seq: 1,
@@ -433,6 +438,20 @@ impl Session {
 
     fn on_compensate(&mut self, c: Compensate) {
         self.stats.compensations.fetch_add(1, Ordering::Relaxed);
+        let Ok(room) = self.compensation_room.clone().try_acquire_owned() else {
+            self.stats
+                .compensations_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                global_tx_id = %c.global_tx_id,
+                local_tx_id = %c.local_tx_id,
+                held = self.settings.max_concurrent_compensations.saturating_mul(2),
+                "compensation command dropped: the client already holds as many as it may; \
+                 the coordinator sends it again after the step's reverse timeout \
+                 (raise max_concurrent_compensations if handlers are slow)"
+            );
+            return;
+        };
         let Some(tx) = self.self_tx.upgrade() else {
             return;
         };
@@ -443,6 +462,7 @@ impl Session {
         let handler = self.registry.get(&c.compensation_method);
         let slots = self.compensation_slots.clone();
         tokio::spawn(async move {
+            let _room = room;
             let Ok(_slot) = slots.acquire_owned().await else {
                 return;
             };

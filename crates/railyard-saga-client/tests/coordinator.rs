@@ -196,6 +196,64 @@ async fn a_failed_step_compensates_the_ended_ones_in_reverse_order() {
     assert!(matches!(saga.end().await, Err(SagaError::Aborted(_))));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compensation_commands_past_the_clients_room_are_dropped_and_come_again() {
+    let node = Node::memory().await;
+    // Handlers block until the gate opens.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = gate.clone();
+    let client = SagaClient::builder(node.endpoint.clone(), "payments")
+        .max_concurrent_compensations(1)
+        .compensation("refund", move |_| {
+            let g = g.clone();
+            async move {
+                let _open = g.acquire().await;
+                Ok::<(), CompensationError>(())
+            }
+        })
+        .connect()
+        .await
+        .expect("connect");
+    // Three aborted sagas, one ended step each: three commands at once,
+    // and room for two (one running, one waiting).
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let saga = client.start_saga(None).await.expect("start");
+        saga.step(
+            Step::new("refund")
+                .reverse_retries(5)
+                .retry_delay(Duration::from_millis(20)),
+            async { Ok::<_, Boom>(()) },
+        )
+        .await
+        .expect("ended step");
+        let failed = saga
+            .step(Step::new("refund"), async { Err::<(), _>(Boom) })
+            .await;
+        assert!(matches!(failed, Err(StepError::Failed(Boom))));
+        ids.push(saga.id().to_owned());
+    }
+    for _ in 0..500 {
+        if client.stats().compensations >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stats = client.stats();
+    assert_eq!(stats.compensations, 3, "{stats:?}");
+    assert_eq!(stats.compensations_dropped, 1, "{stats:?}");
+    // Open the gate: the two held run, the dropped one comes again after
+    // its reverse timeout, and every saga ends compensated.
+    gate.add_permits(1_000);
+    for id in &ids {
+        node.wait_state(id, SagaState::Compensated).await;
+    }
+    assert!(
+        client.stats().compensations >= 4,
+        "the dropped command came again"
+    );
+}
+
 /// A loopback proxy to `target` that counts the connections it accepted:
 /// returns its endpoint and the count.
 async fn counting_proxy(target: u16) -> (String, Arc<AtomicUsize>) {
