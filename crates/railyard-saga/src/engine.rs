@@ -134,6 +134,10 @@ struct Shard {
     /// Every live saga's deadline, earliest first; kept equal to
     /// `saga.deadline` by `settle`.
     timers: BTreeSet<(Instant, Arc<str>)>,
+    /// Live sagas whose current compensation waits for an instance of its
+    /// service; kept equal to `saga.waiting_for_instance()` by `settle`, so
+    /// that a registering instance visits only these, not every live saga.
+    waiting: std::collections::HashSet<Arc<str>, Hasher>,
     finished: FinishedCache,
 }
 
@@ -452,6 +456,12 @@ impl Engine {
         let Some(saga) = shard.live.get(id) else {
             return;
         };
+        // The empty check keeps the usual case (nobody waiting) to a branch.
+        if saga.waiting_for_instance() {
+            shard.waiting.insert(id.clone());
+        } else if !shard.waiting.is_empty() {
+            shard.waiting.remove(id);
+        }
         let after = saga.deadline;
         if before.0.map(|d| d.0) != after.map(|d| d.0) {
             if let Some((t, _)) = before.0 {
@@ -466,6 +476,9 @@ impl Engine {
         if state.is_terminal() {
             if let Some((t, _)) = after {
                 shard.timers.remove(&(t, id.clone()));
+            }
+            if !shard.waiting.is_empty() {
+                shard.waiting.remove(id);
             }
             if let Some(saga) = shard.live.remove(id) {
                 let summary = saga.summary(wall_ms());
@@ -573,12 +586,10 @@ impl Engine {
         for m in self.shards.iter() {
             let mut shard = m.lock();
             let shard = &mut *shard;
-            let waiting: Vec<Arc<str>> = shard
-                .live
-                .iter()
-                .filter(|(_, s)| s.waiting_for_instance())
-                .map(|(k, _)| k.clone())
-                .collect();
+            if shard.waiting.is_empty() {
+                continue;
+            }
+            let waiting: Vec<Arc<str>> = shard.waiting.iter().cloned().collect();
             for id in waiting {
                 let Some(saga) = shard.live.get_mut(&id) else {
                     continue;

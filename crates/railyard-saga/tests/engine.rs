@@ -319,6 +319,50 @@ async fn a_command_with_no_instance_waits_then_counts_as_a_failed_attempt() {
     assert_eq!(c.state(g), Some(SagaState::Failed));
 }
 
+/// Real time, and the waiting saga polls for an instance only once a
+/// minute: only the registration itself can send the waiting command
+/// within the test's few seconds.
+#[tokio::test]
+async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
+    let cfg = CoordinatorConfig {
+        default_retry_delay: Duration::from_secs(60),
+        ..config()
+    };
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
+        .await
+        .unwrap();
+    // Live sagas that wait for nothing, beside the one that waits.
+    for i in 0..50 {
+        submit(&c, vec![start(&format!("g-busy-{i}"), 0)]).await;
+    }
+    let g = "g-waiting";
+    submit(
+        &c,
+        vec![
+            start(g, 0),
+            tx_started(g, "l1", b"p"),
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::TxAborted, g, g),
+        ],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(c.state(g), Some(SagaState::Compensating));
+    let mut rx = c.connect_local("svc", "svc-late", 16);
+    let cmd = tokio::time::timeout(Duration::from_secs(5), command(&mut rx))
+        .await
+        .expect("the command goes when the instance registers, not a minute later");
+    assert_eq!(
+        (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
+        (g, "l1")
+    );
+    submit(&c, vec![rec(EventKind::TxCompensated, g, "l1")]).await;
+    assert_eq!(c.state(g), Some(SagaState::Compensated));
+    // Nothing else was waiting: no other command.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(try_command(&mut rx).is_none());
+}
+
 #[tokio::test(start_paused = true)]
 async fn many_commands_are_in_flight_to_one_instance_at_once() {
     let c = Coordinator::start(Arc::new(MemoryStore::new()), config())

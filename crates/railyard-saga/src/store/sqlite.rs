@@ -757,20 +757,22 @@ impl SagaStore for SqliteStore {
             let commits = self.commits.load(Ordering::Relaxed);
             let db = self.dir.join("saga.db");
             let events = self.live_events.load(Ordering::Relaxed);
-            let finished = self
-                .read(|c| {
+            // The file sizes too are read on the blocking pool: `stat` is
+            // file-system work, not for an async worker.
+            let (finished, disk) = self
+                .read(move |c| {
                     let mut st = c.prepare_cached(
                         "SELECT state, count(*) FROM summaries GROUP BY state ORDER BY state",
                     )?;
                     let finished = st
                         .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?
                         .collect::<rusqlite::Result<Vec<_>>>()?;
-                    Ok(finished)
+                    let disk = file_len(&db)
+                        + file_len(&db.with_extension("db-wal"))
+                        + file_len(&db.with_extension("db-shm"));
+                    Ok((finished, disk))
                 })
                 .await?;
-            let disk = file_len(&db)
-                + file_len(&db.with_extension("db-wal"))
-                + file_len(&db.with_extension("db-shm"));
             Ok(StoreStats {
                 events,
                 finished: finished
