@@ -131,9 +131,21 @@ async fn list(State(app): State<AppState>, RawQuery(raw): RawQuery) -> Response 
     let want_live = q.state.is_none_or(|s| !s.is_terminal());
     let want_finished = q.state.is_none_or(SagaState::is_terminal);
     let mut out = if want_live {
-        app.coordinator
-            .engine
-            .live_summaries(&|s| matches(&q, s), q.limit)
+        // A walk over every live saga: on the blocking pool, not a worker.
+        let (engine, lq) = (app.coordinator.engine.clone(), q.clone());
+        match tokio::task::spawn_blocking(move || {
+            engine.live_summaries(&|s| matches(&lq, s), lq.limit)
+        })
+        .await
+        {
+            Ok(live) => live,
+            Err(e) => {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("listing live sagas failed: {e}"),
+                )
+            }
+        }
     } else {
         Vec::new()
     };
@@ -225,7 +237,18 @@ async fn one(State(app): State<AppState>, Path(id): Path<String>) -> Response {
 }
 
 async fn stats(State(app): State<AppState>) -> Response {
-    let (running, compensating) = app.coordinator.engine.live_counts();
+    // A walk over every live saga: on the blocking pool, not a worker.
+    let engine = app.coordinator.engine.clone();
+    let (running, compensating) =
+        match tokio::task::spawn_blocking(move || engine.live_counts()).await {
+            Ok(counts) => counts,
+            Err(e) => {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("counting live sagas failed: {e}"),
+                )
+            }
+        };
     let store = match app.coordinator.store().stats().await {
         Ok(s) => s,
         Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),

@@ -691,24 +691,53 @@ impl Engine {
         self.shard_of(gid).lock().finished.map.get(gid).cloned()
     }
 
-    /// Summaries of live sagas matching `filter` (at most `limit`).
+    /// Summaries of the `limit` most recently started live sagas matching
+    /// `filter`, newest first.
+    ///
+    /// Walks every live saga (one shard lock at a time), so callers run it
+    /// off the async workers; memory stays at `limit` summaries (a min-heap
+    /// by start time) however many sagas match.
     pub(crate) fn live_summaries(
         &self,
         filter: &dyn Fn(&SagaSummary) -> bool,
         limit: usize,
     ) -> Vec<SagaSummary> {
-        let mut out = Vec::new();
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        if limit == 0 {
+            return Vec::new();
+        }
+        // The heap's top is the oldest kept; `seq` keeps entries ordered
+        // without comparing summaries.
+        let mut kept: BinaryHeap<(Reverse<i64>, Reverse<u64>)> = BinaryHeap::new();
+        let mut slots: HashMap<u64, SagaSummary> = HashMap::new();
+        let mut seq = 0u64;
         for m in self.shards.iter() {
             let shard = m.lock();
             for s in shard.live.values() {
+                if kept.len() == limit
+                    && kept
+                        .peek()
+                        .is_some_and(|(Reverse(t), _)| s.started_ms <= *t)
+                {
+                    continue;
+                }
                 let sum = s.summary(0);
-                if filter(&sum) {
-                    out.push(sum);
+                if !filter(&sum) {
+                    continue;
+                }
+                seq += 1;
+                kept.push((Reverse(sum.started_ms), Reverse(seq)));
+                slots.insert(seq, sum);
+                if kept.len() > limit {
+                    if let Some((_, Reverse(old))) = kept.pop() {
+                        slots.remove(&old);
+                    }
                 }
             }
         }
-        out.sort_by_key(|s| std::cmp::Reverse(s.started_ms));
-        out.truncate(limit);
+        let mut out: Vec<SagaSummary> = slots.into_values().collect();
+        out.sort_by_key(|s| Reverse(s.started_ms));
         out
     }
 

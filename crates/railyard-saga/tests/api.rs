@@ -73,6 +73,30 @@ fn ids(v: &serde_json::Value) -> Vec<String> {
 }
 
 #[tokio::test]
+async fn a_live_list_keeps_the_newest_matches_up_to_its_limit() {
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), CoordinatorConfig::default())
+        .await
+        .unwrap();
+    // 200 live sagas over every shard, started in a shuffled order; even
+    // ones by "orders", odd ones by "billing".
+    let mut events = Vec::new();
+    for i in 0..200i64 {
+        let t = (i * 37) % 200;
+        let service = if t % 2 == 0 { "orders" } else { "billing" };
+        let id = format!("s{t:03}");
+        events.push(rec(EventKind::SagaStarted, &id, &id, service, 10_000 + t));
+    }
+    c.submit(events).await.unwrap();
+    let (code, v) = get(&c, "/api/sagas?state=RUNNING&service=orders&limit=5").await;
+    assert_eq!(code, 200);
+    assert_eq!(ids(&v), ["s198", "s196", "s194", "s192", "s190"]);
+    let (_, v) = get(&c, "/api/sagas?limit=3").await;
+    assert_eq!(ids(&v), ["s199", "s198", "s197"]);
+    let (_, v) = get(&c, "/api/sagas?state=RUNNING").await;
+    assert_eq!(ids(&v).len(), 100, "the default page");
+}
+
+#[tokio::test]
 async fn lists_filter_by_state_service_and_time() {
     let c = setup().await;
     let (code, v) = get(&c, "/api/sagas").await;
