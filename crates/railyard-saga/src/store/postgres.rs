@@ -10,7 +10,11 @@
 //! compile-time query checking that would need a database to build.
 //!
 //! # Group commit
-//! One **writer task** owns the write connection. It waits for the first
+//! One **writer task** owns the write connection. It runs on a thread of
+//! its own (a current-thread runtime): packing a large commit (up to
+//! `max_batch_rows` events, every payload copied into the statement's
+//! arrays) can take milliseconds of CPU, which must not land on the
+//! coordinator's async workers. It waits for the first
 //! request on the bounded queue (see [`queue`](super::queue) for
 //! back-pressure), drains what else is waiting, and runs one transaction:
 //! one multi-row `INSERT ... SELECT FROM UNNEST` per run of appends, one
@@ -268,8 +272,8 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
 }
 
 impl PostgresStore {
-    /// Connects, creates the schema if missing and starts the writer task.
-    /// Must be called inside a tokio runtime.
+    /// Connects, creates the schema if missing and starts the writer (a
+    /// thread of its own). Must be called inside a tokio runtime.
     ///
     /// # Errors
     /// [`StoreError::Unavailable`] if the server cannot be reached (the
@@ -291,7 +295,15 @@ impl PostgresStore {
             since_prune: 0,
         };
         writer.prune().await?;
-        tokio::spawn(writer.run(rx));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Engine(format!("cannot build the writer's runtime: {e}")))?;
+        // Ends when every sender of the queue is gone (the store dropped).
+        std::thread::Builder::new()
+            .name("saga-pg-writer".into())
+            .spawn(move || runtime.block_on(writer.run(rx)))
+            .map_err(|e| StoreError::Engine(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             queue: tx,
             reader,
