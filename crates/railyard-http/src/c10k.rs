@@ -6,17 +6,20 @@
 //! | `GET /static/4k`, `/static/8k`, `/static/64k` | fixed random alphanumeric bodies made at start, compressed once per encoding |
 //! | `GET /cached/4k`, `/cached/8k`, `/cached/64k` | a body from a moka cache (random key in 0..5000 per request, like the seed's Caffeine caches; entries expire after `cache_ttl`), compressed at most once per entry and encoding |
 //! | `GET /sendFile/test` | the file `send_file`, by zero-copy `sendfile(2)` |
-//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`; 413 over `max_upload_bytes`, leaving no partial file |
+//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`; 413 over `max_upload_bytes`, leaving no partial file; 400 when a multipart preamble or part header block passes [`MAX_MULTIPART_HEAD_BYTES`] |
 
 use std::cell::Cell;
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::Stream;
 use http::header::{HeaderValue, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, VARY};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt as _;
@@ -36,6 +39,29 @@ pub const CACHE_KEYS: u32 = 5000;
 
 /// Entries per cache at most (the seed's Caffeine `maximumSize`).
 pub const CACHE_CAPACITY: u64 = 10_000;
+
+/// Most bytes of a `multipart/form-data` upload that may arrive while the
+/// parser is looking for the next part rather than reading one: the preamble,
+/// first boundary line and header block of the first part, then, afresh for
+/// every later part, its boundary line and header block.
+///
+/// multer keeps those bytes in one buffer and searches all of it again each
+/// time more arrive, until it finds the boundary or the blank line ending the
+/// headers. Bounded only by `max_upload_bytes`, a body that never gets there
+/// would hold up to that much (64 MiB by default) per connection and cost
+/// quadratic CPU on its core's only thread, stalling every other connection
+/// there. Past this
+/// limit the upload gets 400 with `Connection: close`. 16 KiB is also the
+/// default cap on a request's own head (`HttpConfig::max_header_bytes`).
+pub const MAX_MULTIPART_HEAD_BYTES: usize = 16 * 1024;
+
+/// Largest piece of the request body given to multer per poll. multer pulls
+/// every chunk that is ready into its buffer before parsing, so the bytes it
+/// holds when a part's data ends (the start of the next boundary and header
+/// block, not counted against [`MAX_MULTIPART_HEAD_BYTES`]) are at most one
+/// piece: what it buffers between parts stays under this plus that limit
+/// (plus a boundary), however large the chunks hyper reads.
+const MULTIPART_PIECE_BYTES: usize = 64 * 1024;
 
 /// Where the app keeps its files and how big things may get.
 #[derive(Debug, Clone)]
@@ -230,6 +256,8 @@ enum UploadError {
     Body(String),
     #[error("no file part in the multipart body")]
     NoFile,
+    #[error("{0}")]
+    PartHead(PartHeadTooLong),
     #[error("writing the upload failed: {0}")]
     Disk(#[from] io::Error),
 }
@@ -247,6 +275,10 @@ impl UploadError {
             UploadError::NoFile => router::text(
                 StatusCode::BAD_REQUEST,
                 "no file part in the multipart upload\n",
+            ),
+            UploadError::PartHead(_) => router::text(
+                StatusCode::BAD_REQUEST,
+                "multipart preamble or part headers longer than the server's limit\n",
             ),
             UploadError::Disk(_) => router::text(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -333,15 +365,24 @@ async fn store_multipart(
 ) -> Result<(), UploadError> {
     let constraints =
         multer::Constraints::new().size_limit(multer::SizeLimit::new().whole_stream(max));
-    let mut mp =
-        multer::Multipart::with_constraints(body.into_data_stream(), boundary, constraints);
+    let meter = HeadMeter::default();
+    let stream = HeadLimited {
+        inner: body.into_data_stream(),
+        meter: &meter,
+        rest: Bytes::new(),
+        gave: false,
+    };
+    let mut mp = multer::Multipart::with_constraints(stream, boundary, constraints);
     let mut files = 0usize;
     loop {
+        meter.start_head();
         let field = match mp.next_field().await {
             Ok(Some(f)) => f,
             Ok(None) => break,
+            // No part is open here, so there is no partial file to remove.
             Err(e) => return Err(multipart_error(e)),
         };
+        meter.start_data();
         let mut field = field;
         if field.file_name().is_none() {
             // A plain form field: read and drop it (the size limit still applies).
@@ -384,7 +425,101 @@ fn multipart_error(e: multer::Error) -> UploadError {
         multer::Error::StreamSizeExceeded { .. } | multer::Error::FieldSizeExceeded { .. } => {
             UploadError::TooLarge
         }
+        multer::Error::StreamReadFailed(inner) => match inner.downcast::<PartHeadTooLong>() {
+            Ok(head) => UploadError::PartHead(*head),
+            Err(other) => UploadError::Body(other.to_string()),
+        },
         other => UploadError::Body(other.to_string()),
+    }
+}
+
+/// The stream error [`HeadLimited`] fails multer with.
+#[derive(Debug, thiserror::Error)]
+#[error("multipart preamble or part headers longer than {MAX_MULTIPART_HEAD_BYTES} bytes")]
+struct PartHeadTooLong;
+
+/// Which stretch of a multipart body multer is in, set by [`store_multipart`]
+/// (which alone knows) and read by [`HeadLimited`] (which sees the bytes).
+/// Atomics only because multer wants a `Send` stream: both sides run on the
+/// same task.
+#[derive(Debug, Default)]
+struct HeadMeter {
+    /// `next_field` is pending: multer looks for a boundary or reads headers.
+    in_head: AtomicBool,
+    /// Bytes given to multer since `in_head` was last set.
+    used: AtomicUsize,
+}
+
+impl HeadMeter {
+    fn start_head(&self) {
+        self.used.store(0, Ordering::Relaxed);
+        self.in_head.store(true, Ordering::Relaxed);
+    }
+
+    fn start_data(&self) {
+        self.in_head.store(false, Ordering::Relaxed);
+    }
+}
+
+/// The request body as multer sees it: at most one piece of at most
+/// [`MULTIPART_PIECE_BYTES`] per poll, and, while multer is between parts,
+/// at most [`MAX_MULTIPART_HEAD_BYTES`] in all. Pieces are cut to the budget
+/// left, so a chunk holding short headers and then much part data spends at
+/// most the budget (multer finds the headers in that piece; the rest of the
+/// chunk goes to it as data); once the budget is spent, multer's next request
+/// for more fails the stream with [`PartHeadTooLong`] instead of waiting for
+/// bytes it could only buffer and search again.
+struct HeadLimited<'m, S> {
+    inner: S,
+    meter: &'m HeadMeter,
+    /// What is left of the chunk last read from `inner` (part of hyper's read
+    /// buffer, so no copy; at most one chunk).
+    rest: Bytes,
+    /// A piece went out on the previous poll: the next one yields.
+    gave: bool,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<S, E> Stream for HeadLimited<'_, S>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: Into<BoxError>,
+{
+    type Item = Result<Bytes, BoxError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if std::mem::take(&mut this.gave) {
+            // Ends multer's "pull all that is ready" loop after one piece; the
+            // wake has it parse that piece and come back for the next one.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let in_head = this.meter.in_head.load(Ordering::Relaxed);
+        let mut most = MULTIPART_PIECE_BYTES;
+        if in_head {
+            let left =
+                MAX_MULTIPART_HEAD_BYTES.saturating_sub(this.meter.used.load(Ordering::Relaxed));
+            if left == 0 {
+                // multer has parsed all it was given and still wants more.
+                return Poll::Ready(Some(Err(Box::new(PartHeadTooLong))));
+            }
+            most = most.min(left);
+        }
+        if this.rest.is_empty() {
+            match ready!(Pin::new(&mut this.inner).poll_next(cx)) {
+                Some(Ok(chunk)) => this.rest = chunk,
+                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                None => return Poll::Ready(None),
+            }
+        }
+        let piece = this.rest.split_to(this.rest.len().min(most));
+        if in_head {
+            this.meter.used.fetch_add(piece.len(), Ordering::Relaxed);
+        }
+        this.gave = true;
+        Poll::Ready(Some(Ok(piece)))
     }
 }
 
@@ -458,5 +593,93 @@ impl Drop for PartialFile {
                 let _ = std::fs::remove_file(tmp);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Waker;
+
+    use super::*;
+
+    fn limited<'m>(
+        meter: &'m HeadMeter,
+        chunks: Vec<Bytes>,
+    ) -> HeadLimited<'m, impl Stream<Item = Result<Bytes, BoxError>> + Unpin> {
+        HeadLimited {
+            inner: futures_util::stream::iter(chunks.into_iter().map(Ok)),
+            meter,
+            rest: Bytes::new(),
+            gave: false,
+        }
+    }
+
+    fn poll<S: Stream + Unpin>(s: &mut S) -> Poll<Option<S::Item>> {
+        Pin::new(s).poll_next(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn field_data_reaches_multer_one_bounded_piece_per_poll() {
+        let meter = HeadMeter::default();
+        meter.start_data();
+        let len = 3 * MULTIPART_PIECE_BYTES + 5;
+        let mut s = limited(&meter, vec![Bytes::from(vec![b'd'; len])]);
+        let mut total = 0;
+        loop {
+            match poll(&mut s) {
+                Poll::Ready(Some(Ok(piece))) => {
+                    assert!(piece.len() <= MULTIPART_PIECE_BYTES, "{}", piece.len());
+                    total += piece.len();
+                    // multer parses each piece before it can pull the next.
+                    assert!(poll(&mut s).is_pending());
+                }
+                Poll::Ready(None) => break,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(total, len);
+    }
+
+    #[test]
+    fn between_parts_the_stream_fails_once_the_head_budget_is_spent() {
+        let meter = HeadMeter::default();
+        meter.start_head();
+        let chunks = vec![Bytes::from(vec![b'h'; 1000]); 40];
+        let mut s = limited(&meter, chunks);
+        let mut given = 0;
+        let err = loop {
+            match poll(&mut s) {
+                Poll::Ready(Some(Ok(piece))) => given += piece.len(),
+                Poll::Ready(Some(Err(e))) => break e,
+                Poll::Pending => {}
+                Poll::Ready(None) => panic!("the stream ended within the budget"),
+            }
+        };
+        assert_eq!(given, MAX_MULTIPART_HEAD_BYTES);
+        assert!(err.is::<PartHeadTooLong>(), "{err}");
+        // Each part gets its own budget.
+        meter.start_head();
+        assert!(matches!(poll(&mut s), Poll::Ready(Some(Ok(_)))));
+    }
+
+    #[test]
+    fn part_data_sharing_a_chunk_with_headers_is_not_counted() {
+        let meter = HeadMeter::default();
+        meter.start_head();
+        let mut s = limited(&meter, vec![Bytes::from(vec![b'x'; 100 * 1024])]);
+        // Cut at the budget, so multer finds short headers in the first piece
+        // and the rest of the chunk is read as data.
+        let Poll::Ready(Some(Ok(first))) = poll(&mut s) else {
+            panic!("a piece")
+        };
+        assert_eq!(first.len(), MAX_MULTIPART_HEAD_BYTES);
+        assert!(poll(&mut s).is_pending());
+        meter.start_data();
+        let mut rest = 0;
+        while let Poll::Ready(Some(r)) = poll(&mut s) {
+            rest += r.unwrap().len();
+            assert!(poll(&mut s).is_pending());
+        }
+        assert_eq!(first.len() + rest, 100 * 1024);
     }
 }

@@ -226,3 +226,137 @@ async fn a_port_already_served_is_a_clear_error() {
     assert!(err.to_string().contains("is the port in use?"), "{err}");
     server.stop().await;
 }
+
+/// Sends a multipart upload (boundary `B`) whose head declares `declared`
+/// body bytes, then `body` in 4 KiB writes, and reads the answer without ever
+/// sending the rest: only a server that refuses from what it has read answers.
+async fn multipart_answer(server: &TestServer, body: &[u8], declared: usize) -> common::Resp {
+    use tokio::io::AsyncWriteExt as _;
+    let mut c = Client::connect(server.addr).await;
+    c.send(format!("POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nContent-Length: {declared}\r\n\r\n").as_bytes())
+        .await;
+    for piece in body.chunks(4096) {
+        // A server that has refused closes the connection: stop writing.
+        if c.stream.write_all(piece).await.is_err() {
+            break;
+        }
+    }
+    c.read_response()
+        .await
+        .expect("an answer before the body ends")
+}
+
+fn assert_head_refusal(r: &common::Resp) {
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("connection"), Some("close"));
+    assert!(
+        String::from_utf8_lossy(&r.body).contains("preamble or part headers"),
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+}
+
+#[tokio::test]
+async fn a_multipart_preamble_over_the_head_limit_gets_400_and_leaves_no_file() {
+    let (app, opts) = upload_app("preamble", 4 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    // 200 KiB without the boundary, of a body declared at 1 MiB (within the
+    // upload limit): without the cap, multer would keep reading and buffering.
+    let body = vec![b'p'; 200 * 1024];
+    assert!(body.len() > c10k::MAX_MULTIPART_HEAD_BYTES);
+    let r = multipart_answer(&server, &body, 1 << 20).await;
+    assert_head_refusal(&r);
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn multipart_part_headers_over_the_head_limit_get_400_and_leave_no_file() {
+    let (app, opts) = upload_app("partheads", 4 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    // The first part's header block never ends (no CRLFCRLF).
+    let mut body =
+        b"--B\r\nContent-Disposition: form-data; name=\"f\"; filename=\"x\"\r\nX-Pad: ".to_vec();
+    body.resize(body.len() + 200 * 1024, b'h');
+    let r = multipart_answer(&server, &body, 1 << 20).await;
+    assert_head_refusal(&r);
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+
+    // The limit applies afresh to every part: a complete form field, then a
+    // file part whose header block never ends.
+    let mut body = b"--B\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--B\r\nContent-Disposition: form-data; name=\"f\"; filename=\"x\"\r\nX-Pad: ".to_vec();
+    body.resize(body.len() + 200 * 1024, b'h');
+    let r = multipart_answer(&server, &body, 1 << 20).await;
+    assert_head_refusal(&r);
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+    server.stop().await;
+}
+
+/// A multipart body with a preamble and, per part, a header block that fit
+/// the limit on their own (together they would not: the limit is per part).
+fn big_headed_multipart(files: &[&[u8]]) -> Vec<u8> {
+    let pad = "h".repeat(c10k::MAX_MULTIPART_HEAD_BYTES / 2);
+    let mut body = format!("{}\r\n", "preamble ".repeat(200)).into_bytes();
+    for (i, data) in files.iter().enumerate() {
+        body.extend_from_slice(format!("--B\r\nContent-Disposition: form-data; name=\"f{i}\"; filename=\"f{i}\"\r\nX-Pad: {pad}\r\n\r\n").as_bytes());
+        body.extend_from_slice(data);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(b"--B--\r\n");
+    body
+}
+
+#[tokio::test]
+async fn multipart_uploads_with_large_headers_within_the_limit_are_stored() {
+    let (app, opts) = upload_app("bigheads", 4 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    // The second file is larger than the pieces the parser is fed.
+    let first = c10k::random_alnum(3000);
+    let second = c10k::random_alnum(300 * 1024);
+    let body = big_headed_multipart(&[&first, &second]);
+    let r = multipart_answer(&server, &body, body.len()).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let mut stored: Vec<Vec<u8>> = common::entries(&opts.upload_dir)
+        .iter()
+        .map(|f| std::fs::read(opts.upload_dir.join(f)).unwrap())
+        .collect();
+    stored.sort_by_key(Vec::len);
+    assert_eq!(stored, vec![first.to_vec(), second.to_vec()]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_head_limit_holds_for_bodies_given_in_one_piece() {
+    use http_body_util::BodyExt as _;
+    // Called without a socket, the whole body is one chunk.
+    let (app, opts) = upload_app("onepiece", 4 << 20);
+    let post = |body: Vec<u8>| {
+        http::Request::post("/upload")
+            .header("content-type", "multipart/form-data; boundary=B")
+            .body(railyard_http::RequestBody::from(body))
+            .unwrap()
+    };
+    let data = c10k::random_alnum(1 << 20);
+    let r = app.handle(post(big_headed_multipart(&[&data]))).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let files = common::entries(&opts.upload_dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(
+        std::fs::read(opts.upload_dir.join(&files[0])).unwrap(),
+        data
+    );
+
+    let mut body =
+        b"--B\r\nContent-Disposition: form-data; name=\"f\"; filename=\"x\"\r\nX-Pad: ".to_vec();
+    body.resize(body.len() + 200 * 1024, b'h');
+    body.extend_from_slice(b"\r\n\r\ndata\r\n--B--\r\n");
+    let r = app.handle(post(body)).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let text = r.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&text).contains("preamble or part headers"),
+        "{}",
+        String::from_utf8_lossy(&text)
+    );
+    assert_eq!(common::entries(&opts.upload_dir), files);
+}
