@@ -28,6 +28,12 @@ pub const VERSION: u16 = 1;
 /// Largest frame accepted by default (16 MiB).
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 
+/// Most room [`Frame::decode`] asks a buffer for at once while a frame is
+/// incomplete. The buffer grows with the bytes that actually arrive, not
+/// with the length a peer announces: a 4-byte header alone no longer makes
+/// the node allocate up to `max` bytes.
+const MAX_RESERVE: usize = 64 * 1024;
+
 const HELLO: u8 = 1;
 const MSG: u8 = 2;
 const REPLY: u8 = 3;
@@ -228,7 +234,7 @@ impl Frame {
             return Err(FrameError::Empty);
         }
         if buf.len() < 4 + len {
-            buf.reserve(4 + len - buf.len());
+            buf.reserve((4 + len - buf.len()).min(MAX_RESERVE));
             return Ok(None);
         }
         buf.advance(4);
@@ -541,6 +547,48 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn an_announced_length_is_not_reserved_up_front() {
+        // A header announcing 10 MiB (under the limit), and nothing else.
+        let mut buf = BytesMut::new();
+        buf.put_u32(10 << 20);
+        buf.put_u8(MSG);
+        assert_eq!(Frame::decode(&mut buf, DEFAULT_MAX_FRAME), Ok(None));
+        assert!(
+            buf.capacity() <= 2 * MAX_RESERVE,
+            "reserved {} bytes for a frame of which 5 arrived",
+            buf.capacity()
+        );
+    }
+
+    #[test]
+    fn a_large_frame_arriving_in_pieces_decodes_and_the_buffer_tracks_what_arrived() {
+        let body = Bytes::from((0..3_000_000u32).map(|i| i as u8).collect::<Vec<u8>>());
+        let f = Frame::Reply {
+            id: 9,
+            headers: vec![],
+            codec: "bytes".into(),
+            body,
+        };
+        let mut full = BytesMut::new();
+        f.encode(&mut full);
+        let mut buf = BytesMut::new();
+        for piece in full.chunks(10_000) {
+            assert_eq!(Frame::decode(&mut buf, DEFAULT_MAX_FRAME), Ok(None));
+            // At most the room asked for on top of what arrived, doubled by
+            // the buffer's own growth.
+            assert!(
+                buf.capacity() <= 2 * (buf.len() + MAX_RESERVE),
+                "capacity {} with {} bytes buffered",
+                buf.capacity(),
+                buf.len()
+            );
+            buf.extend_from_slice(piece);
+        }
+        assert_eq!(Frame::decode(&mut buf, DEFAULT_MAX_FRAME), Ok(Some(f)));
+        assert!(buf.is_empty());
     }
 
     #[test]

@@ -26,7 +26,9 @@
 //!   (the peer reconnects); every request waiting on it fails at once with
 //!   `ERROR` instead of waiting for its timeout;
 //! - the dialing side reconnects with exponential backoff while the peer is
-//!   a member; messages queued meanwhile wait in the bounded queue;
+//!   a member (a connection the peer ends before sending anything, as when
+//!   it refuses our HELLO, counts as a failed dial); messages queued
+//!   meanwhile wait in the bounded queue;
 //! - when the peer leaves the membership the link closes for good: queued
 //!   and pending requests fail.
 
@@ -70,6 +72,17 @@ pub(crate) struct LinkConfig {
 pub(crate) enum Side {
     Dial,
     Accept,
+}
+
+impl Side {
+    /// The side `local` takes in its pair with `peer` (two distinct ids).
+    pub(crate) fn towards(local: &str, peer: &str) -> Side {
+        if local < peer {
+            Side::Dial
+        } else {
+            Side::Accept
+        }
+    }
 }
 
 /// What the link's task writes.
@@ -268,11 +281,7 @@ impl Link {
         bus: EventBus,
         counters: Arc<ClusterCounters>,
     ) -> Arc<Link> {
-        let side = if cfg.node_id < peer {
-            Side::Dial
-        } else {
-            Side::Accept
-        };
+        let side = Side::towards(&cfg.node_id, &peer);
         let (tx, rx) = mpsc::channel(cfg.queue.max(1));
         let (replies, replies_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = mpsc::channel(4);
@@ -401,10 +410,8 @@ async fn run(
                     () = link.close_signal.notified() => break,
                 };
                 match attempt {
-                    Ok(s) => {
-                        backoff = Duration::from_millis(20);
-                        (s, BytesMut::new())
-                    }
+                    // The backoff is reset once the peer answers on it (below).
+                    Ok(s) => (s, BytesMut::new()),
                     Err(e) => {
                         tracing::debug!(peer = %link.peer, %addr, error = %e, "dial failed; retrying");
                         tokio::select! {
@@ -437,6 +444,20 @@ async fn run(
         }
         link.counters.disconnects.add(1);
         tracing::warn!(peer = %link.peer, reason = %why, "cluster link down; requests waiting on it failed");
+        if link.side == Side::Dial {
+            if sink.heard_anything.load(Ordering::Acquire) {
+                backoff = Duration::from_millis(20);
+            } else {
+                // Closed (or silent) without a word: the peer refused the
+                // connection (its view may not list us yet, see the node's
+                // handshake). Retry as after a failed dial, not at once.
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = link.close_signal.notified() => break,
+                }
+                backoff = (backoff * 2).min(cfg.backoff_max);
+            }
+        }
     }
     // Closed: fail what is still queued so nobody waits for a timeout.
     rx.close();
@@ -622,6 +643,7 @@ async fn read_loop(
                 Ok(n) => {
                     link.counters.bytes_in.add(n as u64);
                     sink.heard();
+                    sink.heard_anything.store(true, Ordering::Release);
                 }
                 Err(e) => return format!("read failed: {e}"),
             },
@@ -854,6 +876,10 @@ struct ConnSink {
     /// local buffers) and reads nothing: silence from the peer then says
     /// nothing about it, so the ping deadline is not applied.
     stalled: AtomicBool,
+    /// Whether anything at all was read from the peer on this connection:
+    /// a dialer whose connection ends before that backs off before it
+    /// dials again.
+    heard_anything: AtomicBool,
     /// When the connection began; `heard_ms` counts from it.
     since: Instant,
     /// When the peer was last heard from (or the reader stalled), in ms
@@ -872,6 +898,7 @@ impl ConnSink {
             paused: AtomicBool::new(false),
             room: Notify::new(),
             stalled: AtomicBool::new(false),
+            heard_anything: AtomicBool::new(false),
             since: Instant::now(),
             heard_ms: AtomicU64::new(0),
         }

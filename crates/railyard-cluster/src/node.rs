@@ -10,11 +10,13 @@ use parking_lot::Mutex;
 use railyard_bus::{BusError, ClusterHook, EventBus, RemoteNode};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::frame::{Frame, DEFAULT_MAX_FRAME, VERSION};
 use crate::link::{Link, LinkConfig, Side};
-use crate::manager::{ClusterManager, ClusterView, ManagerError, NodeInfo};
+use crate::manager::{check_node_id, ClusterManager, ClusterView, ManagerError, NodeInfo};
 use crate::metrics::ClusterCounters;
 
 /// How a node joins a cluster. Plain data with defaults; see each field.
@@ -46,6 +48,16 @@ pub struct ClusterConfig {
     pub ping_timeout: Duration,
     /// Longest wait between reconnect attempts (default 2 s).
     pub backoff_max: Duration,
+    /// Time an accepted connection has to complete its handshake: send its
+    /// HELLO and, if it names a node this node's view does not list yet,
+    /// for the view to list it (a joining node may dial before the watch
+    /// here delivered its registration). Past it the connection is closed;
+    /// the dialer retries with backoff (default 5 s).
+    pub handshake_timeout: Duration,
+    /// Accepted connections that may be in their handshake at once
+    /// (default 256). Beyond it a new connection is closed at once, without
+    /// reading from it; a dialer retries with backoff.
+    pub max_handshakes: usize,
 }
 
 impl ClusterConfig {
@@ -62,6 +74,8 @@ impl ClusterConfig {
             ping_interval: Duration::from_secs(1),
             ping_timeout: Duration::from_secs(3),
             backoff_max: Duration::from_secs(2),
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 256,
         }
     }
 }
@@ -126,6 +140,7 @@ struct NodeInner {
     remote_addresses: Mutex<BTreeSet<String>>,
     counters: Arc<ClusterCounters>,
     max_frame: usize,
+    handshake_timeout: Duration,
 }
 
 struct Hook {
@@ -209,6 +224,7 @@ impl ClusterNode {
             remote_addresses: Mutex::new(BTreeSet::new()),
             counters: Arc::new(ClusterCounters::default()),
             max_frame: cfg.max_frame,
+            handshake_timeout: cfg.handshake_timeout,
         });
         let existing = bus.set_cluster_hook(Some(Arc::new(Hook {
             manager: manager.clone(),
@@ -217,7 +233,7 @@ impl ClusterNode {
             manager.subscribe(&address).await?;
         }
         let tasks = vec![
-            tokio::spawn(accept_loop(inner.clone(), listener)),
+            tokio::spawn(accept_loop(inner.clone(), listener, cfg.max_handshakes)),
             tokio::spawn(follow_view(inner.clone())),
         ];
         tracing::info!(node = %cfg.node_id, %addr, "joined the cluster");
@@ -286,9 +302,33 @@ impl Drop for ClusterNode {
     }
 }
 
-/// Accepts peer connections; each must start with a HELLO from a node of our
-/// cluster that should dial us, else it is closed.
-async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
+/// Why an accepted connection's HELLO was refused. Each costs only that
+/// connection; nothing is created for it.
+#[derive(Debug, thiserror::Error)]
+enum HelloRefused {
+    #[error("it is a node of another cluster (`{0}`)")]
+    OtherCluster(String),
+    #[error(transparent)]
+    InvalidId(ManagerError),
+    #[error("it claims this node's own id")]
+    OwnId,
+    #[error("this node dials that node, not the reverse")]
+    WrongSide,
+    #[error("it is not a member of the cluster (waited {0:?} for the view to list it)")]
+    NotMember(Duration),
+    #[error("the cluster manager stopped")]
+    Stopped,
+}
+
+/// Accepts peer connections; each must start with a HELLO from a member of
+/// our cluster that should dial us, else it is closed. At most
+/// `max_handshakes` connections are in their handshake at once; beyond it a
+/// new one is closed at once.
+async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener, max_handshakes: usize) {
+    let handshakes = Arc::new(Semaphore::new(max_handshakes.max(1)));
+    // Whether connections are being refused for the cap: logged once per
+    // run of refusals, not once per connection.
+    let mut refusing = false;
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(s) => s,
@@ -298,33 +338,61 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
                 continue;
             }
         };
+        let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+            if !refusing {
+                refusing = true;
+                tracing::warn!(%from, max_handshakes, "too many cluster connections in their handshake; closing new ones until some finish");
+            }
+            drop(stream);
+            continue;
+        };
+        refusing = false;
         let inner = inner.clone();
         tokio::spawn(async move {
-            match tokio::time::timeout(Duration::from_secs(5), read_hello(stream, inner.max_frame))
-                .await
-            {
-                Ok(Ok((stream, rest, node, cluster))) => {
-                    if cluster != inner.cfg.cluster {
-                        tracing::warn!(%from, %node, %cluster, "refusing a node of another cluster");
-                        return;
-                    }
-                    let link = inner.link_for(&node, from);
-                    if link.side() != Side::Accept {
-                        tracing::warn!(%from, %node, "refusing a connection from a node we dial");
-                        return;
-                    }
-                    link.hand_over(stream, rest);
-                }
-                Ok(Err(e)) => {
-                    inner.counters.malformed.add(1);
-                    tracing::warn!(%from, error = %e, "closing a cluster connection with a bad greeting");
-                }
-                Err(_) => {
-                    tracing::warn!(%from, "closing a cluster connection that never said hello")
-                }
-            }
+            handshake(&inner, stream, from).await;
+            drop(permit);
         });
     }
+}
+
+/// Reads an accepted connection's HELLO, checks it, and hands the
+/// connection to the peer's link; the link is only created (if the view has
+/// not created it already) once the HELLO passed every check.
+async fn handshake(inner: &NodeInner, stream: TcpStream, from: SocketAddr) {
+    let deadline = Instant::now() + inner.handshake_timeout;
+    let hello = tokio::time::timeout_at(deadline, read_hello(stream, inner.max_frame)).await;
+    let (stream, rest, node) = match hello {
+        Ok(Ok((stream, rest, node, cluster))) => match inner.check_hello(&node, &cluster) {
+            Ok(()) => (stream, rest, node),
+            Err(why) => {
+                tracing::warn!(%from, %node, reason = %why, "refusing a cluster connection");
+                return;
+            }
+        },
+        Ok(Err(e)) => {
+            inner.counters.malformed.add(1);
+            tracing::warn!(%from, error = %e, "closing a cluster connection with a bad greeting");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(%from, "closing a cluster connection that never said hello");
+            return;
+        }
+    };
+    let link = match tokio::time::timeout_at(deadline, inner.member_link(&node)).await {
+        Ok(Ok(link)) => link,
+        Ok(Err(why)) => {
+            tracing::debug!(%from, %node, reason = %why, "refusing a cluster connection");
+            return;
+        }
+        Err(_) => {
+            let why = HelloRefused::NotMember(inner.handshake_timeout);
+            tracing::warn!(%from, %node, reason = %why, "refusing a cluster connection");
+            return;
+        }
+    };
+    debug_assert_eq!(link.side(), Side::Accept, "checked by check_hello");
+    link.hand_over(stream, rest);
 }
 
 async fn read_hello(
@@ -364,16 +432,71 @@ impl NodeInner {
         let mut links = self.links.lock();
         links
             .entry(peer.to_owned())
-            .or_insert_with(|| {
-                Link::start(
-                    peer.to_owned(),
-                    addr,
-                    self.cfg.clone(),
-                    self.bus.clone(),
-                    self.counters.clone(),
-                )
-            })
+            .or_insert_with(|| self.new_link(peer, addr))
             .clone()
+    }
+
+    fn new_link(&self, peer: &str, addr: SocketAddr) -> Arc<Link> {
+        Link::start(
+            peer.to_owned(),
+            addr,
+            self.cfg.clone(),
+            self.bus.clone(),
+            self.counters.clone(),
+        )
+    }
+
+    /// Checks what a HELLO says before anything is created for it: our
+    /// cluster, a valid id that is not ours, and a node that dials us (the
+    /// smaller id dials).
+    fn check_hello(&self, node: &str, cluster: &str) -> Result<(), HelloRefused> {
+        if cluster != self.cfg.cluster {
+            return Err(HelloRefused::OtherCluster(cluster.to_owned()));
+        }
+        check_node_id(node).map_err(HelloRefused::InvalidId)?;
+        if node == self.node_id {
+            return Err(HelloRefused::OwnId);
+        }
+        if Side::towards(&self.node_id, node) != Side::Accept {
+            return Err(HelloRefused::WrongSide);
+        }
+        Ok(())
+    }
+
+    /// The link to `peer` once the view lists it as a member: at once if it
+    /// does, else when it does (the caller bounds the wait).
+    async fn member_link(&self, peer: &str) -> Result<Arc<Link>, HelloRefused> {
+        let mut rx = self.manager.view();
+        loop {
+            // Only the outcome: the view's lock is not held past this line.
+            let listed = rx.wait_for(|v| v.members.contains_key(peer)).await.is_ok();
+            if !listed {
+                return Err(HelloRefused::Stopped);
+            }
+            if let Some(link) = self.link_if_member(peer, &rx) {
+                return Ok(link);
+            }
+            // It left again between the two looks: wait for it to return.
+        }
+    }
+
+    /// The link to `peer` if the newest view lists it. Checked under the
+    /// links lock: `apply` reads the view without it, so a link created here
+    /// is either for a member of the newest view or pruned by the `apply`
+    /// of a newer one.
+    fn link_if_member(
+        &self,
+        peer: &str,
+        view: &watch::Receiver<Arc<ClusterView>>,
+    ) -> Option<Arc<Link>> {
+        let mut links = self.links.lock();
+        let addr = *view.borrow().members.get(peer)?;
+        Some(
+            links
+                .entry(peer.to_owned())
+                .or_insert_with(|| self.new_link(peer, addr))
+                .clone(),
+        )
     }
 
     /// Brings links and the bus's remote routes in line with `view`.
@@ -446,5 +569,304 @@ async fn follow_view(inner: Arc<NodeInner>) {
         if rx.changed().await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+impl ClusterNode {
+    /// Ids of the peers this node keeps a link to.
+    fn link_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.inner.links.lock().keys().cloned().collect();
+        ids.sort_unstable();
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inproc::InProcessRegistry;
+    use tokio::io::AsyncWriteExt;
+
+    async fn start_node(
+        manager: Arc<dyn ClusterManager>,
+        id: &str,
+        configure: impl FnOnce(&mut ClusterConfig),
+    ) -> (EventBus, ClusterNode) {
+        let bus = EventBus::new();
+        let mut cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+        cfg.ping_interval = Duration::from_millis(100);
+        cfg.ping_timeout = Duration::from_millis(1500);
+        configure(&mut cfg);
+        let node = ClusterNode::start(bus.clone(), manager, cfg)
+            .await
+            .expect("node starts");
+        (bus, node)
+    }
+
+    /// Registers `id` in `reg`, as a node a raw client then speaks for.
+    async fn member(reg: &InProcessRegistry, id: &str) -> crate::inproc::InProcessManager {
+        let m = reg.manager();
+        m.join(NodeInfo {
+            id: id.into(),
+            // Never dialed: the nodes under test have larger ids and accept.
+            addr: "127.0.0.1:9".parse().unwrap(),
+        })
+        .await
+        .unwrap();
+        m
+    }
+
+    /// Connects to `addr` and writes a HELLO as `node` with a PING behind it.
+    async fn greet(addr: SocketAddr, node: &str) -> TcpStream {
+        let mut out = BytesMut::new();
+        Frame::Hello {
+            version: VERSION,
+            node: node.into(),
+            cluster: "railyard".into(),
+        }
+        .encode(&mut out);
+        Frame::Ping(7).encode(&mut out);
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        // A node that closes the connection at once may make the write
+        // fail: `greeted` then reports it closed.
+        let _ = s.write_all(&out).await;
+        s
+    }
+
+    #[derive(Debug, PartialEq)]
+    enum Greeted {
+        /// The node answered the PING: the connection went to a link.
+        Pong,
+        /// The node closed the connection.
+        Closed,
+    }
+
+    /// What the node did with a greeting; panics if it did neither within
+    /// 10 s (far longer than any refusal or acceptance takes here).
+    async fn greeted(s: &mut TcpStream) -> Greeted {
+        let mut inbuf = BytesMut::new();
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(f) = Frame::decode(&mut inbuf, 1 << 20).unwrap() {
+                    if f == Frame::Pong(7) {
+                        return Greeted::Pong;
+                    }
+                    continue;
+                }
+                match s.read_buf(&mut inbuf).await {
+                    Ok(0) | Err(_) => return Greeted::Closed,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .expect("the node neither answered nor closed the connection")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hello_from_a_node_that_is_not_a_member_is_refused_and_creates_nothing() {
+        let reg = InProcessRegistry::new();
+        let (_bus, node) = start_node(Arc::new(reg.manager()), "m", |c| {
+            c.handshake_timeout = Duration::from_millis(200);
+        })
+        .await;
+        for _ in 0..3 {
+            let mut s = greet(node.addr(), "a-stranger").await;
+            assert_eq!(greeted(&mut s).await, Greeted::Closed);
+        }
+        assert_eq!(node.link_ids(), Vec::<String>::new());
+        // Refused without a frame error: not counted as malformed.
+        assert_eq!(node.counters().malformed.get(), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hello_naming_our_own_id_or_a_node_we_dial_or_an_invalid_id_creates_nothing() {
+        let reg = InProcessRegistry::new();
+        // A handshake timeout far beyond `greeted`'s bound: each refusal
+        // below happens before any wait for the view.
+        let (_bus, node) = start_node(Arc::new(reg.manager()), "m", |c| {
+            c.handshake_timeout = Duration::from_secs(60);
+        })
+        .await;
+        let too_long = "a".repeat(201);
+        for id in ["m", "z-we-dial", "a/b", "", too_long.as_str()] {
+            let mut s = greet(node.addr(), id).await;
+            assert_eq!(greeted(&mut s).await, Greeted::Closed, "HELLO as {id:?}");
+            assert_eq!(node.link_ids(), Vec::<String>::new(), "HELLO as {id:?}");
+        }
+    }
+
+    /// A joining node registers and dials at once; the node it dials may
+    /// see the registration only after the HELLO: it waits for its view.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hello_from_a_node_that_joins_meanwhile_is_accepted() {
+        let reg = InProcessRegistry::new();
+        let (_bus, node) = start_node(Arc::new(reg.manager()), "m", |_| {}).await;
+        let mut s = greet(node.addr(), "a-joiner").await;
+        // Let the HELLO arrive first (not needed for the outcome).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _joiner = member(&reg, "a-joiner").await;
+        assert_eq!(greeted(&mut s).await, Greeted::Pong);
+        assert_eq!(node.link_ids(), vec!["a-joiner".to_string()]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn beyond_max_handshakes_new_connections_are_closed_at_once() {
+        let reg = InProcessRegistry::new();
+        let _member = member(&reg, "a-member").await;
+        let (_bus, node) = start_node(Arc::new(reg.manager()), "m", |c| {
+            c.max_handshakes = 4;
+            c.handshake_timeout = Duration::from_secs(60);
+        })
+        .await;
+        // Four connections that never say hello hold every handshake slot
+        // (the node accepts connections in order).
+        let mut silent = Vec::new();
+        for _ in 0..4 {
+            silent.push(TcpStream::connect(node.addr()).await.unwrap());
+        }
+        // A fifth is closed at once, not after the 60 s handshake timeout.
+        let mut s = greet(node.addr(), "a-member").await;
+        assert_eq!(greeted(&mut s).await, Greeted::Closed);
+        assert_eq!(
+            node.link_ids(),
+            vec!["a-member".to_string()],
+            "from the view"
+        );
+        // Once they go, greetings are served again.
+        drop(silent);
+        let mut answered = false;
+        for _ in 0..200 {
+            let mut s = greet(node.addr(), "a-member").await;
+            if greeted(&mut s).await == Greeted::Pong {
+                answered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            answered,
+            "the node kept refusing after the slots were freed"
+        );
+    }
+
+    /// A manager whose view the test sets, so two nodes can disagree.
+    struct Scripted(watch::Sender<Arc<ClusterView>>);
+
+    impl Scripted {
+        fn new(members: &[(&str, SocketAddr)], subs: &[(&str, &str)]) -> Arc<Self> {
+            let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
+            let s = Arc::new(Self(tx));
+            s.set(members, subs);
+            s
+        }
+
+        fn set(&self, members: &[(&str, SocketAddr)], subs: &[(&str, &str)]) {
+            let mut v = ClusterView {
+                connected: true,
+                ..ClusterView::default()
+            };
+            for (id, addr) in members {
+                v.members.insert((*id).into(), *addr);
+            }
+            for (address, node) in subs {
+                v.subscriptions
+                    .entry((*address).into())
+                    .or_default()
+                    .insert((*node).into());
+            }
+            self.0.send_replace(Arc::new(v));
+        }
+    }
+
+    impl ClusterManager for Scripted {
+        fn join(&self, _: NodeInfo) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn subscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn view(&self) -> watch::Receiver<Arc<ClusterView>> {
+            self.0.subscribe()
+        }
+    }
+
+    /// A connection refused right after its HELLO counts as a failed dial:
+    /// the dialer waits its backoff (20 ms, doubling) before the next one
+    /// instead of dialing again at once, over and over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dialer_whose_connections_are_refused_backs_off() {
+        let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let (_b, nb) = start_node(Scripted::new(&[("b", unused)], &[]), "b", |_| {}).await;
+        // a names another cluster in its HELLO: b refuses it at once.
+        let ma = Scripted::new(&[("a", unused), ("b", nb.addr())], &[]);
+        let (_a, na) = start_node(ma, "a", |c| c.cluster = "other".into()).await;
+        for _ in 0..500 {
+            if na.counters().connects.get() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let first = na.counters().connects.get();
+        assert!(first > 0, "a never dialed b");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // With the backoff, at most 5 more dials fit in 500 ms (the waits
+        // add up to 620 ms); a slower machine only makes fewer. Without it,
+        // a dial per round trip: hundreds.
+        let more = na.counters().connects.get() - first;
+        assert!(more <= 10, "{more} connections in 500 ms: no backoff");
+    }
+
+    /// A dialer refused because the acceptor's view does not list it yet
+    /// dials again, and gets through once the view lists it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dialer_refused_as_a_stranger_gets_through_once_the_view_lists_it() {
+        let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let mb = Scripted::new(&[("b", unused)], &[]);
+        let (b, nb) = start_node(mb.clone(), "b", |c| {
+            c.handshake_timeout = Duration::from_millis(200);
+        })
+        .await;
+        let _echo = b
+            .consumer("echo")
+            .handler(|mut m| async move {
+                let body = m.take_body();
+                let _ = m.reply(body);
+            })
+            .await
+            .unwrap();
+        let ma = Scripted::new(&[("a", unused), ("b", nb.addr())], &[("echo", "b")]);
+        let (a, na) = start_node(ma.clone(), "a", |_| {}).await;
+        // b refuses a's connection (a is no member in b's view): a sees it end.
+        for _ in 0..500 {
+            if na.counters().disconnects.get() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(na.counters().disconnects.get() > 0, "b never refused a");
+        assert_eq!(nb.link_ids(), Vec::<String>::new());
+        // b's view catches up: a's next dial is accepted.
+        mb.set(&[("a", unused), ("b", nb.addr())], &[("echo", "b")]);
+        let quick = railyard_bus::DeliveryOptions::new().timeout(Duration::from_secs(2));
+        let mut answer = None;
+        for _ in 0..50 {
+            // A request written on a connection b was refusing as it caught
+            // up fails: try again.
+            if let Ok(r) = a.request_with("echo", String::from("in"), &quick).await {
+                answer = Some(r.body::<String>().unwrap().clone());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(answer.as_deref(), Some("in"));
+        assert_eq!(nb.link_ids(), vec!["a".to_string()]);
     }
 }

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use railyard_bus::{BusError, DeliveryOptions, EventBus};
-use railyard_cluster::{ClusterConfig, ClusterNode, InProcessRegistry};
+use railyard_cluster::{
+    ClusterConfig, ClusterManager, ClusterNode, InProcessManager, InProcessRegistry, NodeInfo,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn start(reg: &InProcessRegistry, id: &str) -> (EventBus, ClusterNode) {
@@ -39,6 +41,21 @@ async fn start_with(
         .await
         .expect("node starts");
     (bus, node)
+}
+
+/// Registers `id` as a member of `reg`, for a raw TCP client that greets
+/// the nodes as `id` (a node only accepts a HELLO from a member). Its
+/// address is never dialed: give it an id below the nodes' ids, so they
+/// wait for it to dial. Keep the manager for the test's length.
+async fn member(reg: &InProcessRegistry, id: &str) -> InProcessManager {
+    let m = reg.manager();
+    m.join(NodeInfo {
+        id: id.into(),
+        addr: "127.0.0.1:9".parse().unwrap(),
+    })
+    .await
+    .expect("registers");
+    m
 }
 
 /// Waits (bounded) until `bus` routes `address` to at least one other node.
@@ -272,6 +289,7 @@ async fn a_malformed_frame_closes_only_that_connection() {
 async fn frames_sent_with_the_hello_are_not_lost() {
     use railyard_cluster::{Frame, VERSION};
     let reg = InProcessRegistry::new();
+    let _dialer = member(&reg, "a-dialer").await;
     let (_z, nz) = start(&reg, "z").await;
     let mut out = bytes::BytesMut::new();
     Frame::Hello {
@@ -832,6 +850,7 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
     const REQUESTS: u64 = 2_000;
     const BODY: usize = 16 * 1024;
     let reg = InProcessRegistry::new();
+    let _greedy = member(&reg, "a-greedy").await;
     let (bus, nz) = start_with(&reg, "z", |c| {
         c.max_in_flight = 16;
         c.ping_timeout = Duration::from_secs(60);
