@@ -414,11 +414,9 @@ async fn run(
                     Ok(s) => (s, BytesMut::new()),
                     Err(e) => {
                         tracing::debug!(peer = %link.peer, %addr, error = %e, "dial failed; retrying");
-                        tokio::select! {
-                            () = tokio::time::sleep(backoff) => {}
-                            () = link.close_signal.notified() => break,
+                        if !back_off(&link, &mut backoff, cfg.backoff_max).await {
+                            break;
                         }
-                        backoff = (backoff * 2).min(cfg.backoff_max);
                         continue;
                     }
                 }
@@ -445,17 +443,13 @@ async fn run(
         link.counters.disconnects.add(1);
         tracing::warn!(peer = %link.peer, reason = %why, "cluster link down; requests waiting on it failed");
         if link.side == Side::Dial {
-            if sink.heard_anything.load(Ordering::Acquire) {
+            if sink.heard_anything.load(Ordering::Relaxed) {
                 backoff = Duration::from_millis(20);
-            } else {
+            } else if !back_off(&link, &mut backoff, cfg.backoff_max).await {
                 // Closed (or silent) without a word: the peer refused the
                 // connection (its view may not list us yet, see the node's
-                // handshake). Retry as after a failed dial, not at once.
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = link.close_signal.notified() => break,
-                }
-                backoff = (backoff * 2).min(cfg.backoff_max);
+                // handshake). Retried as after a failed dial, not at once.
+                break;
             }
         }
     }
@@ -643,13 +637,27 @@ async fn read_loop(
                 Ok(n) => {
                     link.counters.bytes_in.add(n as u64);
                     sink.heard();
-                    sink.heard_anything.store(true, Ordering::Release);
+                    // Read after `serve` returns, on this same task.
+                    if !sink.heard_anything.load(Ordering::Relaxed) {
+                        sink.heard_anything.store(true, Ordering::Relaxed);
+                    }
                 }
                 Err(e) => return format!("read failed: {e}"),
             },
             () = link.close_signal.notified() => return "closed".into(),
         }
     }
+}
+
+/// Waits `backoff` before the next dial, then doubles it (up to `max`);
+/// false if the link was closed meanwhile.
+async fn back_off(link: &Link, backoff: &mut Duration, max: Duration) -> bool {
+    tokio::select! {
+        () = tokio::time::sleep(*backoff) => {}
+        () = link.close_signal.notified() => return false,
+    }
+    *backoff = (*backoff * 2).min(max);
+    true
 }
 
 /// Pings the peer and applies the deadline. A future of its own, beside the

@@ -429,21 +429,28 @@ async fn read_hello(
 impl NodeInner {
     /// The link to `peer`, created on first need.
     fn link_for(&self, peer: &str, addr: SocketAddr) -> Arc<Link> {
-        let mut links = self.links.lock();
-        links
-            .entry(peer.to_owned())
-            .or_insert_with(|| self.new_link(peer, addr))
-            .clone()
+        self.link_in(&mut self.links.lock(), peer, addr)
     }
 
-    fn new_link(&self, peer: &str, addr: SocketAddr) -> Arc<Link> {
-        Link::start(
-            peer.to_owned(),
-            addr,
-            self.cfg.clone(),
-            self.bus.clone(),
-            self.counters.clone(),
-        )
+    /// `links`' entry for `peer`, started (towards `addr`) if missing.
+    fn link_in(
+        &self,
+        links: &mut HashMap<String, Arc<Link>>,
+        peer: &str,
+        addr: SocketAddr,
+    ) -> Arc<Link> {
+        links
+            .entry(peer.to_owned())
+            .or_insert_with(|| {
+                Link::start(
+                    peer.to_owned(),
+                    addr,
+                    self.cfg.clone(),
+                    self.bus.clone(),
+                    self.counters.clone(),
+                )
+            })
+            .clone()
     }
 
     /// Checks what a HELLO says before anything is created for it: our
@@ -491,12 +498,7 @@ impl NodeInner {
     ) -> Option<Arc<Link>> {
         let mut links = self.links.lock();
         let addr = *view.borrow().members.get(peer)?;
-        Some(
-            links
-                .entry(peer.to_owned())
-                .or_insert_with(|| self.new_link(peer, addr))
-                .clone(),
-        )
+        Some(self.link_in(&mut links, peer, addr))
     }
 
     /// Brings links and the bus's remote routes in line with `view`.

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, message, WireType};
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
 use prost::Message;
 use railyard_saga_proto::native::{ClientFrame, SagaEvent, ServerFrame};
 use tonic::codec::{Codec, EncodeBuf, Encoder};
@@ -29,33 +29,43 @@ pub(crate) enum OutFrame {
     /// Any frame built whole (the `Hello`).
     Whole(ClientFrame),
     /// `EventBatch { seq, events }`, the events shared with the batch kept
-    /// for its ack (and for resending).
+    /// for its ack (and for resending), with each event's encoded length
+    /// (`sizes[i]` is `events[i].encoded_len()`, measured when the event
+    /// was reported), so encoding does not measure them again.
     Batch {
         seq: u64,
         events: Arc<Vec<SagaEvent>>,
+        sizes: Vec<usize>,
     },
 }
 
 /// Length of the `EventBatch` message body.
-fn batch_body_len(seq: u64, events: &[SagaEvent]) -> usize {
+fn batch_body_len(seq: u64, sizes: &[usize]) -> usize {
     let seq_len = if seq == 0 {
         0 // proto3: a default scalar is not written
     } else {
         key_len(BATCH_SEQ) + encoded_len_varint(seq)
     };
-    seq_len + message::encoded_len_repeated(BATCH_EVENTS, events)
+    let events: usize = sizes
+        .iter()
+        .map(|&n| key_len(BATCH_EVENTS) + encoded_len_varint(n as u64) + n)
+        .sum();
+    seq_len + events
 }
 
 /// Appends the frame's protobuf encoding to `buf`.
-fn encode_batch(seq: u64, events: &[SagaEvent], buf: &mut impl bytes::BufMut) {
+fn encode_batch(seq: u64, events: &[SagaEvent], sizes: &[usize], buf: &mut impl bytes::BufMut) {
     encode_key(FRAME_EVENTS, WireType::LengthDelimited, buf);
-    encode_varint(batch_body_len(seq, events) as u64, buf);
+    encode_varint(batch_body_len(seq, sizes) as u64, buf);
     if seq != 0 {
         encode_key(BATCH_SEQ, WireType::Varint, buf);
         encode_varint(seq, buf);
     }
-    for e in events {
-        message::encode(BATCH_EVENTS, e, buf);
+    // What `message::encode` writes, with the length already known.
+    for (e, &n) in events.iter().zip(sizes) {
+        encode_key(BATCH_EVENTS, WireType::LengthDelimited, buf);
+        encode_varint(n as u64, buf);
+        e.encode_raw(buf);
     }
 }
 
@@ -78,8 +88,8 @@ impl Encoder for OutEncoder {
             OutFrame::Whole(frame) => frame
                 .encode(buf)
                 .map_err(|e| Status::internal(e.to_string())),
-            OutFrame::Batch { seq, events } => {
-                encode_batch(seq, &events, buf);
+            OutFrame::Batch { seq, events, sizes } => {
+                encode_batch(seq, &events, &sizes, buf);
                 Ok(())
             }
         }
@@ -133,8 +143,9 @@ mod tests {
                 })),
             }
             .encode_to_vec();
+            let sizes: Vec<usize> = events.iter().map(Message::encoded_len).collect();
             let mut shared = Vec::new();
-            encode_batch(seq, &events, &mut shared);
+            encode_batch(seq, &events, &sizes, &mut shared);
             assert_eq!(shared, owned, "seq {seq}, {n} events");
             let back = ClientFrame::decode(shared.as_slice()).expect("decodes");
             assert_eq!(

@@ -364,9 +364,11 @@ impl Session {
             crate::MAX_BATCH_BYTES,
         );
         let mut events = Vec::with_capacity(n);
+        let mut sizes = Vec::with_capacity(n);
         let mut waiters = Vec::with_capacity(n);
         for s in self.pending.drain(..n) {
             events.push(s.event);
+            sizes.push(s.size);
             waiters.push(s.waiter);
         }
         let events = Arc::new(events);
@@ -381,7 +383,7 @@ impl Session {
         );
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         self.stats.events.fetch_add(n as u64, Ordering::Relaxed);
-        OutFrame::Batch { seq, events }
+        OutFrame::Batch { seq, events, sizes }
     }
 
     fn on_frame(&mut self, frame: ServerFrame) {

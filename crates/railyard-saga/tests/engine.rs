@@ -51,6 +51,17 @@ fn tx_started(gid: &str, lid: &str, payload: &'static [u8]) -> EventRecord {
     }
 }
 
+/// Saga `g`: started, step `l1` (payload `p`) ended, then aborted: its one
+/// compensation is due.
+fn aborted_after_one_step(g: &str) -> Vec<EventRecord> {
+    vec![
+        start(g, 0),
+        tx_started(g, "l1", b"p"),
+        rec(EventKind::TxEnded, g, "l1"),
+        rec(EventKind::TxAborted, g, g),
+    ]
+}
+
 async fn submit(c: &Coordinator, events: Vec<EventRecord>) -> Vec<bool> {
     c.submit(events)
         .await
@@ -302,16 +313,7 @@ async fn a_command_with_no_instance_waits_then_counts_as_a_failed_attempt() {
         .await
         .unwrap();
     let g = "g-nobody";
-    submit(
-        &c,
-        vec![
-            start(g, 0),
-            tx_started(g, "l1", b"p"),
-            rec(EventKind::TxEnded, g, "l1"),
-            rec(EventKind::TxAborted, g, g),
-        ],
-    )
-    .await;
+    submit(&c, aborted_after_one_step(g)).await;
     // Two attempts of at most 2 s wait each, plus the retry delay.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(c.state(g), Some(SagaState::Compensating));
@@ -336,16 +338,7 @@ async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
         submit(&c, vec![start(&format!("g-busy-{i}"), 0)]).await;
     }
     let g = "g-waiting";
-    submit(
-        &c,
-        vec![
-            start(g, 0),
-            tx_started(g, "l1", b"p"),
-            rec(EventKind::TxEnded, g, "l1"),
-            rec(EventKind::TxAborted, g, g),
-        ],
-    )
-    .await;
+    submit(&c, aborted_after_one_step(g)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(c.state(g), Some(SagaState::Compensating));
     let mut rx = c.connect_local("svc", "svc-late", 16);
