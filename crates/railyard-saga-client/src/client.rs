@@ -198,8 +198,10 @@ impl ClientBuilder {
     /// Most compensation handlers running at once (default 256); as many
     /// more commands wait for a free slot, and commands beyond those are
     /// dropped unanswered (counted in [`ClientStats::compensations_dropped`]):
-    /// the coordinator sends each again once the step's reverse timeout
-    /// passes, so a burst costs time, not memory.
+    /// the coordinator counts the unanswered attempt as failed once the
+    /// step's reverse timeout passes and sends it again (within the step's
+    /// `reverse_retries`), so a burst costs time and attempts, not memory: a
+    /// step whose attempts all go unanswered ends its saga `FAILED`.
     pub fn max_concurrent_compensations(mut self, n: usize) -> Self {
         self.max_concurrent_compensations = n;
         self

@@ -44,7 +44,8 @@
 //!   `TX_COMPENSATE_FAILED`. Up to
 //!   [`ClientBuilder::max_concurrent_compensations`] run at once and as
 //!   many wait; further commands are dropped unanswered (the coordinator
-//!   sends them again after the step's reverse timeout).
+//!   counts that attempt as failed after the step's reverse timeout and
+//!   sends them again while the step has attempts left).
 //! - [`SagaError`], [`StepError`], [`CompensationError`]: typed errors.
 //!
 //! # Sizes
@@ -85,12 +86,15 @@
 /// [`SagaError::TooLarge`] before it is queued.
 pub const MAX_EVENT_BYTES: usize = 16 << 20;
 
-/// The most a batch frame carries, encoded: 32 MiB, half the
-/// coordinator's 64 MiB limit on a native frame. A batch closes before the
-/// event that would take it past this (an event is never split, and
+/// The most a batch's events add up to, encoded (each event's own length,
+/// not its few bytes of tag and length prefix): 32 MiB, half the
+/// coordinator's 64 MiB limit on a native frame
+/// ([`MAX_NATIVE_FRAME_BYTES`](railyard_saga_proto::MAX_NATIVE_FRAME_BYTES)),
+/// which leaves room for those prefixes. A batch closes before the event
+/// that would take it past this (an event is never split, and
 /// [`MAX_EVENT_BYTES`] keeps a lone event well under the limit), so no
 /// frame the client sends is refused for its size.
-pub const MAX_BATCH_BYTES: usize = 32 << 20;
+pub const MAX_BATCH_BYTES: usize = railyard_saga_proto::MAX_NATIVE_FRAME_BYTES / 2;
 
 mod client;
 mod compensation;

@@ -201,8 +201,8 @@ impl Session {
                     .map_err(|e| End::Lost(format!("connect: {}", error_chain(&e))))?,
             };
             let mut grpc = tonic::client::Grpc::new(channel)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20);
+                .max_decoding_message_size(railyard_saga_proto::MAX_NATIVE_FRAME_BYTES)
+                .max_encoding_message_size(railyard_saga_proto::MAX_NATIVE_FRAME_BYTES);
             // Capacity 1: the next batch is built only once the previous one
             // has been taken by the transport, from everything queued by then.
             let (out, rx) = mpsc::channel(1);

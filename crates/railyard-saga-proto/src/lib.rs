@@ -15,6 +15,10 @@
 
 #![allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
 
+/// The largest native frame (`ClientFrame` or `ServerFrame`), encoded: the
+/// coordinator's decoding limit and the SDK's encoding and decoding limit.
+pub const MAX_NATIVE_FRAME_BYTES: usize = 64 << 20;
+
 /// ServiceComb Pack's `TxEventService` (Omega's contract).
 pub mod omega {
     tonic::include_proto!("_");

@@ -123,6 +123,24 @@ fn matches(q: &SagaQuery, s: &SagaSummary) -> bool {
         && q.until_ms.is_none_or(|t| s.started_ms < t)
 }
 
+/// Runs `f` (a walk over every live saga) on the blocking pool, not an
+/// async worker; a panic in it is a 500 naming `what`.
+async fn off_workers<T: Send + 'static>(
+    app: &AppState,
+    what: &str,
+    f: impl FnOnce(&crate::engine::Engine) -> T + Send + 'static,
+) -> Result<T, Response> {
+    let engine = app.coordinator.engine.clone();
+    tokio::task::spawn_blocking(move || f(&engine))
+        .await
+        .map_err(|e| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("{what} failed: {e}"),
+            )
+        })
+}
+
 async fn list(State(app): State<AppState>, RawQuery(raw): RawQuery) -> Response {
     let q = match parse_query(raw.as_deref()) {
         Ok(q) => q,
@@ -131,20 +149,14 @@ async fn list(State(app): State<AppState>, RawQuery(raw): RawQuery) -> Response 
     let want_live = q.state.is_none_or(|s| !s.is_terminal());
     let want_finished = q.state.is_none_or(SagaState::is_terminal);
     let mut out = if want_live {
-        // A walk over every live saga: on the blocking pool, not a worker.
-        let (engine, lq) = (app.coordinator.engine.clone(), q.clone());
-        match tokio::task::spawn_blocking(move || {
-            engine.live_summaries(&|s| matches(&lq, s), lq.limit)
+        let lq = q.clone();
+        match off_workers(&app, "listing live sagas", move |e| {
+            e.live_summaries(&|s| matches(&lq, s), lq.limit)
         })
         .await
         {
             Ok(live) => live,
-            Err(e) => {
-                return error(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("listing live sagas failed: {e}"),
-                )
-            }
+            Err(answer) => return answer,
         }
     } else {
         Vec::new()
@@ -237,17 +249,10 @@ async fn one(State(app): State<AppState>, Path(id): Path<String>) -> Response {
 }
 
 async fn stats(State(app): State<AppState>) -> Response {
-    // A walk over every live saga: on the blocking pool, not a worker.
-    let engine = app.coordinator.engine.clone();
     let (running, compensating) =
-        match tokio::task::spawn_blocking(move || engine.live_counts()).await {
+        match off_workers(&app, "counting live sagas", |e| e.live_counts()).await {
             Ok(counts) => counts,
-            Err(e) => {
-                return error(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("counting live sagas failed: {e}"),
-                )
-            }
+            Err(answer) => return answer,
         };
     let store = match app.coordinator.store().stats().await {
         Ok(s) => s,

@@ -477,9 +477,8 @@ impl Engine {
             if let Some((t, _)) = after {
                 shard.timers.remove(&(t, id.clone()));
             }
-            if !shard.waiting.is_empty() {
-                shard.waiting.remove(id);
-            }
+            // Kept exact above: a terminal saga has nothing in flight.
+            debug_assert!(!shard.waiting.contains(id));
             if let Some(saga) = shard.live.remove(id) {
                 let summary = saga.summary(wall_ms());
                 shard.finished.insert(
@@ -704,21 +703,36 @@ impl Engine {
     ) -> Vec<SagaSummary> {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
+        /// A kept summary, ordered by start time alone.
+        struct ByStart(SagaSummary);
+        impl PartialEq for ByStart {
+            fn eq(&self, other: &Self) -> bool {
+                self.0.started_ms == other.0.started_ms
+            }
+        }
+        impl Eq for ByStart {}
+        impl PartialOrd for ByStart {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+        impl Ord for ByStart {
+            fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+                self.0.started_ms.cmp(&other.0.started_ms)
+            }
+        }
         if limit == 0 {
             return Vec::new();
         }
-        // The heap's top is the oldest kept; `seq` keeps entries ordered
-        // without comparing summaries.
-        let mut kept: BinaryHeap<(Reverse<i64>, Reverse<u64>)> = BinaryHeap::new();
-        let mut slots: HashMap<u64, SagaSummary> = HashMap::new();
-        let mut seq = 0u64;
+        // A min-heap by start time: its top is the oldest kept.
+        let mut kept: BinaryHeap<Reverse<ByStart>> = BinaryHeap::with_capacity(limit + 1);
         for m in self.shards.iter() {
             let shard = m.lock();
             for s in shard.live.values() {
                 if kept.len() == limit
                     && kept
                         .peek()
-                        .is_some_and(|(Reverse(t), _)| s.started_ms <= *t)
+                        .is_some_and(|Reverse(old)| s.started_ms <= old.0.started_ms)
                 {
                     continue;
                 }
@@ -726,19 +740,17 @@ impl Engine {
                 if !filter(&sum) {
                     continue;
                 }
-                seq += 1;
-                kept.push((Reverse(sum.started_ms), Reverse(seq)));
-                slots.insert(seq, sum);
+                kept.push(Reverse(ByStart(sum)));
                 if kept.len() > limit {
-                    if let Some((_, Reverse(old))) = kept.pop() {
-                        slots.remove(&old);
-                    }
+                    kept.pop();
                 }
             }
         }
-        let mut out: Vec<SagaSummary> = slots.into_values().collect();
-        out.sort_by_key(|s| Reverse(s.started_ms));
-        out
+        // Ascending `Reverse` order is newest first.
+        kept.into_sorted_vec()
+            .into_iter()
+            .map(|Reverse(ByStart(s))| s)
+            .collect()
     }
 
     /// Live sagas by state.

@@ -110,7 +110,7 @@ impl Coordinator {
         SagaCoordinatorServer::new(NativeService {
             engine: self.engine.clone(),
         })
-        .max_decoding_message_size(64 * 1024 * 1024)
+        .max_decoding_message_size(railyard_saga_proto::MAX_NATIVE_FRAME_BYTES)
     }
 
     /// Records events and answers each (the path both gRPC services use);

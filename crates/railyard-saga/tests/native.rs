@@ -298,7 +298,6 @@ async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
 /// bytes), then the end of the request; the answer's `grpc-status` and
 /// `grpc-message`.
 async fn raw_session(server: &Server, rest: &[u8]) -> (String, String) {
-    use prost::Message;
     let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     let (mut send, conn) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(conn);
@@ -309,7 +308,7 @@ async fn raw_session(server: &Server, rest: &[u8]) -> (String, String) {
             token: String::new(),
         })),
     };
-    let mut body = railyard_saga::grpc_frame::frame_bytes(false, &hello.encode_to_vec()).to_vec();
+    let mut body = railyard_saga::grpc_frame::encode(&hello).to_vec();
     body.extend_from_slice(rest);
     common::raw_grpc_call(&mut send, "/railyard.saga.v1.SagaCoordinator/Session", body).await
 }
@@ -327,7 +326,8 @@ async fn a_frame_the_decoder_refuses_ends_the_session_with_its_status() {
     );
     // Over the 64 MiB frame limit: refused from its prefix.
     let mut big = vec![0];
-    big.extend_from_slice(&(64 * 1024 * 1024 + 1u32).to_be_bytes());
+    let over = u32::try_from(railyard_saga_proto::MAX_NATIVE_FRAME_BYTES + 1).unwrap();
+    big.extend_from_slice(&over.to_be_bytes());
     let (status, message) = raw_session(&server, &big).await;
     assert_eq!(
         status,

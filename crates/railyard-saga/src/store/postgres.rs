@@ -295,6 +295,11 @@ impl PostgresStore {
             since_prune: 0,
         };
         writer.prune().await?;
+        // Connected on the caller's runtime (schema, first prune), whose
+        // workers would then drive every commit's socket I/O: the writer
+        // connects again on its own thread.
+        writer.statements = None;
+        *writer.conn.client.lock() = None;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -2,7 +2,7 @@
 //! and the settings both durable stores share.
 //!
 //! Every `append` and `finish` becomes one [`WriteRequest`] carrying a
-//! oneshot. The writer (a thread for SQLite, a task for PostgreSQL) takes the
+//! oneshot. The writer (a thread of its own for either store) takes the
 //! first waiting request, drains whatever else is already queued (up to a
 //! batch size), writes all of it in one transaction, syncs once, then answers
 //! every oneshot with the same result: that is the group commit.
@@ -127,8 +127,10 @@ impl WriteOp {
 /// BLOB, PostgreSQL's array parameter), and both engines refuse a value
 /// near 1 GB: without this bound, a burst of large payloads from one
 /// participant would fail the whole commit, and with it the other
-/// participants' events that shared it. A single request larger than this
-/// (at most one native frame or Omega message) still commits, alone.
+/// participants' events that shared it. The request that crosses the bound
+/// still joins the batch (it is its last), so a commit holds at most this
+/// plus one request (a native frame or Omega message: 64 MiB at most); a
+/// larger request taken first commits alone.
 pub(crate) const MAX_BATCH_BYTES: usize = 64 << 20;
 
 /// One group commit's requests: `first`, then whatever is already queued,
