@@ -256,8 +256,8 @@ enum UploadError {
     Body(String),
     #[error("no file part in the multipart body")]
     NoFile,
-    #[error("{0}")]
-    PartHead(PartHeadTooLong),
+    #[error("{PartHeadTooLong}")]
+    PartHead,
     #[error("writing the upload failed: {0}")]
     Disk(#[from] io::Error),
 }
@@ -276,7 +276,7 @@ impl UploadError {
                 StatusCode::BAD_REQUEST,
                 "no file part in the multipart upload\n",
             ),
-            UploadError::PartHead(_) => router::text(
+            UploadError::PartHead => router::text(
                 StatusCode::BAD_REQUEST,
                 "multipart preamble or part headers longer than the server's limit\n",
             ),
@@ -366,12 +366,7 @@ async fn store_multipart(
     let constraints =
         multer::Constraints::new().size_limit(multer::SizeLimit::new().whole_stream(max));
     let meter = HeadMeter::default();
-    let stream = HeadLimited {
-        inner: body.into_data_stream(),
-        meter: &meter,
-        rest: Bytes::new(),
-        gave: false,
-    };
+    let stream = HeadLimited::new(body.into_data_stream(), &meter);
     let mut mp = multer::Multipart::with_constraints(stream, boundary, constraints);
     let mut files = 0usize;
     loop {
@@ -425,10 +420,10 @@ fn multipart_error(e: multer::Error) -> UploadError {
         multer::Error::StreamSizeExceeded { .. } | multer::Error::FieldSizeExceeded { .. } => {
             UploadError::TooLarge
         }
-        multer::Error::StreamReadFailed(inner) => match inner.downcast::<PartHeadTooLong>() {
-            Ok(head) => UploadError::PartHead(*head),
-            Err(other) => UploadError::Body(other.to_string()),
-        },
+        multer::Error::StreamReadFailed(inner) if inner.is::<PartHeadTooLong>() => {
+            UploadError::PartHead
+        }
+        multer::Error::StreamReadFailed(inner) => UploadError::Body(inner.to_string()),
         other => UploadError::Body(other.to_string()),
     }
 }
@@ -480,6 +475,17 @@ struct HeadLimited<'m, S> {
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<'m, S> HeadLimited<'m, S> {
+    fn new(inner: S, meter: &'m HeadMeter) -> Self {
+        Self {
+            inner,
+            meter,
+            rest: Bytes::new(),
+            gave: false,
+        }
+    }
+}
 
 impl<S, E> Stream for HeadLimited<'_, S>
 where
@@ -606,12 +612,10 @@ mod tests {
         meter: &'m HeadMeter,
         chunks: Vec<Bytes>,
     ) -> HeadLimited<'m, impl Stream<Item = Result<Bytes, BoxError>> + Unpin> {
-        HeadLimited {
-            inner: futures_util::stream::iter(chunks.into_iter().map(Ok)),
+        HeadLimited::new(
+            futures_util::stream::iter(chunks.into_iter().map(Ok)),
             meter,
-            rest: Bytes::new(),
-            gave: false,
-        }
+        )
     }
 
     fn poll<S: Stream + Unpin>(s: &mut S) -> Poll<Option<S::Item>> {

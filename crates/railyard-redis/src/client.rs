@@ -176,7 +176,8 @@ impl ClusterClientBuilder {
     pub fn protocol(self, p: Protocol) -> Self {
         self.set(true, "", |c| c.conn.protocol = p)
     }
-    /// Largest reply accepted, in bytes (default 512 MiB, Redis's own
+    /// Bound on a reply's declared lengths and on the bytes buffered for a
+    /// reply not yet complete (default 512 MiB, Redis's own
     /// `proto-max-bulk-len`; at least 1 KiB).
     ///
     /// It bounds each connection's read buffer: without it, one bad length
@@ -184,6 +185,9 @@ impl ClusterClientBuilder {
     /// that declares a longer string or more elements, or that is still
     /// incomplete at this size, is refused with [`RedisError::Protocol`] and
     /// its connection closed and reopened; the other connections carry on.
+    /// It is not a cap on a reply's total size: a reply made of many small
+    /// elements that arrives complete within one read is decoded whatever
+    /// its length.
     /// Leave room for `CLUSTER NODES`, about 126 bytes per node.
     #[must_use]
     pub fn max_reply_size(self, bytes: usize) -> Self {

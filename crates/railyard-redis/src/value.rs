@@ -541,7 +541,8 @@ mod tests {
         // is still found: payloads are skipped by length, not parsed.
         let mut b = b"*2\r\n$4\r\n*1\r\n\r\n".to_vec();
         b.extend(nested(b"*1\r\n", 1_000, b":1\r\n"));
-        assert!(dec(&b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE).is_err());
+        let err = dec(&b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE).unwrap_err();
+        assert!(err.contains("deeper than 64 levels"), "{err}");
     }
 
     #[test]

@@ -284,15 +284,31 @@ fn protocol_detail(r: Result<Value, RedisError>) -> String {
     }
 }
 
+/// Runs `cmd` again after the connection that just failed was closed: it
+/// must go out on a connection the fake node accepted since (so the failed
+/// one was closed and re-opened, and the process is still here); returns
+/// the protocol error's detail that fresh connection got.
+async fn again_on_a_fresh_connection(
+    c: &ClusterClient,
+    cmd: &Cmd,
+    accepted: &AtomicUsize,
+) -> String {
+    let before = accepted.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let detail = protocol_detail(c.cmd(cmd).await);
+    assert!(
+        accepted.load(Ordering::SeqCst) > before,
+        "the failed connection was not re-opened"
+    );
+    detail
+}
+
 #[tokio::test]
 async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
     let (addr, accepted, server) = fake_node(b"?this is not RESP\r\n".to_vec()).await;
     let c = client_of(&addr).build().await.unwrap();
     let err = c.get("k").await.unwrap_err();
     assert!(matches!(err, RedisError::Protocol { .. }), "{err:?}");
-    // Counted after the command connection that failed was accepted, so
-    // only a re-opened connection can raise it.
-    let before = accepted.load(Ordering::SeqCst);
     // The connection was closed and is re-opened for the next command.
     let err = c.get("k").await.unwrap_err();
     assert!(
@@ -302,12 +318,9 @@ async fn a_malformed_reply_closes_the_connection_with_a_typed_error() {
         ),
         "{err:?}"
     );
-    tokio::time::sleep(Duration::from_millis(200)).await;
     // A fresh connection gets the server's junk again: a protocol error,
     // not a disconnection.
-    let err = c.get("k").await.unwrap_err();
-    assert!(matches!(err, RedisError::Protocol { .. }), "{err:?}");
-    assert!(accepted.load(Ordering::SeqCst) > before);
+    again_on_a_fresh_connection(&c, &Cmd::new("GET").key("k"), &accepted).await;
     server.abort();
 }
 
@@ -328,14 +341,11 @@ async fn a_deeply_nested_reply_is_a_typed_error_not_a_stack_overflow() {
         );
         // Only that connection was closed: a fresh one gets the same typed
         // error, and the process is still here to see it.
-        let before = accepted.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let detail = protocol_detail(c.cmd(&get).await);
+        let detail = again_on_a_fresh_connection(&c, &get, &accepted).await;
         assert!(
             detail.contains("deeper than 64 levels"),
             "{proto:?}: {detail}"
         );
-        assert!(accepted.load(Ordering::SeqCst) > before);
     }
     server.abort();
 }
@@ -367,13 +377,17 @@ async fn a_reply_nested_to_the_limit_still_arrives() {
 async fn a_reply_over_max_reply_size_closes_the_connection() {
     // A declared length over the limit is refused at its header, before
     // any of the payload is buffered.
-    let (addr, _, server) = fake_node(b"$1000000\r\nxyz".to_vec()).await;
+    let (addr, accepted, server) = fake_node(b"$1000000\r\nxyz".to_vec()).await;
     let c = client_of(&addr)
         .max_reply_size(64 * 1024)
         .build()
         .await
         .unwrap();
-    let detail = protocol_detail(c.cmd(&Cmd::new("GET").key("k")).await);
+    let get = Cmd::new("GET").key("k");
+    let detail = protocol_detail(c.cmd(&get).await);
+    assert!(detail.contains("1000000-byte string"), "{detail}");
+    // The connection was closed, not left holding a partial reply.
+    let detail = again_on_a_fresh_connection(&c, &get, &accepted).await;
     assert!(detail.contains("1000000-byte string"), "{detail}");
     server.abort();
     // Elements that are each small but never end: refused once the
