@@ -12,9 +12,11 @@
 //!   process runs an instance of each of the four services (the saga starter
 //!   and three participants), and each instance keeps its `OnConnected`
 //!   stream open to receive compensation commands.
-//! - [`Protocol::Native`]: the same through `railyard-saga-client`: one
-//!   client (one batched session) per service instance, so the events of all
-//!   concurrent sagas of an instance share frames.
+//! - [`Protocol::Native`]: the same through `railyard-saga-client`. Each
+//!   simulated process has one connection and, by default
+//!   ([`Sessions::Process`]), one batched session for its four participant
+//!   instances, so the events of all of the process's concurrent sagas share
+//!   frames; [`Sessions::Participant`] gives each instance its own session.
 //!
 //! With `abort_ratio > 0`, that share of the transactions (spread evenly)
 //! fail on the third service: it reports `TxAborted` instead of `TxEnded`,
@@ -40,7 +42,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hdrhistogram::Histogram;
-use railyard_saga_client::{Connection, SagaClient, Step, StepError};
+use railyard_saga_client::{
+    Compensation, Connection, Participant as SagaParticipant, SagaClient, Step, StepError,
+};
 use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +75,30 @@ impl Protocol {
     }
 }
 
+/// Native only: how a simulated process's four participant instances (the
+/// saga starter and the three services) talk to the coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sessions {
+    /// One session for all four ([`ClientBuilder::participant`]): the
+    /// events of all of the process's sagas share batches.
+    ///
+    /// [`ClientBuilder::participant`]: railyard_saga_client::ClientBuilder::participant
+    Process,
+    /// A session each, over the process's one connection.
+    Participant,
+}
+
+impl Sessions {
+    /// `process` or `participant`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sessions::Process => "process",
+            Sessions::Participant => "participant",
+        }
+    }
+}
+
 /// One run's settings.
 #[derive(Debug, Clone)]
 pub struct SagaBenchConfig {
@@ -93,6 +121,8 @@ pub struct SagaBenchConfig {
     pub drain_timeout: Duration,
     /// Native only: unacknowledged batches per session (`None`: no limit).
     pub batches_in_flight: Option<usize>,
+    /// Native only: sessions per process or per participant instance.
+    pub sessions: Sessions,
 }
 
 /// Latency percentiles, milliseconds.
@@ -143,6 +173,11 @@ pub struct SagaResult {
     pub concurrency: usize,
     /// Connections / sessions per service (see [`SagaBenchConfig::channels`]).
     pub channels: usize,
+    /// Native only: `process` (one session per simulated process) or
+    /// `participant` (one per participant instance); empty for Omega and in
+    /// rows written before the choice existed.
+    #[serde(default)]
+    pub sessions: String,
     /// Share of transactions made to abort.
     pub abort_ratio: f64,
     /// Load generator threads.
@@ -470,6 +505,10 @@ fn finish(
         transactions: cfg.transactions,
         concurrency: cfg.concurrency,
         channels: cfg.channels,
+        sessions: match cfg.protocol {
+            Protocol::Native => cfg.sessions.as_str().into(),
+            Protocol::Omega => String::new(),
+        },
         abort_ratio: cfg.abort_ratio,
         client_threads: cfg.client_threads,
         duration_s: secs,
@@ -780,32 +819,47 @@ async fn run_native(
         // One connection per simulated process, shared by its four service
         // instances, as the Omega load's processes share theirs.
         let conn = Connection::open(endpoint).await?;
-        let mut row = Vec::with_capacity(SERVICES + 1);
-        row.push(
-            SagaClient::builder(endpoint, STARTER)
-                .instance_id(instance_id(STARTER, k))
+        let builder = |name: &str| {
+            SagaClient::builder(endpoint, name)
+                .instance_id(instance_id(name, k))
                 .connection(&conn)
                 .max_batches_in_flight(bif)
-                .connect()
-                .await?,
-        );
-        for s in 0..SERVICES {
-            let name = service_name(s);
+        };
+        // Every service's handler answers its compensation commands.
+        let handler = || {
             let c = comps.clone();
-            row.push(
-                SagaClient::builder(endpoint, name.clone())
-                    .instance_id(instance_id(&name, k))
-                    .connection(&conn)
-                    .max_batches_in_flight(bif)
-                    .compensation(compensation_method(s), move |cmd| {
-                        c.commands.fetch_add(1, Ordering::Relaxed);
-                        c.done(&cmd.global_tx_id, &cmd.local_tx_id);
-                        std::future::ready(Ok::<(), std::convert::Infallible>(()))
-                    })
-                    .connect()
-                    .await?,
-            );
-        }
+            move |cmd: Compensation| {
+                c.commands.fetch_add(1, Ordering::Relaxed);
+                c.done(&cmd.global_tx_id, &cmd.local_tx_id);
+                std::future::ready(Ok::<(), std::convert::Infallible>(()))
+            }
+        };
+        let row = match cfg.sessions {
+            Sessions::Process => {
+                let mut b = builder(STARTER);
+                for s in 0..SERVICES {
+                    let name = service_name(s);
+                    b = b.participant(
+                        SagaParticipant::new(name.clone())
+                            .instance_id(instance_id(&name, k))
+                            .compensation(compensation_method(s), handler()),
+                    );
+                }
+                b.connect_all().await?
+            }
+            Sessions::Participant => {
+                let mut row = vec![builder(STARTER).connect().await?];
+                for s in 0..SERVICES {
+                    row.push(
+                        builder(&service_name(s))
+                            .compensation(compensation_method(s), handler())
+                            .connect()
+                            .await?,
+                    );
+                }
+                row
+            }
+        };
         clients.push(row);
     }
     let cpu0 = cpu_seconds_self();

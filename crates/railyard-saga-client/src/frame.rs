@@ -129,6 +129,7 @@ mod tests {
             reverse_retries: 3,
             reverse_timeout_ms: 0,
             retry_delay_ms: 250,
+            participant: i % 3,
         }
     }
 

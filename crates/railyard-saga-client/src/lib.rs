@@ -24,8 +24,11 @@
 //! # Map
 //! - [`client`](SagaClient): the handle and its [`ClientBuilder`]; one
 //!   client is one participant instance (service name + instance id) with
-//!   one session. Every call reports events through a bounded in-flight
-//!   budget into the session task's queue and waits for the event's ack.
+//!   one session, or several instances a process hosts ([`Participant`],
+//!   [`ClientBuilder::connect_all`]) with one session for all of them, so
+//!   their events share batches. Every call reports events through a
+//!   bounded in-flight budget into the session task's queue and waits for
+//!   the event's ack.
 //! - `session`: the task that owns the stream. It coalesces the events of
 //!   all concurrent sagas of the client into `EventBatch` frames (a batch
 //!   leaves as soon as the transport took the previous one, with everything
@@ -103,10 +106,13 @@ mod frame;
 mod saga;
 mod session;
 
-pub use client::{ClientBuilder, ClientStats, Connection, SagaClient};
+pub use client::{ClientBuilder, ClientStats, Connection, Participant, SagaClient};
 pub use compensation::Compensation;
 pub use error::{CompensationError, EventKindName, SagaError, StepError};
 pub use railyard_saga_proto::native::{EventType, SagaEvent};
+/// The most participant instances one session carries (the client's own
+/// and each [`ClientBuilder::participant`]).
+pub use railyard_saga_proto::MAX_SESSION_PARTICIPANTS;
 pub use saga::{Saga, Step};
 
 #[cfg(test)]

@@ -15,8 +15,8 @@ use bytes::Bytes;
 use prost::Message;
 use railyard_saga_proto::native::saga_coordinator_server;
 use railyard_saga_proto::native::{
-    client_frame, server_frame, Ack, ClientFrame, Compensate, EventType, Hello, SagaEvent,
-    ServerFrame,
+    client_frame, server_frame, Ack, ClientFrame, Compensate, EventType, Hello, Participant,
+    SagaEvent, ServerFrame,
 };
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
@@ -55,8 +55,10 @@ pub(crate) struct Session {
     /// For compensation tasks to report their result; weak so that the
     /// session ends when the application drops its handles.
     self_tx: mpsc::WeakSender<Submit>,
+    /// Participant 0's path (the others differ only in their number).
     reporter: Reporter,
-    registry: Registry,
+    /// Each participant's compensation handlers, by participant number.
+    registries: Vec<Registry>,
     stats: Arc<StatsCounters>,
     meta: Arc<RwLock<HashMap<String, String>>>,
     stop: CancellationToken,
@@ -83,7 +85,7 @@ impl Session {
         submit_rx: mpsc::Receiver<Submit>,
         self_tx: mpsc::WeakSender<Submit>,
         reporter: Reporter,
-        registry: Registry,
+        registries: Vec<Registry>,
         stats: Arc<StatsCounters>,
         meta: Arc<RwLock<HashMap<String, String>>>,
         stop: CancellationToken,
@@ -94,7 +96,7 @@ impl Session {
             submit_rx,
             self_tx,
             reporter,
-            registry,
+            registries,
             stats,
             meta,
             stop,
@@ -206,11 +208,23 @@ impl Session {
             // Capacity 1: the next batch is built only once the previous one
             // has been taken by the transport, from everything queued by then.
             let (out, rx) = mpsc::channel(1);
+            let (own, others) = self
+                .settings
+                .participants
+                .split_first()
+                .expect("a session has at least its own participant");
             let hello = ClientFrame {
                 kind: Some(client_frame::Kind::Hello(Hello {
-                    service_name: self.settings.service_name.clone(),
-                    instance_id: self.settings.instance_id.clone(),
+                    service_name: own.0.clone(),
+                    instance_id: own.1.clone(),
                     token: self.settings.token.clone(),
+                    others: others
+                        .iter()
+                        .map(|(service, instance)| Participant {
+                            service_name: service.clone(),
+                            instance_id: instance.clone(),
+                        })
+                        .collect(),
                 })),
             };
             // Cannot fail: the receiver is alive and the channel is empty.
@@ -440,6 +454,18 @@ impl Session {
 
     fn on_compensate(&mut self, c: Compensate) {
         self.stats.compensations.fetch_add(1, Ordering::Relaxed);
+        let Some(registry) = self.registries.get(c.participant as usize) else {
+            // Nobody here could answer it; the coordinator sends it again
+            // (to whoever runs that participant) after its reverse timeout.
+            tracing::warn!(
+                participant = c.participant,
+                participants = self.registries.len(),
+                global_tx_id = %c.global_tx_id,
+                "compensation command for a participant this session does not have, ignored"
+            );
+            return;
+        };
+        let handler = registry.get(&c.compensation_method);
         let Ok(room) = self.compensation_room.clone().try_acquire_owned() else {
             self.stats
                 .compensations_dropped
@@ -459,9 +485,9 @@ impl Session {
         };
         let reporter = Reporter {
             tx,
+            participant: c.participant,
             ..self.reporter.clone()
         };
-        let handler = self.registry.get(&c.compensation_method);
         let slots = self.compensation_slots.clone();
         tokio::spawn(async move {
             let _room = room;

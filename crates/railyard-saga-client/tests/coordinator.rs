@@ -1,7 +1,8 @@
 //! The SDK against a real coordinator (`railyard-saga`, in-memory store) on
 //! loopback: commit, compensation in reverse order with payloads handed back,
 //! batching, back-pressure, refusal, reconnection across a coordinator
-//! crash and restart, and clients sharing one connection.
+//! crash and restart, clients sharing one connection, and participants
+//! sharing one session.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use railyard_saga::{serve, Coordinator, CoordinatorConfig, MemoryStore, SagaState, SagaStore};
 use railyard_saga_client::{
-    CompensationError, Connection, Saga, SagaClient, SagaError, Step, StepError,
+    CompensationError, Connection, Participant, Saga, SagaClient, SagaError, Step, StepError,
 };
 
 /// A coordinator on its own runtime (so a test can crash it: dropping the
@@ -528,4 +529,106 @@ async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_cras
         assert!(s.sessions >= 2, "each client reopened its session: {s:?}");
         assert_eq!(s.in_flight, 0);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn participants_of_one_session_share_its_frames_and_run_their_own_compensations() {
+    let store: Arc<dyn SagaStore> = Arc::new(MemoryStore::new());
+    let node = Node::start(store.clone(), fast_config(), 0).await;
+    let (endpoint, accepted) = counting_proxy(node.port).await;
+    // Both register a handler named `release`: only the step's own
+    // participant may run it.
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let (front_ran, stock_ran) = (ran.clone(), ran.clone());
+    let clients = SagaClient::builder(endpoint.clone(), "front")
+        .instance_id("p-1")
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .compensation("release", move |cmd| {
+            front_ran
+                .lock()
+                .unwrap()
+                .push(format!("front {}", cmd.local_tx_id));
+            async { Ok::<(), CompensationError>(()) }
+        })
+        .participant(Participant::new("stock").instance_id("p-1").compensation(
+            "release",
+            move |cmd| {
+                stock_ran
+                    .lock()
+                    .unwrap()
+                    .push(format!("stock {}", cmd.local_tx_id));
+                async { Ok::<(), CompensationError>(()) }
+            },
+        ))
+        .connect_all()
+        .await
+        .expect("connect both");
+    let [front, stock] = &clients[..] else {
+        panic!("one handle per participant: {clients:?}")
+    };
+    assert_eq!(
+        (front.service_name(), stock.service_name()),
+        ("front", "stock")
+    );
+    assert_eq!(stock.instance_id(), "p-1");
+    let mut instances: Vec<String> = node
+        .coordinator
+        .instances()
+        .into_iter()
+        .map(|i| format!("{} {} {}", i.service_name, i.instance_id, i.protocol))
+        .collect();
+    instances.sort();
+    assert_eq!(instances, ["front p-1 native", "stock p-1 native"]);
+    let saga = start_with_stock_step(front, stock, "s1")
+        .await
+        .expect("a saga with a stock step");
+    // Each event is recorded as its own participant's.
+    let timeline: Vec<String> = node
+        .coordinator
+        .store()
+        .timeline(saga.id().to_owned())
+        .await
+        .expect("timeline")
+        .iter()
+        .map(|e| format!("{:?} {}", e.kind.expect("a kind"), e.service_name))
+        .collect();
+    assert_eq!(
+        timeline,
+        ["SagaStarted front", "TxStarted stock", "TxEnded stock"]
+    );
+    saga.abort().await.expect("abort");
+    node.wait_state(saga.id(), SagaState::Compensated).await;
+    assert_eq!(*ran.lock().unwrap(), ["stock s1"]);
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection");
+    // One session: the counters are the session's, the same for both.
+    let s = front.stats();
+    assert_eq!(s, stock.stats());
+    assert_eq!(s.sessions, 1);
+    // The connection breaks: events both report meanwhile go out again, on
+    // a new session that names both participants again.
+    let port = node.crash();
+    let second = {
+        let (front, stock) = (front.clone(), stock.clone());
+        tokio::spawn(async move {
+            let saga = start_with_stock_step(&front, &stock, "s2").await?;
+            saga.end().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(saga.id().to_owned())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "nothing is acknowledged while the coordinator is down"
+    );
+    let node = Node::start(store, fast_config(), port).await;
+    let id = tokio::time::timeout(Duration::from_secs(20), second)
+        .await
+        .expect("acknowledged after the restart")
+        .expect("task")
+        .expect("saga finished");
+    node.wait_state(&id, SagaState::Committed).await;
+    let s = front.stats();
+    assert!(s.sessions >= 2, "the session was opened again: {s:?}");
+    assert_eq!(s.in_flight, 0);
+    assert_eq!(node.coordinator.instances().len(), 2);
 }

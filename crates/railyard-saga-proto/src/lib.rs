@@ -5,7 +5,8 @@
 //!   0.7.x clients call it (no protobuf package, so method paths are
 //!   `/TxEventService/OnTxEvent` and so on);
 //! - [`native`]: Railyard's own `railyard.saga.v1.SagaCoordinator`, one
-//!   bidirectional stream per participant carrying event batches and
+//!   bidirectional stream per participant instance (or per process, for
+//!   the instances it hosts) carrying event batches and
 //!   acknowledgements one way, acknowledgements and compensation commands the
 //!   other.
 //!
@@ -18,6 +19,10 @@
 /// The largest native frame (`ClientFrame` or `ServerFrame`), encoded: the
 /// coordinator's decoding limit and the SDK's encoding and decoding limit.
 pub const MAX_NATIVE_FRAME_BYTES: usize = 64 << 20;
+
+/// The most participant instances one native session carries (`Hello`'s
+/// own and `Hello.others`): the coordinator refuses a `Hello` naming more.
+pub const MAX_SESSION_PARTICIPANTS: usize = 64;
 
 /// ServiceComb Pack's `TxEventService` (Omega's contract).
 pub mod omega {

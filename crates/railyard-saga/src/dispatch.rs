@@ -30,8 +30,10 @@ use crate::saga::{Command, Route, RouteResult};
 pub(crate) enum Outbound {
     /// An Omega `OnConnected` response stream.
     Omega(mpsc::Sender<Result<GrpcCompensateCommand, Status>>),
-    /// A native session's response stream (shared with its acks).
-    Native(mpsc::Sender<Result<ServerFrame, Status>>),
+    /// A native session's response stream (shared with its acks and with
+    /// the session's other participants), and which participant of the
+    /// session this link is.
+    Native(mpsc::Sender<Result<ServerFrame, Status>>, u32),
 }
 
 enum Sent {
@@ -52,7 +54,7 @@ impl Outbound {
                     payloads: cmd.payloads.to_vec(),
                 }))
                 .map_err(|e| matches!(e, TrySendError::Full(_))),
-            Outbound::Native(tx) => tx
+            Outbound::Native(tx, participant) => tx
                 .try_send(Ok(ServerFrame {
                     kind: Some(server_frame::Kind::Compensate(Compensate {
                         global_tx_id: cmd.global_tx_id,
@@ -61,6 +63,7 @@ impl Outbound {
                         compensation_method: cmd.compensation_method,
                         payloads: cmd.payloads.to_vec(),
                         attempt: cmd.attempt,
+                        participant: *participant,
                     })),
                 }))
                 .map_err(|e| matches!(e, TrySendError::Full(_))),
@@ -75,7 +78,7 @@ impl Outbound {
     fn is_closed(&self) -> bool {
         match self {
             Outbound::Omega(tx) => tx.is_closed(),
-            Outbound::Native(tx) => tx.is_closed(),
+            Outbound::Native(tx, _) => tx.is_closed(),
         }
     }
 }
@@ -160,7 +163,7 @@ impl Registry {
                     instance_id: l.instance.clone(),
                     protocol: match l.out {
                         Outbound::Omega(_) => "omega",
-                        Outbound::Native(_) => "native",
+                        Outbound::Native(..) => "native",
                     },
                 })
             })

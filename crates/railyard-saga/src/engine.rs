@@ -55,6 +55,14 @@ pub enum InvalidEvent {
     /// Events the coordinator records itself, not accepted from participants.
     #[error("{0} is recorded by the coordinator and cannot be reported by a participant")]
     Reserved(&'static str),
+    /// A native event naming a participant its session's `Hello` did not.
+    #[error("participant {index} is not one of this session's {count} (Hello's own is 0, Hello.others are 1 and up)")]
+    UnknownParticipant {
+        /// The event's `participant`.
+        index: u32,
+        /// How many the session has.
+        count: usize,
+    },
 }
 
 /// Checks one event before anything is recorded.

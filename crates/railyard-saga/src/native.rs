@@ -1,8 +1,13 @@
 //! Railyard's native `railyard.saga.v1.SagaCoordinator.Session` stream.
 //!
-//! A session starts with `Hello` (service, instance, optional token); the
-//! coordinator answers `Welcome` and registers the instance for
-//! compensation commands. Each `EventBatch` is appended with one `append`
+//! A session starts with `Hello` (service, instance, optional token, and
+//! any further participant instances sharing the session: a process that
+//! hosts several services reports for all of them on one stream, so their
+//! events share batches); the coordinator answers `Welcome` and registers
+//! every participant for compensation commands. Each event says which
+//! participant reports it (`SagaEvent.participant`, 0 for the `Hello`'s
+//! own; a number the `Hello` did not name gets that event an error), and
+//! each `Compensate` which participant must run it. Each `EventBatch` is appended with one `append`
 //! call, applied, and answered with `Ack { seq, results }` (one result per
 //! event, in order; a malformed event gets its `error` set and is not
 //! recorded, the others are).
@@ -28,9 +33,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use railyard_saga_proto::native::saga_coordinator_server::SagaCoordinator;
 use railyard_saga_proto::native::{
-    client_frame, server_frame, Ack, ClientFrame, EventResult, EventType, SagaEvent, ServerFrame,
-    Welcome,
+    client_frame, server_frame, Ack, ClientFrame, EventResult, EventType, Hello, SagaEvent,
+    ServerFrame, Welcome,
 };
+use railyard_saga_proto::MAX_SESSION_PARTICIPANTS;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -102,6 +108,66 @@ pub fn from_native(
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
 
+/// A session's participants, by number: `(service, instance)`.
+type Participants = Arc<[(Arc<str>, Arc<str>)]>;
+
+/// The participants a `Hello` names, checked: at most
+/// [`MAX_SESSION_PARTICIPANTS`], each with a service name, none twice.
+///
+/// # Errors
+/// What is wrong, for an `INVALID_ARGUMENT` that ends the session.
+fn participants_of(hello: &Hello) -> Result<Participants, String> {
+    let count = 1 + hello.others.len();
+    if count > MAX_SESSION_PARTICIPANTS {
+        return Err(format!(
+            "Hello names {count} participants; a session carries at most {MAX_SESSION_PARTICIPANTS}: open another session for the rest"
+        ));
+    }
+    let all = std::iter::once((&hello.service_name, &hello.instance_id)).chain(
+        hello
+            .others
+            .iter()
+            .map(|p| (&p.service_name, &p.instance_id)),
+    );
+    let mut out: Vec<(Arc<str>, Arc<str>)> = Vec::with_capacity(count);
+    for (k, (service, instance)) in all.enumerate() {
+        if service.is_empty() {
+            return Err(if k == 0 {
+                "Hello.service_name is empty; name the participant's service".to_owned()
+            } else {
+                format!(
+                    "Hello.others[{}].service_name is empty; name the participant's service",
+                    k - 1
+                )
+            });
+        }
+        if out
+            .iter()
+            .any(|(s, i)| **s == **service && **i == **instance)
+        {
+            return Err(format!(
+                "Hello names service `{service}` instance `{instance}` twice; each participant once per session"
+            ));
+        }
+        out.push((Arc::from(service.as_str()), Arc::from(instance.as_str())));
+    }
+    Ok(out.into())
+}
+
+/// Converts a native event of a session, for the participant it names.
+fn participant_event(
+    e: SagaEvent,
+    participants: &Participants,
+) -> Result<EventRecord, InvalidEvent> {
+    let Some((service, instance)) = participants.get(e.participant as usize) else {
+        return Err(InvalidEvent::UnknownParticipant {
+            index: e.participant,
+            count: participants.len(),
+        });
+    };
+    from_native(e, service, instance)
+}
+
 #[tonic::async_trait]
 impl SagaCoordinator for NativeService {
     type SessionStream = ReceiverStream<Result<ServerFrame, Status>>;
@@ -137,14 +203,13 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         }
         None => return,
     };
-    if hello.service_name.is_empty() {
-        let _ = tx
-            .send(Err(Status::invalid_argument(
-                "Hello.service_name is empty; name the participant's service",
-            )))
-            .await;
-        return;
-    }
+    let participants = match participants_of(&hello) {
+        Ok(p) => p,
+        Err(why) => {
+            let _ = tx.send(Err(Status::invalid_argument(why))).await;
+            return;
+        }
+    };
     if let Some(token) = engine.config.token.as_deref() {
         if hello.token != token {
             let _ = tx
@@ -163,16 +228,24 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     if tx.send(Ok(welcome)).await.is_err() {
         return;
     }
-    let link = engine.registry.register(
-        &hello.service_name,
-        &hello.instance_id,
-        Outbound::Native(tx.clone()),
-    );
+    // One link per participant, all on this stream; its commands carry the
+    // participant's number.
+    let links: Vec<u64> = (0u32..)
+        .zip(participants.iter())
+        .map(|(k, (service, instance))| {
+            engine
+                .registry
+                .register(service, instance, Outbound::Native(tx.clone(), k))
+        })
+        .collect();
     engine.metrics.instances.set(engine.registry.len() as i64);
-    engine.on_instance(&hello.service_name);
+    let mut services: Vec<&Arc<str>> = participants.iter().map(|(s, _)| s).collect();
+    services.sort_unstable();
+    services.dedup();
+    for service in services {
+        engine.on_instance(service);
+    }
     let slots = Arc::new(Semaphore::new(engine.config.session_in_flight.max(1)));
-    let service: Arc<str> = Arc::from(hello.service_name.as_str());
-    let instance: Arc<str> = Arc::from(hello.instance_id.as_str());
     let closed = engine.closed();
     tokio::pin!(closed);
     loop {
@@ -226,7 +299,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         };
         let engine = engine.clone();
         let tx = tx.clone();
-        let (service, instance) = (service.clone(), instance.clone());
+        let participants = participants.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let seq = batch.seq;
@@ -236,7 +309,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
             let invalid: Vec<Option<InvalidEvent>> = batch
                 .events
                 .into_iter()
-                .map(|e| match from_native(e, &service, &instance) {
+                .map(|e| match participant_event(e, &participants) {
                     Ok(ev) => {
                         valid.push(ev);
                         None
@@ -283,6 +356,8 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                 .await;
         });
     }
-    engine.registry.unregister(link);
+    for link in links {
+        engine.registry.unregister(link);
+    }
     engine.metrics.instances.set(engine.registry.len() as i64);
 }

@@ -9,8 +9,8 @@ use common::Server;
 use railyard_saga::{CoordinatorConfig, SagaState, SagaStore};
 use railyard_saga_proto::native::saga_coordinator_client::SagaCoordinatorClient;
 use railyard_saga_proto::native::{
-    client_frame, server_frame, Ack, ClientFrame, EventBatch, EventType, Hello, SagaEvent,
-    ServerFrame,
+    client_frame, server_frame, Ack, ClientFrame, EventBatch, EventType, Hello, Participant,
+    SagaEvent, ServerFrame,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -49,6 +49,7 @@ impl Session {
                 service_name: service.into(),
                 instance_id: format!("{service}-1"),
                 token: String::new(),
+                others: Vec::new(),
             }),
         )
         .await;
@@ -268,6 +269,7 @@ async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
             service_name: "svc".into(),
             instance_id: "i".into(),
             token: "guess".into(),
+            others: Vec::new(),
         }),
     )
     .await;
@@ -285,12 +287,219 @@ async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
             service_name: "svc".into(),
             instance_id: "i".into(),
             token: "secret".into(),
+            others: Vec::new(),
         }),
     )
     .await;
     assert!(matches!(good.next().await, server_frame::Kind::Welcome(_)));
     good.send(1, lifecycle("ok")).await;
     assert_eq!(good.ack().await.results.len(), 8);
+    server.stop().await;
+}
+
+fn participant(service: &str, instance: &str) -> Participant {
+    Participant {
+        service_name: service.into(),
+        instance_id: instance.into(),
+    }
+}
+
+fn by(p: u32, event: SagaEvent) -> SagaEvent {
+    SagaEvent {
+        participant: p,
+        ..event
+    }
+}
+
+#[tokio::test]
+async fn participants_share_one_session_and_each_gets_its_own_commands() {
+    let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
+    let mut s = Session::open(
+        &server,
+        Some(Hello {
+            service_name: "starter".into(),
+            instance_id: "p-1".into(),
+            token: String::new(),
+            others: vec![participant("svc-a", "p-1"), participant("svc-b", "p-1")],
+        }),
+    )
+    .await;
+    assert!(matches!(s.next().await, server_frame::Kind::Welcome(_)));
+    let mut instances = server.coordinator.instances();
+    instances.sort_by(|a, b| a.service_name.cmp(&b.service_name));
+    let named: Vec<(&str, &str, &str)> = instances
+        .iter()
+        .map(|i| (i.service_name.as_str(), i.instance_id.as_str(), i.protocol))
+        .collect();
+    assert_eq!(
+        named,
+        [
+            ("starter", "p-1", "native"),
+            ("svc-a", "p-1", "native"),
+            ("svc-b", "p-1", "native")
+        ]
+    );
+    let g = "n-shared";
+    s.send(
+        1,
+        vec![
+            by(0, e(EventType::SagaStarted, g, g)),
+            by(
+                1,
+                SagaEvent {
+                    compensation_method: "undo-a".into(),
+                    ..e(EventType::TxStarted, g, "a")
+                },
+            ),
+            by(1, e(EventType::TxEnded, g, "a")),
+            by(
+                2,
+                SagaEvent {
+                    compensation_method: "undo-b".into(),
+                    ..e(EventType::TxStarted, g, "b")
+                },
+            ),
+            by(2, e(EventType::TxEnded, g, "b")),
+        ],
+    )
+    .await;
+    let ack = s.ack().await;
+    assert!(ack.results.iter().all(|r| r.error.is_empty()), "{ack:?}");
+    let view = server.coordinator.saga(g).expect("live");
+    let services: Vec<(&str, &str)> = view
+        .sub_transactions
+        .iter()
+        .map(|t| (t.local_tx_id.as_str(), t.service_name.as_str()))
+        .collect();
+    assert_eq!(services, [("a", "svc-a"), ("b", "svc-b")]);
+    // Abort: b's command goes to participant 2, then a's to participant 1.
+    s.send(2, vec![by(0, e(EventType::SagaAborted, g, g))])
+        .await;
+    let mut commands = Vec::new();
+    while commands.len() < 2 {
+        match s.next().await {
+            server_frame::Kind::Ack(a) => assert!(a.results[0].error.is_empty(), "{a:?}"),
+            server_frame::Kind::Compensate(c) => {
+                let answer = by(
+                    c.participant,
+                    e(EventType::TxCompensated, g, &c.local_tx_id),
+                );
+                commands.push((c.local_tx_id, c.participant));
+                s.send(10 + commands.len() as u64, vec![answer]).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(commands, [("b".to_owned(), 2), ("a".to_owned(), 1)]);
+    for _ in 0..2 {
+        assert!(s.ack().await.results[0].error.is_empty());
+    }
+    assert_eq!(server.coordinator.state(g), Some(SagaState::Compensated));
+    // The session's end unregisters every participant.
+    drop(s);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !server.coordinator.instances().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "participants still registered"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_event_naming_a_participant_the_hello_did_not_is_refused_alone() {
+    let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
+    let mut s = Session::open(
+        &server,
+        Some(Hello {
+            service_name: "starter".into(),
+            instance_id: "p-1".into(),
+            token: String::new(),
+            others: vec![participant("svc-a", "p-1")],
+        }),
+    )
+    .await;
+    assert!(matches!(s.next().await, server_frame::Kind::Welcome(_)));
+    let g = "n-unknown";
+    s.send(
+        1,
+        vec![
+            by(0, e(EventType::SagaStarted, g, g)),
+            by(2, e(EventType::TxStarted, g, "x")),
+            by(1, e(EventType::TxStarted, g, "a")),
+        ],
+    )
+    .await;
+    let ack = s.ack().await;
+    assert!(ack.results[0].error.is_empty());
+    assert!(
+        ack.results[1]
+            .error
+            .contains("participant 2 is not one of this session's 2"),
+        "{ack:?}"
+    );
+    assert!(ack.results[2].error.is_empty());
+    let subs: Vec<String> = server
+        .coordinator
+        .saga(g)
+        .expect("live")
+        .sub_transactions
+        .into_iter()
+        .map(|t| t.local_tx_id)
+        .collect();
+    assert_eq!(subs, ["a"]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_hello_with_too_many_duplicate_or_unnamed_participants_is_refused() {
+    let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
+    let too_many: Vec<Participant> = (0..railyard_saga_proto::MAX_SESSION_PARTICIPANTS)
+        .map(|k| participant("svc", &format!("i-{k}")))
+        .collect();
+    let cases = [
+        (too_many, "at most 64"),
+        (vec![participant("starter", "p-1")], "twice"),
+        (
+            vec![participant("svc-a", "p-1"), participant("", "p-1")],
+            "Hello.others[1].service_name is empty",
+        ),
+    ];
+    for (others, why) in cases {
+        let mut s = Session::open(
+            &server,
+            Some(Hello {
+                service_name: "starter".into(),
+                instance_id: "p-1".into(),
+                token: String::new(),
+                others,
+            }),
+        )
+        .await;
+        let err = tokio::time::timeout(Duration::from_secs(10), s.rx.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains(why), "{why}: {}", err.message());
+    }
+    assert!(server.coordinator.instances().is_empty());
+    // The same service twice with different instances is fine.
+    let mut ok = Session::open(
+        &server,
+        Some(Hello {
+            service_name: "svc".into(),
+            instance_id: "i-1".into(),
+            token: String::new(),
+            others: vec![participant("svc", "i-2")],
+        }),
+    )
+    .await;
+    assert!(matches!(ok.next().await, server_frame::Kind::Welcome(_)));
+    assert_eq!(server.coordinator.instances().len(), 2);
     server.stop().await;
 }
 
@@ -306,6 +515,7 @@ async fn raw_session(server: &Server, rest: &[u8]) -> (String, String) {
             service_name: "svc".into(),
             instance_id: "svc-raw".into(),
             token: String::new(),
+            others: Vec::new(),
         })),
     };
     let mut body = railyard_saga::grpc_frame::encode(&hello).to_vec();

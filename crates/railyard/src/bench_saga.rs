@@ -49,6 +49,12 @@ pub(crate) struct SagaArgs {
     /// no limit; 1 or 2 make fewer, larger batches).
     #[arg(long)]
     batches_in_flight: Option<usize>,
+    /// Native only: one session per simulated process for its four
+    /// participant instances (`process`), or one per instance
+    /// (`participant`); a process's sessions share its one connection
+    /// either way.
+    #[arg(long, value_enum, default_value_t = SessionsArg::Process)]
+    sessions: SessionsArg,
     /// After the load, how long to wait for outstanding compensations.
     #[arg(long, default_value = "30s", value_parser = crate::bench_cmd::parse_duration)]
     drain: Duration,
@@ -81,6 +87,14 @@ enum ProtocolArg {
     Omega,
     /// Railyard's batched session stream (railyard-saga-client).
     Native,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SessionsArg {
+    /// One session per process, carrying all its participant instances.
+    Process,
+    /// One session per participant instance.
+    Participant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -193,6 +207,10 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
         client_threads: a.client_threads,
         drain_timeout: a.drain,
         batches_in_flight: a.batches_in_flight,
+        sessions: match a.sessions {
+            SessionsArg::Process => saga::Sessions::Process,
+            SessionsArg::Participant => saga::Sessions::Participant,
+        },
     };
     let mut ours: Vec<SagaResult> = Vec::new();
     let mut theirs: Vec<serde_json::Value> = Vec::new();
