@@ -6,7 +6,8 @@
 //!   gains its first consumer on this node (and awaits, so a registration
 //!   resolves only once it is visible cluster-wide) or loses its last one;
 //! - keeps, per address, the list of [`RemoteNode`]s that have consumers
-//!   there ([`EventBus::set_remote_nodes`]); the send path reads that list
+//!   there ([`EventBus::set_remote_nodes_many`], one registry copy for a
+//!   whole batch of addresses); the send path reads that list
 //!   from the same snapshot as the local consumers and never waits on the
 //!   cluster;
 //! - hands messages that arrive from peers to [`EventBus::deliver_inbound`],

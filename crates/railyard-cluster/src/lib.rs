@@ -16,7 +16,7 @@
 //!   peers, keeps one `Link` per peer, installs the bus's cluster hook (a
 //!   public consumer's registration resolves once the manager has stored the
 //!   subscription) and follows the view, handing each address's remote nodes
-//!   to the bus.
+//!   to the bus: one batch per view change, applied on a blocking thread.
 //! - `link`: one long-lived TCP connection per peer pair, owned by one task:
 //!   bounded queue in, batched writes out, pings, reconnect with backoff,
 //!   requests failed at once when the peer is lost.

@@ -1,6 +1,6 @@
 //! A bus joined to a cluster: listener, links, and the view follower.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -136,11 +136,35 @@ struct NodeInner {
     node_id: String,
     addr: SocketAddr,
     links: Mutex<HashMap<String, Arc<Link>>>,
-    /// Addresses we told the bus have remote nodes, to clear the stale ones.
-    remote_addresses: Mutex<BTreeSet<String>>,
+    /// What the bus's remote routes were last computed from. Held through
+    /// all of `apply` and by `shutdown_links`, so a stopping node clears the
+    /// routes and links of the last `apply` and no `apply` runs after it
+    /// (without it, an `apply` under way could re-add both). Taken before
+    /// `links`, never while holding it.
+    routes: Mutex<Routes>,
     counters: Arc<ClusterCounters>,
     max_frame: usize,
     handshake_timeout: Duration,
+}
+
+/// What `apply` last gave the bus, so the next view recomputes only what
+/// differs.
+#[derive(Default)]
+struct Routes {
+    /// Set when the node shuts down: `apply` does nothing after it.
+    stopped: bool,
+    /// What the bus's routes were computed from (`None` before the first
+    /// `apply` and after shutdown).
+    basis: Option<Basis>,
+}
+
+/// The view and the links the bus's routes were computed from. An address's
+/// remote nodes depend only on its subscribers and these links, so while the
+/// links are the same, an address whose subscribers did not change keeps its
+/// route without being recomputed.
+struct Basis {
+    view: Arc<ClusterView>,
+    links: HashMap<String, Arc<Link>>,
 }
 
 struct Hook {
@@ -221,7 +245,7 @@ impl ClusterNode {
             node_id: cfg.node_id.clone(),
             addr,
             links: Mutex::new(HashMap::new()),
-            remote_addresses: Mutex::new(BTreeSet::new()),
+            routes: Mutex::new(Routes::default()),
             counters: Arc::new(ClusterCounters::default()),
             max_frame: cfg.max_frame,
             handshake_timeout: cfg.handshake_timeout,
@@ -285,12 +309,18 @@ impl ClusterNode {
         for t in &self.tasks {
             t.abort();
         }
+        // Waits for an `apply` under way on its blocking thread (aborting
+        // the follower does not stop it), so what it set is cleared here too.
+        let mut routes = self.inner.routes.lock();
+        routes.stopped = true;
+        let basis = routes.basis.take();
         let links: Vec<Arc<Link>> = self.inner.links.lock().drain().map(|(_, l)| l).collect();
         for l in links {
             l.close();
         }
-        for a in std::mem::take(&mut *self.inner.remote_addresses.lock()) {
-            self.inner.bus.set_remote_nodes(&a, Vec::new());
+        if let Some(basis) = basis {
+            let cleared = basis.view.subscriptions.keys().map(|a| (a, Vec::new()));
+            self.inner.bus.set_remote_nodes_many(cleared);
         }
     }
 }
@@ -502,7 +532,16 @@ impl NodeInner {
     }
 
     /// Brings links and the bus's remote routes in line with `view`.
-    fn apply(&self, view: &ClusterView) {
+    ///
+    /// Runs on a blocking thread (see `follow_view`): its work grows with the
+    /// number of subscribed addresses (a walk over the view, and one copy of
+    /// the bus's whole registry per change), which for thousands of
+    /// addresses can hold a thread for longer than an async task may block.
+    fn apply(&self, view: &Arc<ClusterView>) {
+        let mut routes = self.routes.lock();
+        if routes.stopped {
+            return;
+        }
         // Links: one per live member other than us.
         let gone: Vec<Arc<Link>> = {
             let mut links = self.links.lock();
@@ -521,30 +560,69 @@ impl NodeInner {
                 self.link_for(id, *addr).set_addr(*addr);
             }
         }
-        // Routes: every address with a live remote subscriber.
+        // Routes: every address with a live remote subscriber, in one batch
+        // (one registry copy for the whole view change).
         let links = self.links.lock().clone();
-        let mut now = BTreeSet::new();
+        let changes = self.route_changes(routes.basis.as_ref(), view, &links);
+        self.bus.set_remote_nodes_many(changes);
+        routes.basis = Some(Basis {
+            view: view.clone(),
+            links,
+        });
+        drop(routes);
+        // Close links last, so no route points at a closed link for long.
+        for l in gone {
+            tracing::info!(peer = %l.id(), "node left the cluster; its requests failed");
+            l.close();
+        }
+    }
+
+    /// The remote node lists that differ between the routes computed from
+    /// `basis` and those for `view` with `links`: each address of `view`,
+    /// unless `basis` has the same links and the same subscribers for it,
+    /// and an empty list for each address of `basis` that `view` lacks. (An
+    /// unchanged list among them is skipped by the bus.)
+    fn route_changes<'a>(
+        &self,
+        basis: Option<&'a Basis>,
+        view: &'a ClusterView,
+        links: &HashMap<String, Arc<Link>>,
+    ) -> Vec<(&'a str, Vec<Arc<dyn RemoteNode>>)> {
+        let same_links = basis.is_some_and(|b| {
+            b.links.len() == links.len()
+                && b.links
+                    .iter()
+                    .all(|(id, l)| links.get(id).is_some_and(|n| Arc::ptr_eq(l, n)))
+        });
+        // Both maps are sorted by address: walk them side by side.
+        let mut old = basis
+            .map(|b| &b.view.subscriptions)
+            .into_iter()
+            .flatten()
+            .peekable();
+        let mut changes = Vec::new();
         for (address, nodes) in &view.subscriptions {
+            let mut before = None;
+            while let Some((a, subs)) = old.next_if(|(a, _)| *a <= address) {
+                if a == address {
+                    before = Some(subs);
+                } else {
+                    changes.push((a.as_str(), Vec::new()));
+                }
+            }
+            if same_links && before == Some(nodes) {
+                continue;
+            }
             let remotes: Vec<Arc<dyn RemoteNode>> = nodes
                 .iter()
                 .filter(|n| **n != self.node_id)
                 .filter_map(|n| links.get(n))
                 .map(|l| l.clone() as Arc<dyn RemoteNode>)
                 .collect();
-            if !remotes.is_empty() {
-                now.insert(address.clone());
-                self.bus.set_remote_nodes(address, remotes);
-            }
+            changes.push((address.as_str(), remotes));
         }
-        let before = std::mem::replace(&mut *self.remote_addresses.lock(), now.clone());
-        for stale in before.difference(&now) {
-            self.bus.set_remote_nodes(stale, Vec::new());
-        }
-        // Close links last, so no route points at a closed link for long.
-        for l in gone {
-            tracing::info!(peer = %l.id(), "node left the cluster; its requests failed");
-            l.close();
-        }
+        changes.extend(old.map(|(a, _)| (a.as_str(), Vec::new())));
+        changes
     }
 }
 
@@ -567,7 +645,16 @@ async fn follow_view(inner: Arc<NodeInner>) {
         if view.connected || connected.is_some() {
             connected = Some(view.connected);
         }
-        inner.apply(&view);
+        // Off the async workers: `apply`'s work grows with the view (see
+        // there). Views that arrive meanwhile are coalesced: the next round
+        // applies the newest.
+        let (applying, newest) = (inner.clone(), view.clone());
+        match tokio::task::spawn_blocking(move || applying.apply(&newest)).await {
+            Ok(()) => {}
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down.
+            Err(_) => return,
+        }
         if rx.changed().await.is_err() {
             return;
         }
@@ -798,6 +885,92 @@ mod tests {
         fn view(&self) -> watch::Receiver<Arc<ClusterView>> {
             self.0.subscribe()
         }
+    }
+
+    /// Waits (up to 10 s) until `bus` routes exactly `n` addresses to other nodes.
+    async fn routed(bus: &EventBus, n: usize) {
+        for _ in 0..1000 {
+            if bus.remote_addresses().len() == n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let now = bus.remote_addresses().len();
+        panic!("the bus routes {now} addresses to other nodes, expected {n}");
+    }
+
+    /// A view change with thousands of addresses costs the bus one registry
+    /// copy, not one per address; so does clearing them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_view_with_many_addresses_is_one_registry_change() {
+        const N: usize = 2_000;
+        // b is never reached: its routes exist as long as the view lists it.
+        let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let members = [("a", unused), ("b", unused)];
+        let m = Scripted::new(&members, &[]);
+        let (bus, _node) = start_node(m.clone(), "a", |_| {}).await;
+        let _here = bus.local_consumer("addr-0").stream().await.unwrap();
+        let names: Vec<String> = (0..N).map(|i| format!("addr-{i}")).collect();
+        let all: Vec<(&str, &str)> = names.iter().map(|a| (a.as_str(), "b")).collect();
+        // Applying the members-only view changed no route: nothing stored.
+        let at = bus.registry_generation();
+
+        m.set(&members, &all);
+        routed(&bus, N).await;
+        assert_eq!(
+            bus.registry_generation(),
+            at + 1,
+            "one store for {N} routes"
+        );
+
+        // One address fewer: one store, the other routes kept.
+        m.set(&members, &all[1..]);
+        routed(&bus, N - 1).await;
+        assert_eq!(bus.registry_generation(), at + 2);
+        assert_eq!(bus.consumer_count("addr-0"), 1, "the local consumer stays");
+
+        // Every address gone: one store clears them all.
+        m.set(&members, &[]);
+        routed(&bus, 0).await;
+        assert_eq!(bus.registry_generation(), at + 3);
+        assert_eq!(bus.consumer_count("addr-0"), 1);
+    }
+
+    /// An address whose subscribers did not change is still re-routed when
+    /// a member joins or leaves: its subscribers' links may have changed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unchanged_subscribers_are_re_routed_when_the_members_change() {
+        let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        // c subscribes before the view lists it as a member: no link, no route.
+        let subs = [("x", "b"), ("x", "c"), ("y", "b")];
+        let m = Scripted::new(&[("a", unused), ("b", unused)], &subs);
+        let (bus, _node) = start_node(m.clone(), "a", |_| {}).await;
+        routed(&bus, 2).await;
+        // A publish reaches each routed node once (queued on its link).
+        assert_eq!(bus.publish("x", 1u8).unwrap().delivered, 1);
+
+        m.set(&[("a", unused), ("b", unused), ("c", unused)], &subs);
+        let mut delivered = 0;
+        for _ in 0..1000 {
+            delivered = bus.publish("x", 1u8).unwrap().delivered;
+            if delivered == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(delivered, 2, "c's link was not added to x's route");
+
+        // c leaves: x keeps b only.
+        m.set(&[("a", unused), ("b", unused)], &subs);
+        for _ in 0..1000 {
+            delivered = bus.publish("x", 1u8).unwrap().delivered;
+            if delivered == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(delivered, 1, "c's link stayed in x's route");
+        assert_eq!(bus.publish("y", 1u8).unwrap().delivered, 1);
     }
 
     /// A connection refused right after its HELLO counts as a failed dial:
