@@ -329,11 +329,11 @@ impl Engine {
             }
         }
         let slots: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
-        let to_append: Arc<[EventRecord]> = events
-            .into_iter()
-            .zip(&keep)
-            .filter_map(|(ev, k)| k.then_some(ev))
-            .collect();
+        // In place (an `Arc<[_]>` would copy every record once more).
+        let mut events = events;
+        let mut kept = keep.iter();
+        events.retain(|_| kept.next().copied().unwrap_or(false));
+        let to_append = Arc::new(events);
         if !to_append.is_empty() {
             let t0 = std::time::Instant::now();
             let count = to_append.len();

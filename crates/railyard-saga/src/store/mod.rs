@@ -169,7 +169,7 @@ pub trait SagaStore: Send + Sync + 'static {
     /// As `append`.
     fn append_shared(
         &self,
-        events: std::sync::Arc<[EventRecord]>,
+        events: std::sync::Arc<Vec<EventRecord>>,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move { self.append(events.to_vec()).await })
     }

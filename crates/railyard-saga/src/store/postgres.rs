@@ -652,7 +652,7 @@ impl SagaStore for PostgresStore {
 
     fn append_shared(
         &self,
-        events: std::sync::Arc<[EventRecord]>,
+        events: std::sync::Arc<Vec<EventRecord>>,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             if events.is_empty() {

@@ -80,7 +80,7 @@ impl Retention {
 pub(crate) enum WriteOp {
     /// Append events (in order); shared with the caller, which applies
     /// them once they are durable.
-    Append(std::sync::Arc<[EventRecord]>),
+    Append(std::sync::Arc<Vec<EventRecord>>),
     /// Delete these sagas' events and keep their summaries.
     Finish(Vec<SagaSummary>),
 }
@@ -255,7 +255,9 @@ mod tests {
             ..EventRecord::default()
         };
         let (done, rx) = oneshot::channel();
-        let op = WriteOp::Append(std::iter::repeat_n(ev, events).collect());
+        let op = WriteOp::Append(std::sync::Arc::new(
+            std::iter::repeat_n(ev, events).collect(),
+        ));
         (WriteRequest { op, done }, rx)
     }
 

@@ -671,7 +671,10 @@ impl SagaStore for SqliteStore {
         self.append_shared(events.into())
     }
 
-    fn append_shared(&self, events: Arc<[EventRecord]>) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn append_shared(
+        &self,
+        events: Arc<Vec<EventRecord>>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             if events.is_empty() {
                 return Ok(());
