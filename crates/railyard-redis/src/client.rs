@@ -298,6 +298,32 @@ fn lower_priority() {
 
 type Pool = RwLock<HashMap<Arc<str>, NodeConn, foldhash::fast::RandomState>>;
 
+/// Removes the entries of `pool` whose address `known` refuses; returns how
+/// many went.
+///
+/// This runs on the topology thread, which has a lower priority than the
+/// command threads, and every command read-locks the command pool to find
+/// its connection. Holding the write lock there while going over every
+/// entry would let a preempted topology thread stall commands. So the stale
+/// addresses are found under the read lock, which commands share; the write
+/// lock is taken only when there is something to remove, and only to remove
+/// those keys. The removed handles are dropped after it is released (a
+/// connection's task ends when its last handle goes).
+fn drop_unknown<V>(
+    pool: &RwLock<HashMap<Arc<str>, V, foldhash::fast::RandomState>>,
+    known: impl Fn(&str) -> bool,
+) -> usize {
+    let stale: Vec<Arc<str>> = pool.read().keys().filter(|a| !known(a)).cloned().collect();
+    if stale.is_empty() {
+        return 0;
+    }
+    let gone: Vec<V> = {
+        let mut pool = pool.write();
+        stale.iter().filter_map(|a| pool.remove(a)).collect()
+    };
+    gone.len()
+}
+
 pub(crate) struct Inner {
     pub(crate) cfg: Config,
     /// The routing table; replaced whole by the refresher, read lock-free.
@@ -373,12 +399,9 @@ impl Inner {
     /// Swaps `table` in and drops connections to nodes it no longer lists.
     pub(crate) fn install(&self, table: SlotTable) {
         let seeds = &self.cfg.seeds;
-        self.pool
-            .write()
-            .retain(|a, _| table.knows(a) || seeds.contains(a));
-        self.topo_pool
-            .write()
-            .retain(|a, _| table.knows(a) || seeds.contains(a));
+        let known = |a: &str| table.knows(a) || seeds.iter().any(|s| &**s == a);
+        drop_unknown(&self.pool, known);
+        drop_unknown(&self.topo_pool, known);
         self.table.store(Arc::new(table));
     }
 
@@ -852,4 +875,51 @@ fn group_by_slot(keys: impl Iterator<Item = Bytes>) -> Vec<(u16, Vec<(usize, Byt
     let mut v: Vec<_> = map.into_iter().collect();
     v.sort_by_key(|(s, _)| *s);
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool_of(addrs: &[&str]) -> RwLock<HashMap<Arc<str>, u32, foldhash::fast::RandomState>> {
+        RwLock::new(addrs.iter().map(|a| (Arc::from(*a), 0)).collect())
+    }
+
+    fn addrs<V>(pool: &RwLock<HashMap<Arc<str>, V, foldhash::fast::RandomState>>) -> Vec<String> {
+        let mut v: Vec<String> = pool.read().keys().map(|a| a.to_string()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_table_that_drops_nothing_never_takes_the_write_lock() {
+        let pool = Arc::new(pool_of(&["a:1", "b:1", "c:1"]));
+        // A command holds the read lock throughout: taking the write lock
+        // would wait for it forever.
+        let reader = pool.read();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let p = pool.clone();
+        std::thread::spawn(move || {
+            let n = drop_unknown(&p, |a| ["a:1", "b:1", "c:1", "d:1"].contains(&a));
+            let _ = done_tx.send(n);
+        });
+        // A generous bound that only a deadlock reaches; not a timing claim.
+        let n = done_rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("drop_unknown waited for the write lock with nothing to drop");
+        assert_eq!(n, 0);
+        drop(reader);
+        assert_eq!(addrs(&pool), ["a:1", "b:1", "c:1"]);
+    }
+
+    #[test]
+    fn only_unknown_addresses_are_dropped() {
+        let pool = pool_of(&["a:1", "b:1", "c:1", "seed:1"]);
+        let known = |a: &str| ["b:1", "seed:1", "new:1"].contains(&a);
+        assert_eq!(drop_unknown(&pool, known), 2);
+        assert_eq!(addrs(&pool), ["b:1", "seed:1"]);
+        // Again: nothing left to drop.
+        assert_eq!(drop_unknown(&pool, known), 0);
+        assert_eq!(addrs(&pool), ["b:1", "seed:1"]);
+    }
 }

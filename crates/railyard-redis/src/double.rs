@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::slot::{key_slot, SLOTS};
-use crate::value::{decode, Protocol, Value, DEFAULT_MAX_REPLY_SIZE};
+use crate::value::{Protocol, ReplyDecoder, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// One node of the double's topology.
 #[derive(Debug, Clone)]
@@ -298,6 +298,7 @@ fn bulk(out: &mut BytesMut, b: &[u8]) {
 
 async fn serve(mut sock: TcpStream, me: usize, state: Arc<State>) {
     let mut rbuf = BytesMut::with_capacity(4096);
+    let mut requests = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
     let mut out = BytesMut::with_capacity(4096);
     let mut readonly = false;
     loop {
@@ -306,7 +307,7 @@ async fn serve(mut sock: TcpStream, me: usize, state: Arc<State>) {
             Ok(_) => {}
         }
         loop {
-            let args = match decode(&mut rbuf, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE) {
+            let args = match requests.decode(&mut rbuf) {
                 Ok(Some(Value::Array(a))) => a,
                 Ok(None) => break,
                 _ => {

@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::topology::fingerprint;
-use crate::value::{decode, Cmd, Protocol, Value, DEFAULT_MAX_REPLY_SIZE};
+use crate::value::{Cmd, Protocol, ReplyDecoder, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// Why a local cluster could not be started or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -66,8 +66,9 @@ pub async fn query(addr: &str, cmd: &Cmd) -> Result<Value, String> {
             .await
             .map_err(|e| e.to_string())?;
         let mut buf = BytesMut::with_capacity(4096);
+        let mut reply = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
         loop {
-            if let Some(v) = decode(&mut buf, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE)? {
+            if let Some(v) = reply.decode(&mut buf)? {
                 return Ok(v);
             }
             if s.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {

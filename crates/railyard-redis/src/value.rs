@@ -132,175 +132,377 @@ pub(crate) const MAX_DEPTH: usize = 64;
 /// `proto-max-bulk-len`, the largest bulk string a server stores.
 pub(crate) const DEFAULT_MAX_REPLY_SIZE: usize = 512 << 20;
 
-/// Decodes one complete reply from the front of `buf`, or `Ok(None)` when
-/// more bytes are needed.
+/// Decodes the replies arriving on one connection, one at a time, from the
+/// front of its read buffer.
 ///
-/// # Errors
-/// What was wrong, for [`crate::RedisError::Protocol`]: bytes that are not
-/// RESP, a reply nested deeper than [`MAX_DEPTH`], a declared length above
-/// `max_reply`, or an incomplete reply that already holds more than
-/// `max_reply` bytes. Callers close the connection the bytes came from.
-pub(crate) fn decode(
-    buf: &mut BytesMut,
+/// A reply can take many reads to arrive (`LRANGE` of a million elements is
+/// about 10 MB, some 150 reads of 64 KiB). The recursive decoder cannot pick
+/// up where it stopped, so running it after every read would go over the
+/// whole reply so far each time: work quadratic in the reply's size, on the
+/// connection's I/O task. Instead a walk over the reply's type headers
+/// ([`Walk`]) resumes after every read where the previous one left it, and
+/// the decoder runs once, when the walk has found the reply's last byte.
+///
+/// The walk's position counts from the front of the buffer, so the caller
+/// must pass the same buffer every time, only ever grown at its end; what
+/// [`ReplyDecoder::decode`] takes off its front restarts the walk.
+#[derive(Debug)]
+pub(crate) struct ReplyDecoder {
     proto: Protocol,
     max_reply: usize,
-) -> Result<Option<Value>, String> {
-    // Before the recursive decoder sees the bytes: it is what would overflow.
-    check_shape(buf, max_reply)?;
-    let v = match proto {
-        Protocol::Resp2 => match redis_protocol::resp2::decode::decode_bytes_mut(buf) {
-            Ok(Some((f, _, _))) => Some(Value::from_resp2(f)),
-            Ok(None) => None,
-            Err(e) => return Err(e.details().to_owned()),
-        },
-        Protocol::Resp3 => match redis_protocol::resp3::decode::complete::decode_bytes_mut(buf) {
-            Ok(Some((f, _, _))) => Some(Value::from_resp3(f)),
-            Ok(None) => None,
-            Err(e) => return Err(e.details().to_owned()),
-        },
-    };
-    // Incomplete: `buf` holds only the start of this one reply, so its length
-    // is the reply's size so far.
-    if v.is_none() && buf.len() > max_reply {
-        return Err(format!(
-            "an incomplete reply already holds {} bytes, over the {max_reply}-byte reply limit (max_reply_size)",
-            buf.len()
-        ));
-    }
-    Ok(v)
+    walk: Walk,
+    /// How many times the recursive decoder ran, for the tests that prove
+    /// it runs once per reply however many reads the reply took.
+    #[cfg(test)]
+    decoder_runs: usize,
 }
 
-/// Walks the type headers of the first reply in `buf` without recursion and
-/// refuses it if it nests deeper than [`MAX_DEPTH`] or declares a length
-/// (bytes of a string, elements of an aggregate) above `max_reply`.
+impl ReplyDecoder {
+    /// A decoder for a connection speaking `proto`, refusing replies over
+    /// `max_reply` bytes (see `ClusterClientBuilder::max_reply_size`).
+    pub(crate) fn new(proto: Protocol, max_reply: usize) -> Self {
+        Self {
+            proto,
+            max_reply,
+            walk: Walk::new(),
+            #[cfg(test)]
+            decoder_runs: 0,
+        }
+    }
+
+    /// Decodes one complete reply from the front of `buf`, or `Ok(None)`
+    /// when more bytes are needed.
+    ///
+    /// # Errors
+    /// What was wrong, for [`crate::RedisError::Protocol`]: bytes that are
+    /// not RESP, a reply nested deeper than [`MAX_DEPTH`], a declared length
+    /// above `max_reply`, or an incomplete reply that already holds more
+    /// than `max_reply` bytes. Callers close the connection the bytes came
+    /// from.
+    pub(crate) fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Value>, String> {
+        let r = self.decode_front(buf);
+        // A reply was taken off the front (or the buffer is refused): the
+        // next reply starts at byte 0.
+        if !matches!(r, Ok(None)) {
+            self.walk.reset();
+        }
+        r
+    }
+
+    fn decode_front(&mut self, buf: &mut BytesMut) -> Result<Option<Value>, String> {
+        let max_reply = self.max_reply;
+        // Before the recursive decoder sees the bytes: it is what would
+        // overflow. While the walk has not found the reply's end, the
+        // decoder would only say "incomplete" after going over every byte
+        // received so far, so it does not run.
+        let v = match self.walk.advance(buf, self.proto, max_reply)? {
+            Walked::Incomplete => None,
+            Walked::Ready => {
+                #[cfg(test)]
+                {
+                    self.decoder_runs += 1;
+                }
+                // Should it still find the reply incomplete (reading some
+                // header differently from the walk), it runs again after
+                // the next read, as it did after every read before.
+                decode_first(buf, self.proto)?
+            }
+        };
+        // Incomplete: `buf` holds only the start of this one reply, so its
+        // length is the reply's size so far.
+        if v.is_none() && buf.len() > max_reply {
+            return Err(format!(
+                "an incomplete reply already holds {} bytes, over the {max_reply}-byte reply limit (max_reply_size)",
+                buf.len()
+            ));
+        }
+        Ok(v)
+    }
+}
+
+/// The `redis-protocol` decoder: takes the first reply off the front of
+/// `buf`, if it is all there.
+fn decode_first(buf: &mut BytesMut, proto: Protocol) -> Result<Option<Value>, String> {
+    match proto {
+        Protocol::Resp2 => match redis_protocol::resp2::decode::decode_bytes_mut(buf) {
+            Ok(Some((f, _, _))) => Ok(Some(Value::from_resp2(f))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e.details().to_owned()),
+        },
+        Protocol::Resp3 => match redis_protocol::resp3::decode::complete::decode_bytes_mut(buf) {
+            Ok(Some((f, _, _))) => Ok(Some(Value::from_resp3(f))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e.details().to_owned()),
+        },
+    }
+}
+
+/// What the walk says about the reply at the front of the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Walked {
+    /// More bytes are needed; the decoder need not run.
+    Incomplete,
+    /// The decoder should run: the reply's last byte is in the buffer, or
+    /// the walk stopped at a header the decoder refuses, and the decoder's
+    /// message says what is wrong with it.
+    Ready,
+}
+
+/// A walk over the type headers of the first reply in a buffer, without
+/// recursion, that refuses the reply if it nests deeper than [`MAX_DEPTH`]
+/// or declares a length (bytes of a string, elements of an aggregate) above
+/// the reply limit, and finds where it ends.
 ///
 /// It runs before the recursive decoder, so it must never stop short of
 /// where that decoder could recurse: it stops only at the end of the first
-/// reply, at the end of the buffer (the decoder will say "incomplete"), or at
-/// a header the decoder also rejects (an unknown type byte, a length that is
-/// not a number), leaving the error message to the decoder. Bytes it walks
-/// past that the decoder would refuse (RESP3 types on a RESP2 connection,
-/// RESP3 streamed `?` lengths, which complete decoding refuses) cost nothing,
-/// so one walk serves both protocols. Like the decoder, it starts over on
-/// every call, skipping string payloads by their declared length, so it adds
-/// one pass over the headers to each decode.
-fn check_shape(buf: &[u8], max_reply: usize) -> Result<(), String> {
-    // `left[d]`: values still to come at nesting depth `d`; depth 0 is the
-    // reply itself. Fixed size: the walk allocates nothing.
-    let mut left = [0u64; MAX_DEPTH + 1];
-    left[0] = 1;
-    let mut depth = 0usize;
-    let mut pos = 0usize;
-    let limit = max_reply as u64;
-    loop {
-        while left[depth] == 0 {
-            if depth == 0 {
-                return Ok(());
-            }
-            depth -= 1;
+/// reply, at the end of the buffer (incomplete), or at a header the decoder
+/// also refuses: a type byte that is not one of the connection's protocol,
+/// a length that is not a number, a length the complete decoder refuses
+/// (RESP3's `-1` and streamed `?`, any other negative one), a verbatim
+/// string too short for its format. There the decoder runs at once and its
+/// message reports the bytes, as it did when it ran after every read. What lies inside headers and payloads (an
+/// integer that is not a number, a set of arrays, a verbatim string's
+/// format) is the decoder's to check, once the walk has found the reply's
+/// end: a reply wrong only there is refused when its last byte arrives.
+///
+/// It keeps its place between calls and examines each header byte once,
+/// however many reads the reply takes: it resumes at the header it was
+/// waiting for, skips string payloads by their declared length, and
+/// remembers how far it searched an unterminated header line for its CRLF,
+/// so a simple string of megabytes is not searched again from its start on
+/// every read.
+#[derive(Debug)]
+struct Walk {
+    /// `left[d]`: values still to come at nesting depth `d`; depth 0 is the
+    /// reply itself. Fixed size: the walk allocates nothing.
+    left: [u64; MAX_DEPTH + 1],
+    depth: usize,
+    /// Where the next header starts, counted from the reply's first byte
+    /// (the buffer's front); past the buffer's end while a string's payload
+    /// is still arriving.
+    pos: usize,
+    /// How far the search for the CRLF that ends the header at `pos` has
+    /// looked; 0 before the first look.
+    searched: usize,
+    /// The walk stopped at a header the decoder refuses.
+    stopped: bool,
+    /// Type bytes and header bytes examined, over every reply so far, for
+    /// the tests that prove the walk is linear in the replies' size.
+    #[cfg(test)]
+    examined: usize,
+}
+
+impl Walk {
+    fn new() -> Self {
+        let mut w = Self {
+            left: [0; MAX_DEPTH + 1],
+            depth: 0,
+            pos: 0,
+            searched: 0,
+            stopped: false,
+            #[cfg(test)]
+            examined: 0,
+        };
+        w.reset();
+        w
+    }
+
+    /// Back to the start, for the next reply at the buffer's front.
+    fn reset(&mut self) {
+        self.left[0] = 1;
+        self.depth = 0;
+        self.pos = 0;
+        self.searched = 0;
+        self.stopped = false;
+    }
+
+    /// Walks on from where the last call stopped, to the reply's end or the
+    /// end of `buf`.
+    fn advance(&mut self, buf: &[u8], proto: Protocol, max_reply: usize) -> Result<Walked, String> {
+        if self.stopped {
+            return Ok(Walked::Ready);
         }
-        let start = pos;
-        let Some(&kind) = buf.get(start) else {
-            return Ok(());
-        };
-        // RESP3's inline `HELLO` line starts at the `H`; every other header
-        // starts after its type byte. All end at the first CRLF.
-        let from = if kind == b'H' { start } else { start + 1 };
-        let Some(eol) = memchr::memmem::find(&buf[from..], b"\r\n") else {
-            return Ok(());
-        };
-        let line = &buf[from..from + eol];
-        pos = from + eol + 2;
-        match kind {
-            // Line types: a simple string, error, integer, null, boolean,
-            // double, big number, end of stream, inline HELLO.
-            b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(' | b'.' | b'H' => left[depth] -= 1,
-            // Length-prefixed strings: bulk, blob error, verbatim, chunk.
-            b'$' | b'!' | b'=' | b';' => {
-                left[depth] -= 1;
-                match declared(line) {
-                    Declared::Len(n) if n > limit => {
+        let limit = max_reply as u64;
+        loop {
+            while self.left[self.depth] == 0 {
+                if self.depth == 0 {
+                    // The last value may be a string whose payload is
+                    // still arriving.
+                    return Ok(if self.pos <= buf.len() {
+                        Walked::Ready
+                    } else {
+                        Walked::Incomplete
+                    });
+                }
+                self.depth -= 1;
+            }
+            let start = self.pos;
+            let Some(&kind) = buf.get(start) else {
+                return Ok(Walked::Incomplete);
+            };
+            #[cfg(test)]
+            {
+                self.examined += 1;
+            }
+            let known = match proto {
+                Protocol::Resp2 => matches!(kind, b'+' | b'-' | b':' | b'$' | b'*'),
+                Protocol::Resp3 => matches!(
+                    kind,
+                    b'+' | b'-'
+                        | b':'
+                        | b'_'
+                        | b'#'
+                        | b','
+                        | b'('
+                        | b'.'
+                        | b'H'
+                        | b'$'
+                        | b'!'
+                        | b'='
+                        | b';'
+                        | b'*'
+                        | b'~'
+                        | b'>'
+                        | b'%'
+                        | b'|'
+                ),
+            };
+            if !known {
+                // Refused by the decoder with its own message; no need to
+                // wait for the line's end.
+                return Ok(self.stop());
+            }
+            // RESP3's inline `HELLO` line starts at the `H`; every other
+            // header starts after its type byte. All end at the first CRLF.
+            let from = if kind == b'H' { start } else { start + 1 };
+            // Resume the search where the last call gave up, one byte back
+            // in case that call's last byte was the CR.
+            let resume = self.searched.saturating_sub(1).clamp(from, buf.len());
+            let Some(i) = memchr::memmem::find(&buf[resume..], b"\r\n") else {
+                #[cfg(test)]
+                {
+                    self.examined += buf.len() - resume;
+                }
+                self.searched = buf.len();
+                return Ok(Walked::Incomplete);
+            };
+            let eol = resume + i;
+            #[cfg(test)]
+            {
+                self.examined += eol + 2 - resume;
+            }
+            self.searched = 0;
+            let line = &buf[from..eol];
+            self.pos = eol + 2;
+            let depth = self.depth;
+            match kind {
+                // Line types: a simple string, error, integer, null, boolean,
+                // double, big number, end of stream, inline HELLO.
+                b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(' | b'.' | b'H' => {
+                    self.left[depth] -= 1;
+                }
+                // Length-prefixed strings: bulk, blob error, verbatim, chunk.
+                b'$' | b'!' | b'=' | b';' => {
+                    self.left[depth] -= 1;
+                    match declared(line, proto) {
+                        Declared::Len(n) if n > limit => {
+                            return Err(format!(
+                                "a reply declares a {n}-byte string, over the {max_reply}-byte reply limit (max_reply_size)"
+                            ));
+                        }
+                        // A verbatim string starts with its 4-byte format.
+                        Declared::Len(n) if kind == b'=' && n < 4 => return Ok(self.stop()),
+                        // `;0` ends a chunked string and has no payload.
+                        Declared::Len(0) if kind == b';' => {}
+                        // Payload and its CRLF; may point past the buffer's end.
+                        Declared::Len(n) => {
+                            // `n <= limit`, which came from a `usize`.
+                            let n = usize::try_from(n).unwrap_or(usize::MAX);
+                            self.pos = self.pos.saturating_add(n).saturating_add(2);
+                        }
+                        Declared::Null => {}
+                        Declared::Refused => return Ok(self.stop()),
+                    }
+                }
+                // Aggregates: array, set, push; map and attribute hold 2 per
+                // entry.
+                b'*' | b'~' | b'>' | b'%' | b'|' => {
+                    let n = match declared(line, proto) {
+                        Declared::Len(n) => n,
+                        Declared::Null => {
+                            // RESP2's null array: no children.
+                            self.left[depth] -= 1;
+                            continue;
+                        }
+                        Declared::Refused => return Ok(self.stop()),
+                    };
+                    if n > limit {
                         return Err(format!(
-                            "a reply declares a {n}-byte string, over the {max_reply}-byte reply limit (max_reply_size)"
+                            "a reply declares an aggregate of {n} elements, over the {max_reply}-byte reply limit (max_reply_size)"
                         ));
                     }
-                    // `;0` ends a chunked string and has no payload.
-                    Declared::Len(0) if kind == b';' => {}
-                    // Payload and its CRLF; may point past the buffer's end.
-                    Declared::Len(n) => {
-                        // `n <= limit`, which came from a `usize`.
-                        let n = usize::try_from(n).unwrap_or(usize::MAX);
-                        pos = pos.saturating_add(n).saturating_add(2);
+                    let children = if matches!(kind, b'%' | b'|') {
+                        n.saturating_mul(2)
+                    } else {
+                        n
+                    };
+                    // An attribute is not the value: the value follows its
+                    // entries and takes the slot the attribute arrived in.
+                    if kind != b'|' {
+                        self.left[depth] -= 1;
                     }
-                    Declared::Absent => {}
-                    Declared::Bad => return Ok(()),
+                    if children > 0 {
+                        if depth == MAX_DEPTH {
+                            return Err(format!(
+                                "a reply nests deeper than {MAX_DEPTH} levels (at byte {start})"
+                            ));
+                        }
+                        self.depth += 1;
+                        self.left[self.depth] = children;
+                    }
                 }
+                // `known` above admits only the types matched here.
+                _ => unreachable!("type byte {kind} passed the protocol check"),
             }
-            // Aggregates: array, set, push; map and attribute hold 2 per entry.
-            b'*' | b'~' | b'>' | b'%' | b'|' => {
-                let n = match declared(line) {
-                    Declared::Len(n) => n,
-                    Declared::Absent => {
-                        // Null (`*-1`) or streamed (`*?`): no children here.
-                        left[depth] -= 1;
-                        continue;
-                    }
-                    Declared::Bad => return Ok(()),
-                };
-                if n > limit {
-                    return Err(format!(
-                        "a reply declares an aggregate of {n} elements, over the {max_reply}-byte reply limit (max_reply_size)"
-                    ));
-                }
-                let children = if matches!(kind, b'%' | b'|') {
-                    n.saturating_mul(2)
-                } else {
-                    n
-                };
-                // An attribute is not the value: the value follows its
-                // entries and takes the slot the attribute arrived in.
-                if kind != b'|' {
-                    left[depth] -= 1;
-                }
-                if children > 0 {
-                    if depth == MAX_DEPTH {
-                        return Err(format!(
-                            "a reply nests deeper than {MAX_DEPTH} levels (at byte {start})"
-                        ));
-                    }
-                    depth += 1;
-                    left[depth] = children;
-                }
-            }
-            // Not a RESP type: the decoder refuses it with its own message.
-            _ => return Ok(()),
         }
+    }
+
+    /// Stops at a header the decoder refuses: every later call says
+    /// [`Walked::Ready`] until [`Walk::reset`].
+    fn stop(&mut self) -> Walked {
+        self.stopped = true;
+        Walked::Ready
     }
 }
 
-/// A length from a RESP header line.
+/// A length from a RESP header line, as the decoder reads it.
 enum Declared {
     /// A length or count.
     Len(u64),
-    /// Null (negative) or streamed (`?`): nothing follows the header.
-    Absent,
-    /// Not a number: the decoder refuses the header.
-    Bad,
+    /// RESP2's null string or array (`-1`): nothing follows the header.
+    Null,
+    /// Not a length the decoder accepts.
+    Refused,
 }
 
-fn declared(line: &[u8]) -> Declared {
-    if line == b"?" {
-        return Declared::Absent;
-    }
+fn declared(line: &[u8], proto: Protocol) -> Declared {
     // The decoder parses with `str::parse` too, so both accept the same
     // spellings (a leading `+`, leading zeros).
-    match std::str::from_utf8(line)
-        .ok()
-        .and_then(|s| s.parse::<i64>().ok())
-    {
-        Some(n) if n >= 0 => Declared::Len(n as u64),
-        Some(_) => Declared::Absent,
-        None => Declared::Bad,
+    let Ok(s) = std::str::from_utf8(line) else {
+        return Declared::Refused;
+    };
+    match s.parse::<i64>() {
+        Ok(n) if n >= 0 => Declared::Len(n as u64),
+        // RESP3 has its own null type (`_`); its complete decoder reads `-1`
+        // as the start of a streamed value, which it refuses.
+        Ok(-1) if proto == Protocol::Resp2 => Declared::Null,
+        // Other negative lengths, streamed `?` lengths, and lengths past
+        // `i64::MAX`, which some of the decoder's parsers take and wait
+        // for: those are over any reply limit, so call them lengths.
+        _ => match s.parse::<u64>() {
+            Ok(n) => Declared::Len(n),
+            Err(_) => Declared::Refused,
+        },
     }
 }
 
@@ -460,26 +662,23 @@ mod tests {
 
     #[test]
     fn replies_decode_incrementally() {
+        let mut r = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
         let mut b = BytesMut::from(&b"$5\r\nhel"[..]);
-        assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
-            Ok(None)
-        );
+        assert_eq!(r.decode(&mut b), Ok(None));
         b.extend_from_slice(b"lo\r\n:7\r\n");
         assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
+            r.decode(&mut b),
             Ok(Some(Value::Bulk(Bytes::from_static(b"hello"))))
         );
-        assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
-            Ok(Some(Value::Int(7)))
-        );
+        assert_eq!(r.decode(&mut b), Ok(Some(Value::Int(7))));
         assert!(b.is_empty());
-        let mut bad = BytesMut::from(&b"?garbage\r\n"[..]);
-        assert!(decode(&mut bad, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE).is_err());
-        let mut m = BytesMut::from(&b"%1\r\n+a\r\n:1\r\n"[..]);
+        assert!(dec(b"?garbage\r\n", Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE).is_err());
         assert_eq!(
-            decode(&mut m, Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE),
+            dec(
+                b"%1\r\n+a\r\n:1\r\n",
+                Protocol::Resp3,
+                DEFAULT_MAX_REPLY_SIZE
+            ),
             Ok(Some(Value::Map(vec![(
                 Value::Status(Bytes::from_static(b"a")),
                 Value::Int(1)
@@ -489,8 +688,35 @@ mod tests {
 
     const BOTH: [Protocol; 2] = [Protocol::Resp2, Protocol::Resp3];
 
+    /// The first reply in `bytes`, decoded by a fresh decoder.
     fn dec(bytes: &[u8], proto: Protocol, max: usize) -> Result<Option<Value>, String> {
-        decode(&mut BytesMut::from(bytes), proto, max)
+        ReplyDecoder::new(proto, max).decode(&mut BytesMut::from(bytes))
+    }
+
+    /// Feeds `bytes` to one decoder `piece` bytes at a time, as reads would
+    /// deliver them, taking every complete reply off the buffer after each
+    /// piece. Returns the decoder (for its counters) and the replies, or
+    /// the first error.
+    fn fed_in_pieces(
+        bytes: &[u8],
+        proto: Protocol,
+        max: usize,
+        piece: usize,
+    ) -> (ReplyDecoder, Result<Vec<Value>, String>) {
+        let mut r = ReplyDecoder::new(proto, max);
+        let mut buf = BytesMut::new();
+        let mut replies = Vec::new();
+        for p in bytes.chunks(piece) {
+            buf.extend_from_slice(p);
+            loop {
+                match r.decode(&mut buf) {
+                    Ok(Some(v)) => replies.push(v),
+                    Ok(None) => break,
+                    Err(e) => return (r, Err(e)),
+                }
+            }
+        }
+        (r, Ok(replies))
     }
 
     /// `levels` copies of `open` followed by `leaf`.
@@ -592,22 +818,17 @@ mod tests {
             Value::Array(vec![]),
             Value::Array(vec![Value::Bulk(Bytes::from_static(b"*9\r\n"))]),
         ]);
-        assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
-            Ok(Some(want))
-        );
-        assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
-            Ok(Some(Value::Int(5)))
-        );
+        let mut r = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
+        assert_eq!(r.decode(&mut b), Ok(Some(want)));
+        assert_eq!(r.decode(&mut b), Ok(Some(Value::Int(5))));
         // RESP3: a map holding a set and a nested map, then an attribute
         // (dropped by the decoder) in front of an array.
         let mut b = BytesMut::from(
             &b"%2\r\n+a\r\n~1\r\n:1\r\n+b\r\n%1\r\n+c\r\n*1\r\n#t\r\n|1\r\n+ttl\r\n:3\r\n*1\r\n,1.5\r\n"[..],
         );
         let s = |x: &'static [u8]| Value::Status(Bytes::from_static(x));
-        let Ok(Some(Value::Map(mut m))) = decode(&mut b, Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE)
-        else {
+        let mut r = ReplyDecoder::new(Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE);
+        let Ok(Some(Value::Map(mut m))) = r.decode(&mut b) else {
             panic!("not a map");
         };
         m.sort_by_key(|(k, _)| format!("{k:?}"));
@@ -622,7 +843,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            decode(&mut b, Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE),
+            r.decode(&mut b),
             Ok(Some(Value::Array(vec![Value::Double(1.5)])))
         );
         assert!(b.is_empty());
@@ -633,22 +854,18 @@ mod tests {
         // A prefix as deep as allowed, its innermost value still to come.
         let mut b = BytesMut::from(&b"*1\r\n".repeat(MAX_DEPTH)[..]);
         for proto in BOTH {
-            assert_eq!(decode(&mut b, proto, DEFAULT_MAX_REPLY_SIZE), Ok(None));
+            assert_eq!(dec(&b, proto, DEFAULT_MAX_REPLY_SIZE), Ok(None));
         }
         // Cut inside a header line, then inside a bulk payload.
+        let mut r = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
+        assert_eq!(r.decode(&mut b), Ok(None));
         b.extend_from_slice(b"$1");
-        assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
-            Ok(None)
-        );
+        assert_eq!(r.decode(&mut b), Ok(None));
         b.extend_from_slice(b"0\r\nhello");
-        assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
-            Ok(None)
-        );
+        assert_eq!(r.decode(&mut b), Ok(None));
         b.extend_from_slice(b"world\r\n");
         assert_eq!(
-            decode(&mut b, Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE),
+            r.decode(&mut b),
             Ok(Some(arrays(
                 MAX_DEPTH,
                 Value::Bulk(Bytes::from_static(b"helloworld"))
@@ -693,5 +910,233 @@ mod tests {
             "{err}"
         );
         assert_eq!(dec(&b, Protocol::Resp2, 2048), Ok(None));
+    }
+
+    /// An array of `n` bulk strings, `value-0` up to `value-{n-1}`, and the
+    /// value it decodes to.
+    fn bulk_array(n: usize) -> (Vec<u8>, Value) {
+        let mut b = format!("*{n}\r\n").into_bytes();
+        let mut v = Vec::with_capacity(n);
+        for i in 0..n {
+            let s = format!("value-{i}");
+            b.extend(format!("${}\r\n{s}\r\n", s.len()).bytes());
+            v.push(Value::Bulk(Bytes::from(s)));
+        }
+        (b, Value::Array(v))
+    }
+
+    /// `levels` nested arrays, each holding an integer, a bulk string whose
+    /// payload looks like a header, and the next level (the innermost holds
+    /// an empty array).
+    fn nested_arrays(levels: usize) -> (Vec<u8>, Value) {
+        let mut b = Vec::new();
+        for i in 0..levels {
+            b.extend(format!("*3\r\n:{i}\r\n$4\r\n*9\r\n\r\n").bytes());
+        }
+        b.extend_from_slice(b"*0\r\n");
+        let v = (0..levels).rev().fold(Value::Array(vec![]), |inner, i| {
+            Value::Array(vec![
+                Value::Int(i as i64),
+                Value::Bulk(Bytes::from_static(b"*9\r\n")),
+                inner,
+            ])
+        });
+        (b, v)
+    }
+
+    /// A simple string of `len` bytes (rounded down to a multiple of 8),
+    /// with a lone CR and a lone LF in every 8: only a CRLF ends the line.
+    fn long_line(len: usize) -> (Vec<u8>, Value) {
+        let text = b"abc\rdef\n".repeat(len / 8);
+        let mut b = b"+".to_vec();
+        b.extend_from_slice(&text);
+        b.extend_from_slice(b"\r\n");
+        (b, Value::Status(Bytes::from(text)))
+    }
+
+    #[test]
+    fn a_reply_fed_in_pieces_decodes_as_when_fed_whole() {
+        let (array, array_v) = bulk_array(10_000);
+        let (nested, nested_v) = nested_arrays(5);
+        let (line, line_v) = long_line(200_000);
+        let replies = [(&array, &array_v), (&nested, &nested_v), (&line, &line_v)];
+        for proto in BOTH {
+            for (bytes, want) in replies {
+                for piece in [1, 7, 1000, bytes.len()] {
+                    let (_, got) = fed_in_pieces(bytes, proto, DEFAULT_MAX_REPLY_SIZE, piece);
+                    assert_eq!(
+                        got.as_deref(),
+                        Ok(std::slice::from_ref(want)),
+                        "{proto:?}, {} bytes in pieces of {piece}",
+                        bytes.len()
+                    );
+                }
+            }
+            // The three back to back, each after a small reply: once a
+            // reply is taken off the buffer, the next is walked from its own
+            // first byte.
+            let mut all = Vec::new();
+            let mut want = Vec::new();
+            for (i, (bytes, v)) in replies.into_iter().enumerate() {
+                all.extend(format!(":{i}\r\n").bytes());
+                all.extend_from_slice(bytes);
+                want.extend([Value::Int(i as i64), v.clone()]);
+            }
+            for piece in [7, 4096, all.len()] {
+                let (r, got) = fed_in_pieces(&all, proto, DEFAULT_MAX_REPLY_SIZE, piece);
+                assert_eq!(got.as_ref(), Ok(&want), "{proto:?}, pieces of {piece}");
+                assert_eq!(r.decoder_runs, want.len(), "{proto:?}, pieces of {piece}");
+            }
+        }
+        // RESP3's own types, a byte at a time: a map holding a set, a push,
+        // a verbatim string, a blob error, a double, a boolean, a null and a
+        // big number (one entry each: sets and maps come out in hash order);
+        // then an attribute in front of an array.
+        let b = b"%1\r\n+a\r\n*3\r\n~1\r\n:1\r\n+b\r\n>5\r\n=7\r\ntxt:abc\r\n!3\r\nERR\r\n,2.5\r\n#f\r\n*2\r\n_\r\n(12345678901234567890\r\n|1\r\n+ttl\r\n:3\r\n*1\r\n$2\r\nhi\r\n";
+        let s = |x: &'static [u8]| Value::Status(Bytes::from_static(x));
+        let want = vec![
+            Value::Map(vec![(
+                s(b"a"),
+                Value::Array(vec![
+                    Value::Array(vec![Value::Int(1)]),
+                    s(b"b"),
+                    Value::Array(vec![
+                        Value::Bulk(Bytes::from_static(b"abc")),
+                        Value::Error("ERR".into()),
+                        Value::Double(2.5),
+                        Value::Bool(false),
+                        Value::Array(vec![Value::Nil, s(b"12345678901234567890")]),
+                    ]),
+                ]),
+            )]),
+            Value::Array(vec![Value::Bulk(Bytes::from_static(b"hi"))]),
+        ];
+        for piece in [1, 2, b.len()] {
+            let (r, got) = fed_in_pieces(b, Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE, piece);
+            assert_eq!(got.as_ref(), Ok(&want), "pieces of {piece}");
+            assert_eq!(r.decoder_runs, 2, "pieces of {piece}");
+        }
+    }
+
+    #[test]
+    fn a_reply_in_a_thousand_pieces_is_walked_once_and_decoded_once() {
+        // Starting over on every piece would examine the headers received
+        // so far each time, about 500 times the reply's size here, and run
+        // the decoder 1,000 times.
+        let (array, _) = bulk_array(10_000);
+        let (line, _) = long_line(200_000);
+        for proto in BOTH {
+            for bytes in [&array, &line] {
+                let piece = bytes.len().div_ceil(1000);
+                let (r, got) = fed_in_pieces(bytes, proto, DEFAULT_MAX_REPLY_SIZE, piece);
+                assert_eq!(got.map(|v| v.len()), Ok(1));
+                assert_eq!(r.decoder_runs, 1, "{proto:?}");
+                // Each byte once, plus at most the type byte and one byte
+                // back (a CR that may end the line) again per piece.
+                assert!(
+                    r.walk.examined <= bytes.len() + 2 * 1000,
+                    "{proto:?}: {} bytes examined for a {}-byte reply in 1,000 pieces",
+                    r.walk.examined,
+                    bytes.len()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn refusals_are_the_same_when_bytes_arrive_in_pieces() {
+        let deep = nested(b"*1\r\n", 100_000, b":1\r\n");
+        let mut hidden = b"*2\r\n$4\r\n*1\r\n\r\n".to_vec();
+        hidden.extend(nested(b"*1\r\n", 1_000, b":1\r\n"));
+        let mut many = b"*1000\r\n".to_vec();
+        many.extend(b":1\r\n".repeat(300));
+        let deeper = "deeper than 64 levels";
+        let max = DEFAULT_MAX_REPLY_SIZE;
+        let mut cases: Vec<(&[u8], Protocol, usize, &str)> = Vec::new();
+        for proto in BOTH {
+            cases.extend([
+                (&deep[..], proto, max, deeper),
+                (&hidden[..], proto, max, deeper),
+                (b"$536870913\r\n", proto, max, "536870913-byte string"),
+                (
+                    b"*9223372036854775807\r\n",
+                    proto,
+                    max,
+                    "aggregate of 9223372036854775807",
+                ),
+                (b"*2\r\n:1\r\n$2000\r\n", proto, 1024, "2000-byte string"),
+                (&many[..], proto, 1024, "incomplete reply already holds"),
+                // Not RESP: the decoder's own message.
+                (b"?garbage\r\n", proto, max, ""),
+            ]);
+        }
+        let maps = nested(b"%1\r\n+k\r\n", 100_000, b":1\r\n");
+        let attrs = nested(b"|1\r\n+k\r\n", 100_000, b":1\r\n");
+        cases.extend([
+            (&maps[..], Protocol::Resp3, max, deeper),
+            (&attrs[..], Protocol::Resp3, max, deeper),
+            (b"%5000\r\n", Protocol::Resp3, 1024, "aggregate of 5000"),
+        ]);
+        for (bytes, proto, max, want) in cases {
+            let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(24)]).into_owned();
+            let (_, whole) = fed_in_pieces(bytes, proto, max, bytes.len());
+            let whole = whole.unwrap_err();
+            assert!(whole.contains(want), "{proto:?} {shown:?}: {whole}");
+            for piece in [1, 3, 7, 64] {
+                let (_, got) = fed_in_pieces(bytes, proto, max, piece);
+                let got = got.unwrap_err();
+                if want.starts_with("incomplete") {
+                    // How much is buffered when the limit is passed depends
+                    // on where the pieces end.
+                    assert!(got.contains(want), "{proto:?} {shown:?}, {piece}: {got}");
+                } else {
+                    assert_eq!(got, whole, "{proto:?} {shown:?}, pieces of {piece}");
+                }
+            }
+        }
+        // At the limit is fine, and incomplete, however it arrives.
+        for proto in BOTH {
+            for piece in [1, 7] {
+                let (_, got) = fed_in_pieces(b"$1024\r\nabc", proto, 1024, piece);
+                assert_eq!(got, Ok(vec![]));
+            }
+        }
+    }
+
+    #[test]
+    fn a_header_the_decoder_refuses_is_refused_before_the_reply_ends() {
+        // Each reply is incomplete at the bad header, yet the decoder runs
+        // there and reports it, as it did when it ran after every read,
+        // rather than the connection waiting for bytes that may never come.
+        let cases: [(&[u8], Protocol); 6] = [
+            // A RESP3 type on a RESP2 connection.
+            (b"*3\r\n:1\r\n~1\r\n", Protocol::Resp2),
+            (b"*3\r\n:1\r\n$-2\r\n", Protocol::Resp2),
+            (b"*3\r\n:1\r\n$?\r\n", Protocol::Resp2),
+            // RESP3's complete decoder refuses streamed values and RESP2 nulls.
+            (b"*3\r\n:1\r\n*-1\r\n", Protocol::Resp3),
+            (b"*3\r\n:1\r\n$?\r\n", Protocol::Resp3),
+            // A verbatim string too short for its format.
+            (b"*3\r\n:1\r\n=2\r\nab\r\n", Protocol::Resp3),
+        ];
+        for (bytes, proto) in cases {
+            for piece in [1, bytes.len()] {
+                let (_, got) = fed_in_pieces(bytes, proto, DEFAULT_MAX_REPLY_SIZE, piece);
+                assert!(
+                    got.is_err(),
+                    "{proto:?} {:?}, pieces of {piece}: {got:?}",
+                    String::from_utf8_lossy(bytes)
+                );
+            }
+        }
+        // RESP2's null string and array are values, not refusals.
+        assert_eq!(
+            dec(
+                b"*2\r\n$-1\r\n*-1\r\n",
+                Protocol::Resp2,
+                DEFAULT_MAX_REPLY_SIZE
+            ),
+            Ok(Some(Value::Array(vec![Value::Nil, Value::Nil])))
+        );
     }
 }
