@@ -611,11 +611,27 @@ impl Engine {
 
     /// Rebuilds state from the store's unfinished events and resumes
     /// timeouts and compensations.
-    async fn recover(&self) -> Result<(), StoreError> {
+    async fn recover(self: &Arc<Self>) -> Result<(), StoreError> {
         let events = self.store.unfinished().await?;
+        // Replaying a large log (every event of every unfinished saga) can
+        // take seconds: not on an async worker, whose other tasks (the
+        // node's HTTP server, its bus) would stall meanwhile.
+        let engine = self.clone();
+        match tokio::task::spawn_blocking(move || engine.replay(&events)).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => Err(StoreError::Engine(format!(
+                "recovery was cancelled (the runtime is shutting down): {e}"
+            ))),
+        }
+    }
+
+    /// Rebuilds the live sagas from `events` (append order) and resumes
+    /// them: timeouts re-armed, pending compensations driven again.
+    fn replay(&self, events: &[EventRecord]) {
         let now = Instant::now();
         let count = events.len();
-        for ev in &events {
+        for ev in events {
             let Some(kind) = ev.kind else { continue };
             let mut shard = self.shard_of(&ev.global_tx_id).lock();
             if !shard.live.contains_key(ev.global_tx_id.as_str()) {
@@ -667,7 +683,6 @@ impl Engine {
                 "recovered unfinished sagas"
             );
         }
-        Ok(())
     }
 
     /// Ends every participant stream (server shutdown): open streams would
