@@ -296,6 +296,40 @@ async fn start_with_stock_step(
     Ok(saga)
 }
 
+/// Crashes `node`, runs a saga across `front` and `stock` meanwhile (its
+/// events cannot be acknowledged while the coordinator is down), restarts
+/// the coordinator on the same port and store, and checks the saga commits
+/// there; returns the new node.
+async fn saga_across_a_crash(
+    node: Node,
+    store: Arc<dyn SagaStore>,
+    front: &SagaClient,
+    stock: &SagaClient,
+) -> Node {
+    let port = node.crash();
+    let second = {
+        let (front, stock) = (front.clone(), stock.clone());
+        tokio::spawn(async move {
+            let saga = start_with_stock_step(&front, &stock, "s2").await?;
+            saga.end().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(saga.id().to_owned())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "nothing is acknowledged while the coordinator is down"
+    );
+    let node = Node::start(store, fast_config(), port).await;
+    let id = tokio::time::timeout(Duration::from_secs(20), second)
+        .await
+        .expect("acknowledged after the restart")
+        .expect("task")
+        .expect("saga finished");
+    node.wait_state(&id, SagaState::Committed).await;
+    node
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_of_other_services_join_the_saga_and_are_compensated_there() {
     let node = Node::memory().await;
@@ -503,27 +537,7 @@ async fn clients_sharing_a_connection_each_have_their_session_and_survive_a_cras
     );
     // The connection breaks: events reported meanwhile by both clients are
     // sent again once it is back.
-    let port = node.crash();
-    let second = {
-        let (front, stock) = (front.clone(), stock.clone());
-        tokio::spawn(async move {
-            let saga = start_with_stock_step(&front, &stock, "s2").await?;
-            saga.end().await.map_err(|e| e.to_string())?;
-            Ok::<_, String>(saga.id().to_owned())
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !second.is_finished(),
-        "nothing is acknowledged while the coordinator is down"
-    );
-    let node = Node::start(store, fast_config(), port).await;
-    let id = tokio::time::timeout(Duration::from_secs(20), second)
-        .await
-        .expect("acknowledged after the restart")
-        .expect("task")
-        .expect("saga finished");
-    node.wait_state(&id, SagaState::Committed).await;
+    let _node = saga_across_a_crash(node, store, &front, &stock).await;
     for c in [&front, &stock] {
         let s = c.stats();
         assert!(s.sessions >= 2, "each client reopened its session: {s:?}");
@@ -606,27 +620,7 @@ async fn participants_of_one_session_share_its_frames_and_run_their_own_compensa
     assert_eq!(s.sessions, 1);
     // The connection breaks: events both report meanwhile go out again, on
     // a new session that names both participants again.
-    let port = node.crash();
-    let second = {
-        let (front, stock) = (front.clone(), stock.clone());
-        tokio::spawn(async move {
-            let saga = start_with_stock_step(&front, &stock, "s2").await?;
-            saga.end().await.map_err(|e| e.to_string())?;
-            Ok::<_, String>(saga.id().to_owned())
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !second.is_finished(),
-        "nothing is acknowledged while the coordinator is down"
-    );
-    let node = Node::start(store, fast_config(), port).await;
-    let id = tokio::time::timeout(Duration::from_secs(20), second)
-        .await
-        .expect("acknowledged after the restart")
-        .expect("task")
-        .expect("saga finished");
-    node.wait_state(&id, SagaState::Committed).await;
+    let node = saga_across_a_crash(node, store, front, stock).await;
     let s = front.stats();
     assert!(s.sessions >= 2, "the session was opened again: {s:?}");
     assert_eq!(s.in_flight, 0);

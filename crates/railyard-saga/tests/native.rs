@@ -311,17 +311,25 @@ fn by(p: u32, event: SagaEvent) -> SagaEvent {
     }
 }
 
+/// `Hello` for participant `starter`/`p-1` and `others`.
+fn hello_with(others: Vec<Participant>) -> Hello {
+    Hello {
+        service_name: "starter".into(),
+        instance_id: "p-1".into(),
+        token: String::new(),
+        others,
+    }
+}
+
 #[tokio::test]
 async fn participants_share_one_session_and_each_gets_its_own_commands() {
     let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
     let mut s = Session::open(
         &server,
-        Some(Hello {
-            service_name: "starter".into(),
-            instance_id: "p-1".into(),
-            token: String::new(),
-            others: vec![participant("svc-a", "p-1"), participant("svc-b", "p-1")],
-        }),
+        Some(hello_with(vec![
+            participant("svc-a", "p-1"),
+            participant("svc-b", "p-1"),
+        ])),
     )
     .await;
     assert!(matches!(s.next().await, server_frame::Kind::Welcome(_)));
@@ -411,16 +419,7 @@ async fn participants_share_one_session_and_each_gets_its_own_commands() {
 #[tokio::test]
 async fn an_event_naming_a_participant_the_hello_did_not_is_refused_alone() {
     let (server, _store) = Server::memory(CoordinatorConfig::default()).await;
-    let mut s = Session::open(
-        &server,
-        Some(Hello {
-            service_name: "starter".into(),
-            instance_id: "p-1".into(),
-            token: String::new(),
-            others: vec![participant("svc-a", "p-1")],
-        }),
-    )
-    .await;
+    let mut s = Session::open(&server, Some(hello_with(vec![participant("svc-a", "p-1")]))).await;
     assert!(matches!(s.next().await, server_frame::Kind::Welcome(_)));
     let g = "n-unknown";
     s.send(
@@ -468,16 +467,7 @@ async fn a_hello_with_too_many_duplicate_or_unnamed_participants_is_refused() {
         ),
     ];
     for (others, why) in cases {
-        let mut s = Session::open(
-            &server,
-            Some(Hello {
-                service_name: "starter".into(),
-                instance_id: "p-1".into(),
-                token: String::new(),
-                others,
-            }),
-        )
-        .await;
+        let mut s = Session::open(&server, Some(hello_with(others))).await;
         let err = tokio::time::timeout(Duration::from_secs(10), s.rx.next())
             .await
             .unwrap()
