@@ -96,6 +96,12 @@ impl Body {
 
     /// `len` bytes of `file` from `offset`: zero-copy `sendfile(2)` on a plain
     /// TCP connection, chunked reads on a blocking thread otherwise.
+    ///
+    /// The response's `Content-Length` is `len`, whatever the handler's own
+    /// header says. `sendfile` runs on the connection's event loop and reads
+    /// through the page cache: keep the range cached (read it once on a
+    /// blocking thread, as [`crate::c10k::app`] does), or a cold page is read
+    /// from the disk while that core's other connections wait.
     pub fn file(file: Arc<File>, offset: u64, len: u64) -> Self {
         if len == 0 {
             return Self::empty();

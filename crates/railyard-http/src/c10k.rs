@@ -6,7 +6,7 @@
 //! | `GET /static/4k`, `/static/8k`, `/static/64k` | fixed random alphanumeric bodies made at start, compressed once per encoding |
 //! | `GET /cached/4k`, `/cached/8k`, `/cached/64k` | a body from a moka cache (random key in 0..5000 per request, like the seed's Caffeine caches; entries expire after `cache_ttl`), compressed at most once per entry and encoding |
 //! | `GET /sendFile/test` | the file `send_file`, by zero-copy `sendfile(2)` |
-//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`; 413 over `max_upload_bytes`, leaving no partial file; 400 when a multipart preamble or part header block passes [`MAX_MULTIPART_HEAD_BYTES`] |
+//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`, all or nothing: a failed upload leaves none of its files; 413 over `max_upload_bytes`; 400 for a malformed multipart body or when its preamble or a part header block passes [`MAX_MULTIPART_HEAD_BYTES`] |
 
 use std::cell::Cell;
 use std::fs::File;
@@ -323,44 +323,45 @@ async fn store_upload(req: Request<RequestBody>, dir: &Path, max: u64) -> Result
         .and_then(|v| v.to_str().ok())
         .and_then(|ct| multer::parse_boundary(ct).ok());
     let body = req.into_body();
-    match boundary {
-        Some(b) => store_multipart(body, b, dir, max).await,
-        None => store_raw(body, dir, max).await,
+    let mut files = UploadFiles::new(dir);
+    let read = match boundary {
+        Some(b) => read_multipart(body, b, &mut files, max).await,
+        None => read_raw(body, &mut files, max).await,
+    };
+    match read {
+        Ok(()) => Ok(files.commit().await?),
+        Err(e) => {
+            files.discard().await;
+            Err(e)
+        }
     }
 }
 
-async fn store_raw(mut body: RequestBody, dir: &Path, max: u64) -> Result<(), UploadError> {
-    let mut part = PartialFile::create(dir).await?;
+async fn read_raw(
+    mut body: RequestBody,
+    files: &mut UploadFiles,
+    max: u64,
+) -> Result<(), UploadError> {
+    files.start().await?;
     let mut total = 0u64;
     while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(f) => f,
-            Err(e) => {
-                part.discard().await;
-                return Err(UploadError::Body(e.to_string()));
-            }
-        };
+        let frame = frame.map_err(|e| UploadError::Body(e.to_string()))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
         total += data.len() as u64;
         if total > max {
-            part.discard().await;
             return Err(UploadError::TooLarge);
         }
-        if let Err(e) = part.write(&data).await {
-            part.discard().await;
-            return Err(e.into());
-        }
+        files.write(&data).await?;
     }
-    part.commit().await?;
     Ok(())
 }
 
-async fn store_multipart(
+async fn read_multipart(
     body: RequestBody,
     boundary: String,
-    dir: &Path,
+    files: &mut UploadFiles,
     max: u64,
 ) -> Result<(), UploadError> {
     let constraints =
@@ -368,48 +369,24 @@ async fn store_multipart(
     let meter = HeadMeter::default();
     let stream = HeadLimited::new(body.into_data_stream(), &meter);
     let mut mp = multer::Multipart::with_constraints(stream, boundary, constraints);
-    let mut files = 0usize;
     loop {
         meter.start_head();
-        let field = match mp.next_field().await {
-            Ok(Some(f)) => f,
-            Ok(None) => break,
-            // No part is open here, so there is no partial file to remove.
-            Err(e) => return Err(multipart_error(e)),
+        let Some(mut field) = mp.next_field().await.map_err(multipart_error)? else {
+            break;
         };
         meter.start_data();
-        let mut field = field;
-        if field.file_name().is_none() {
-            // A plain form field: read and drop it (the size limit still applies).
-            loop {
-                match field.chunk().await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => break,
-                    Err(e) => return Err(multipart_error(e)),
-                }
-            }
-            continue;
+        // A plain form field is read and dropped (the size limit still applies).
+        let is_file = field.file_name().is_some();
+        if is_file {
+            files.start().await?;
         }
-        let mut part = PartialFile::create(dir).await?;
-        loop {
-            match field.chunk().await {
-                Ok(Some(chunk)) => {
-                    if let Err(e) = part.write(&chunk).await {
-                        part.discard().await;
-                        return Err(e.into());
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    part.discard().await;
-                    return Err(multipart_error(e));
-                }
+        while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
+            if is_file {
+                files.write(&chunk).await?;
             }
         }
-        part.commit().await?;
-        files += 1;
     }
-    if files == 0 {
+    if files.is_empty() {
         return Err(UploadError::NoFile);
     }
     Ok(())
@@ -529,75 +506,182 @@ where
     }
 }
 
-/// An upload being written under a hidden temporary name; renamed into place
-/// by [`PartialFile::commit`], removed otherwise (also when the request is
-/// cancelled: see `Drop`).
-struct PartialFile {
-    tmp: PathBuf,
-    dst: PathBuf,
-    file: Option<tokio::fs::File>,
+/// The files of one upload request (one for a raw body, one per file part
+/// of a multipart body). Each is written under a hidden `.part` name, and
+/// [`UploadFiles::commit`] renames them all into place once the whole request
+/// has been read: a request that fails anywhere (413, 400, a disk error, the
+/// client leaving mid-body) leaves none of its files, not only none of the
+/// part that failed. [`UploadFiles::discard`] removes them before the error
+/// answer; `Drop` removes them when the request is cancelled.
+///
+/// Every step that makes a name appear (creating a file, the renames) and the
+/// removal run on the blocking pool holding the `abandoned` lock. Removal
+/// sets it, and a step that finds it set does nothing: so a create or rename
+/// still queued when a cancelled request was dropped cannot bring a file back
+/// after the removal ran, and one that ran first is undone by it.
+struct UploadFiles {
+    dir: PathBuf,
+    /// Set once the files have been (or are being) removed; held while a
+    /// step runs (a std mutex: only blocking-pool threads take it).
+    abandoned: Arc<std::sync::Mutex<bool>>,
+    /// The ids of the files made so far, the one being written last (ids, not
+    /// paths: a multipart body of tiny parts may hold very many).
+    ids: Vec<u64>,
+    /// The file being written, if a part is open.
+    open: Option<tokio::fs::File>,
 }
 
 static UPLOAD_ID: AtomicU64 = AtomicU64::new(0);
 
-impl PartialFile {
-    async fn create(dir: &Path) -> io::Result<Self> {
+fn stored_name(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("upload-{}-{id}", std::process::id()))
+}
+
+fn partial_name(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!(".upload-{}-{id}.part", std::process::id()))
+}
+
+impl UploadFiles {
+    fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            abandoned: Arc::default(),
+            ids: Vec::new(),
+            open: None,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Runs `step` on the blocking pool, unless the upload has been
+    /// abandoned by then.
+    async fn unless_abandoned<T: Send + 'static>(
+        &self,
+        step: impl FnOnce() -> io::Result<T> + Send + 'static,
+    ) -> io::Result<T> {
+        let abandoned = self.abandoned.clone();
+        let job = tokio::task::spawn_blocking(move || {
+            // A step that panicked left nothing half-done that removal minds.
+            let abandoned = abandoned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *abandoned {
+                return Err(io::Error::other("the upload was abandoned"));
+            }
+            step()
+        });
+        job.await.map_err(io::Error::other)?
+    }
+
+    /// Closes the part being written, if any, and starts the next file.
+    async fn start(&mut self) -> io::Result<()> {
+        self.finish_part().await?;
         let id = UPLOAD_ID.fetch_add(1, Ordering::Relaxed);
-        let name = format!("upload-{}-{id}", std::process::id());
-        let tmp = dir.join(format!(".{name}.part"));
-        let file = tokio::fs::File::create(&tmp).await?;
-        Ok(Self {
-            dst: dir.join(name),
-            tmp,
-            file: Some(file),
-        })
+        // Listed before it exists, so a cancelled create is cleaned up too.
+        self.ids.push(id);
+        let path = partial_name(&self.dir, id);
+        let file = self.unless_abandoned(move || File::create(path)).await?;
+        self.open = Some(tokio::fs::File::from_std(file));
+        Ok(())
     }
 
     async fn write(&mut self, data: &[u8]) -> io::Result<()> {
-        match &mut self.file {
+        match &mut self.open {
             Some(f) => f.write_all(data).await,
-            None => Err(io::Error::other("upload file already closed")),
+            None => Err(io::Error::other("no upload file is open")),
         }
     }
 
-    async fn commit(mut self) -> io::Result<PathBuf> {
-        if let Some(mut f) = self.file.take() {
+    /// Waits for the open part's writes (tokio's file writes in the
+    /// background) and closes it.
+    async fn finish_part(&mut self) -> io::Result<()> {
+        if let Some(mut f) = self.open.take() {
             f.flush().await?;
         }
-        tokio::fs::rename(&self.tmp, &self.dst).await?;
-        self.tmp = PathBuf::new();
-        Ok(std::mem::take(&mut self.dst))
+        Ok(())
     }
 
-    /// Removes the partial file before returning.
+    /// Renames every file into place. On an error, removes them all first.
+    async fn commit(mut self) -> io::Result<()> {
+        let renamed = match self.finish_part().await {
+            Ok(()) => {
+                let (dir, ids) = (self.dir.clone(), self.ids.clone());
+                self.unless_abandoned(move || {
+                    ids.iter().try_for_each(|&id| {
+                        std::fs::rename(partial_name(&dir, id), stored_name(&dir, id))
+                    })
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        match renamed {
+            Ok(()) => {
+                self.ids.clear();
+                Ok(())
+            }
+            Err(e) => {
+                self.discard().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes every file before returning.
     async fn discard(mut self) {
-        if let Some(mut f) = self.file.take() {
-            let _ = f.flush().await;
+        self.open = None;
+        if let Some(remove) = self.removal() {
+            let _ = tokio::task::spawn_blocking(remove).await;
         }
-        let tmp = std::mem::take(&mut self.tmp);
-        if let Err(e) = tokio::fs::remove_file(&tmp).await {
-            tracing::warn!(error = %e, file = %tmp.display(), "cannot remove a partial upload");
+    }
+
+    /// The job that abandons the upload and removes its files under both
+    /// names (a file may be renamed already), `None` if there are none.
+    fn removal(&mut self) -> Option<impl FnOnce() + Send + 'static> {
+        if self.ids.is_empty() {
+            return None;
         }
+        let (dir, ids, abandoned) = (
+            std::mem::take(&mut self.dir),
+            std::mem::take(&mut self.ids),
+            self.abandoned.clone(),
+        );
+        Some(move || {
+            let mut abandoned = abandoned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            *abandoned = true;
+            for id in ids {
+                for path in [partial_name(&dir, id), stored_name(&dir, id)] {
+                    match std::fs::remove_file(&path) {
+                        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                            tracing::warn!(error = %e, file = %path.display(), "cannot remove a failed upload's file");
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        })
     }
 }
 
-impl Drop for PartialFile {
+impl Drop for UploadFiles {
     fn drop(&mut self) {
-        if self.tmp.as_os_str().is_empty() {
+        // Cancelled mid-upload (the client left, or shutdown dropped the
+        // request): remove on the blocking pool. A write still in flight
+        // only touches an unlinked inode.
+        let Some(remove) = self.removal() else {
             return;
-        }
-        // Cancelled mid-upload (the client left): unlink on the blocking
-        // pool. An in-flight write only touches the already unlinked inode.
-        let tmp = std::mem::take(&mut self.tmp);
+        };
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {
-                h.spawn_blocking(move || {
-                    let _ = std::fs::remove_file(tmp);
-                });
+                h.spawn_blocking(remove);
             }
-            Err(_) => {
-                let _ = std::fs::remove_file(tmp);
-            }
+            // Outside the runtime (its core's thread is shutting down):
+            // blocking here holds up no event loop.
+            Err(_) => remove(),
         }
     }
 }
@@ -620,6 +704,91 @@ mod tests {
 
     fn poll<S: Stream + Unpin>(s: &mut S) -> Poll<Option<S::Item>> {
         Pin::new(s).poll_next(&mut Context::from_waker(Waker::noop()))
+    }
+
+    fn upload_dir(tag: &str) -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("railyard-http-unit-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[tokio::test]
+    async fn files_appear_only_when_the_whole_upload_commits() {
+        let dir = upload_dir("commit");
+        let mut files = UploadFiles::new(&dir);
+        for data in [&b"one"[..], b"two"] {
+            files.start().await.unwrap();
+            files.write(data).await.unwrap();
+        }
+        let hidden = names(&dir);
+        assert_eq!(hidden.len(), 2);
+        assert!(hidden.iter().all(|n| n.ends_with(".part")), "{hidden:?}");
+        files.commit().await.unwrap();
+        let stored = names(&dir);
+        assert_eq!(stored.len(), 2);
+        assert!(
+            stored.iter().all(|n| n.starts_with("upload-")),
+            "{stored:?}"
+        );
+
+        let dir = upload_dir("discard");
+        let mut files = UploadFiles::new(&dir);
+        files.start().await.unwrap();
+        files.write(b"one").await.unwrap();
+        files.start().await.unwrap();
+        files.discard().await;
+        assert_eq!(names(&dir), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn no_step_runs_once_the_upload_is_removed() {
+        let dir = upload_dir("abandoned");
+        let mut files = UploadFiles::new(&dir);
+        files.start().await.unwrap();
+        // As when a cancelled request's removal runs before a create or
+        // rename it had queued.
+        let abandoned = files.abandoned.clone();
+        let remove = files.removal().expect("one file to remove");
+        tokio::task::spawn_blocking(remove).await.unwrap();
+        assert!(*abandoned.lock().unwrap());
+        let late = dir.join("late");
+        let made = files
+            .unless_abandoned({
+                let late = late.clone();
+                move || File::create(late)
+            })
+            .await;
+        assert!(made.is_err());
+        assert!(!late.exists());
+        assert_eq!(names(&dir), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn a_dropped_upload_removes_its_files() {
+        let dir = upload_dir("drop");
+        let mut files = UploadFiles::new(&dir);
+        files.start().await.unwrap();
+        files.write(b"one").await.unwrap();
+        files.start().await.unwrap();
+        drop(files);
+        for _ in 0..2000 {
+            if names(&dir).is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("files left behind: {:?}", names(&dir));
     }
 
     #[test]

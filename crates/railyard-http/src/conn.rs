@@ -443,6 +443,9 @@ impl Future for ResponseFuture {
             },
         };
         let conn = this.conn.take().expect("polled after completion");
+        // Before the file run is taken: the run is the body's whole range,
+        // and the header must announce exactly that.
+        router::body_length_wins(&mut resp);
         // Not queued yet: see `ConnBody::run`.
         let run = resp
             .body_mut()
@@ -527,6 +530,9 @@ impl ConnIo {
         loop {
             ready!(self.tcp.poll_write_ready(cx))?;
             let mut off = run.offset;
+            // Reads the file through the page cache on this thread: an
+            // uncached page is read from the disk here, holding up the core
+            // (not fixed yet: docs/http.md, "Cold pages").
             let res = self.tcp.try_io(Interest::WRITABLE, || {
                 rustix::fs::sendfile(&self.tcp, &*run.file, Some(&mut off), want)
                     .map_err(io::Error::from)

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use http::header::{HeaderValue, ALLOW};
+use http::header::{HeaderValue, ALLOW, CONTENT_LENGTH};
 use http::{Method, Request, Response, StatusCode};
 
 use crate::body::{Body, RequestBody};
@@ -186,11 +186,54 @@ impl Router {
     /// Answers `req` completely: what a connection would send, minus the
     /// transport. This is how tests call the app without a socket.
     pub async fn handle(&self, req: Request<RequestBody>) -> Response<Body> {
-        match self.dispatch(req).response {
+        let mut r = match self.dispatch(req).response {
             RouteFuture::Ready(r) => r,
             RouteFuture::Pending(f) => f.await,
-        }
+        };
+        body_length_wins(&mut r);
+        r
     }
+}
+
+/// Makes a `Content-Length` header the handler set agree with its body, when
+/// the body knows its exact length and is not empty: the body's length wins.
+///
+/// Why: for such a body hyper writes the handler's header as given but sends
+/// the body's own length (only debug builds check, by panicking the
+/// connection). A shorter header would leave the rest of the body on a
+/// keep-alive connection, read by the client as the next response; a longer
+/// one would make the client take the next response as the end of this one.
+/// The body is what will actually be written (a file body's range is queued
+/// whole for `sendfile`), so its length is the one that keeps the framing
+/// right. Empty bodies are left alone: a `HEAD` answer's header describes the
+/// `GET` body, and hyper sends no body bytes for them whatever the header
+/// says. Bodies of unknown length are hyper's: it sends at most the header's
+/// length and closes the connection if the body ends short.
+pub(crate) fn body_length_wins(resp: &mut Response<Body>) {
+    use http_body::Body as _;
+    let body = resp.body();
+    let Some(len) = body.size_hint().exact().filter(|_| !body.is_end_stream()) else {
+        return;
+    };
+    let mut declared = resp.headers().get_all(CONTENT_LENGTH).iter();
+    let Some(first) = declared.next() else {
+        return;
+    };
+    let agrees = first
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        == Some(len);
+    if agrees && declared.next().is_none() {
+        return;
+    }
+    tracing::debug!(
+        declared = ?first,
+        body = len,
+        "a handler's content-length disagrees with its body; sending the body's length"
+    );
+    resp.headers_mut()
+        .insert(CONTENT_LENGTH, HeaderValue::from(len));
 }
 
 /// An empty response with `code`.
@@ -239,5 +282,29 @@ mod tests {
         assert_eq!(wrong.status(), StatusCode::METHOD_NOT_ALLOWED);
         assert_eq!(wrong.headers()[ALLOW], "POST");
         assert_eq!(r.handle(req(Method::GET, "/zzz")).await.status(), 404);
+    }
+
+    #[tokio::test]
+    async fn a_body_of_known_length_overrides_the_handlers_content_length() {
+        let with_length = |body: fn() -> Body, declared: &'static str| {
+            move |_req| async move {
+                let mut r = Response::new(body());
+                r.headers_mut()
+                    .insert(CONTENT_LENGTH, HeaderValue::from_static(declared));
+                r
+            }
+        };
+        let r = Router::new()
+            .get("/short", with_length(|| Body::from("four"), "2"))
+            .get("/long", with_length(|| Body::from("four"), "4000"))
+            .get("/right", with_length(|| Body::from("four"), "4"))
+            .get("/empty", with_length(Body::empty, "1234"));
+        for path in ["/short", "/long", "/right"] {
+            let resp = r.handle(req(Method::GET, path)).await;
+            assert_eq!(resp.headers()[CONTENT_LENGTH], "4", "{path}");
+        }
+        // An empty body may announce another length (a `HEAD` answer's).
+        let resp = r.handle(req(Method::HEAD, "/empty")).await;
+        assert_eq!(resp.headers()[CONTENT_LENGTH], "1234");
     }
 }

@@ -360,3 +360,91 @@ async fn the_head_limit_holds_for_bodies_given_in_one_piece() {
     );
     assert_eq!(common::entries(&opts.upload_dir), files);
 }
+
+/// A multipart body (boundary `B`) with one small file part, then the head of
+/// a second file part followed by `second`.
+fn two_file_parts(second: &[u8]) -> Vec<u8> {
+    let mut body = b"--B\r\nContent-Disposition: form-data; name=\"a\"; filename=\"a\"\r\n\r\nfirst file\r\n--B\r\nContent-Disposition: form-data; name=\"b\"; filename=\"b\"\r\n\r\n".to_vec();
+    body.extend_from_slice(second);
+    body
+}
+
+#[tokio::test]
+async fn a_failing_later_part_removes_the_files_of_earlier_parts() {
+    let (app, opts) = upload_app("laterpart", 2000);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+
+    // The second part passes the limit: 413, and the first file is gone too.
+    let mut body = two_file_parts(&vec![b'z'; 3000]);
+    body.extend_from_slice(b"\r\n--B--\r\n");
+    let mut c = Client::connect(server.addr).await;
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nTransfer-Encoding: chunked\r\n\r\n").await;
+    c.send(format!("{:x}\r\n", body.len()).as_bytes()).await;
+    c.send(&body).await;
+    c.send(b"\r\n0\r\n\r\n").await;
+    let r = c.read_response().await.unwrap();
+    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+
+    // The second part is malformed (the body ends inside it, without a
+    // closing boundary): 400, and no file of the request is left.
+    let body = two_file_parts(b"cut short");
+    let mut c = Client::connect(server.addr).await;
+    let head = format!("POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nContent-Length: {}\r\n\r\n", body.len());
+    c.send(head.as_bytes()).await;
+    c.send(&body).await;
+    let r = c.read_response().await.unwrap();
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+
+    // Both parts complete: both files are stored.
+    let mut body = two_file_parts(b"second file");
+    body.extend_from_slice(b"\r\n--B--\r\n");
+    let mut c = Client::connect(server.addr).await;
+    let head = format!("POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nContent-Length: {}\r\n\r\n", body.len());
+    c.send(head.as_bytes()).await;
+    c.send(&body).await;
+    assert_eq!(c.read_response().await.unwrap().status, 200);
+    let mut stored: Vec<Vec<u8>> = common::entries(&opts.upload_dir)
+        .iter()
+        .map(|f| std::fs::read(opts.upload_dir.join(f)).unwrap())
+        .collect();
+    stored.sort();
+    assert_eq!(
+        stored,
+        vec![b"first file".to_vec(), b"second file".to_vec()]
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_leaving_mid_upload_leaves_no_file() {
+    let (app, opts) = upload_app("leaves", 1 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    let body = two_file_parts(&[b'x'; 1000]);
+    let mut c = Client::connect(server.addr).await;
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nContent-Length: 100000\r\n\r\n").await;
+    c.send(&body).await;
+    // Both files exist (the first complete, the second being written)
+    // before the client goes away in the middle of the second part.
+    let started = std::time::Instant::now();
+    while common::entries(&opts.upload_dir).len() < 2 {
+        assert!(
+            started.elapsed() < common::PATIENCE,
+            "the server never wrote both parts: {:?}",
+            common::entries(&opts.upload_dir)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(c);
+    let started = std::time::Instant::now();
+    while !common::entries(&opts.upload_dir).is_empty() {
+        assert!(
+            started.elapsed() < common::PATIENCE,
+            "files left behind: {:?}",
+            common::entries(&opts.upload_dir)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.stop().await;
+}

@@ -252,3 +252,67 @@ async fn bodiless_file_responses_leave_no_run_for_the_next_one() {
     assert!(c.read_response().await.unwrap().body == a);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_handler_content_length_that_disagrees_with_its_body_is_replaced() {
+    use http::header::{HeaderValue, CONTENT_LENGTH};
+    let dir = common::temp_dir("declared");
+    let a: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(dir.join("a"), &a).unwrap();
+    let fa = Arc::new(File::open(dir.join("a")).unwrap());
+    let fa2 = fa.clone();
+    // `/file?N` and `/bytes?N` answer `a` (by sendfile, from memory) with a
+    // `Content-Length: N` of the handler's own.
+    let declared = |req: &Request<RequestBody>| {
+        HeaderValue::from_str(req.uri().query().expect("a declared length")).unwrap()
+    };
+    let bytes = bytes::Bytes::from(a.clone());
+    let router = Router::new()
+        .get("/file", move |req: Request<RequestBody>| {
+            let mut r = Response::new(Body::file(fa.clone(), 0, 100_000));
+            r.headers_mut().insert(CONTENT_LENGTH, declared(&req));
+            std::future::ready(r)
+        })
+        .get("/bytes", move |req: Request<RequestBody>| {
+            let mut r = Response::new(Body::full(bytes.clone()));
+            r.headers_mut().insert(CONTENT_LENGTH, declared(&req));
+            std::future::ready(r)
+        })
+        .get("/a", move |_req| {
+            std::future::ready(Response::new(Body::file(fa2.clone(), 0, 100_000)))
+        });
+    let server = TestServer::start(router, HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+    for path in [
+        "/file?99000",
+        "/file?101000",
+        "/file?100000",
+        "/bytes?10",
+        "/bytes?200000",
+    ] {
+        let r = c.get(path, "").await;
+        assert_eq!(r.status, 200, "{path}");
+        assert_eq!(r.header("content-length"), Some("100000"), "{path}");
+        assert!(r.body == a, "{path}: the body's own bytes");
+        // The next response on the keep-alive connection is intact.
+        let next = c.get("/a", "").await;
+        assert_eq!(next.status, 200, "after {path}");
+        assert!(next.body == a, "after {path}: `/a`'s own bytes");
+    }
+    // Pipelined, back to back.
+    c.send(
+        b"GET /file?99000 HTTP/1.1\r\nHost: t\r\n\r\nGET /a HTTP/1.1\r\nHost: t\r\n\r\nGET /file?101000 HTTP/1.1\r\nHost: t\r\n\r\nGET /a HTTP/1.1\r\nHost: t\r\n\r\n",
+    )
+    .await;
+    for _ in 0..4 {
+        let r = c.read_response().await.unwrap();
+        assert_eq!(r.header("content-length"), Some("100000"));
+        assert!(r.body == a);
+    }
+    // `HEAD` announces the same length.
+    c.send(b"HEAD /file?5 HTTP/1.1\r\nHost: t\r\n\r\n").await;
+    let h = c.read_response_for("HEAD").await.unwrap();
+    assert_eq!(h.header("content-length"), Some("100000"));
+    assert!(c.get("/a", "").await.body == a);
+    server.stop().await;
+}

@@ -73,3 +73,31 @@ async fn connections_past_the_deadline_are_dropped_and_counted() {
     assert_eq!(report.aborted_connections, 1);
     assert!(c.read_to_close().await.is_empty());
 }
+
+#[tokio::test]
+async fn an_upload_dropped_at_the_deadline_leaves_no_file() {
+    let dir = common::temp_dir("shutdown-upload");
+    let opts = railyard_http::c10k::C10kOptions::in_dir(&dir);
+    let config = HttpConfig {
+        shutdown_deadline: Duration::from_millis(100),
+        ..HttpConfig::default()
+    };
+    let mut server = TestServer::start(railyard_http::c10k::app(&opts).unwrap(), config).await;
+    let mut c = Client::connect(server.addr).await;
+    // A complete file part, then a second one that never ends.
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Type: multipart/form-data; boundary=B\r\nContent-Length: 100000\r\n\r\n--B\r\nContent-Disposition: form-data; name=\"a\"; filename=\"a\"\r\n\r\nfirst\r\n--B\r\nContent-Disposition: form-data; name=\"b\"; filename=\"b\"\r\n\r\nsecond, cut").await;
+    let started = std::time::Instant::now();
+    while common::entries(&opts.upload_dir).len() < 2 {
+        assert!(
+            started.elapsed() < common::PATIENCE,
+            "the server never wrote both parts"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.signal_stop();
+    let report = server.wait().await;
+    assert_eq!(report.aborted_connections, 1);
+    // Removed while the server stopped, not some time later.
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+    drop(c);
+}
