@@ -6,7 +6,7 @@
 //! | `GET /static/4k`, `/static/8k`, `/static/64k` | fixed random alphanumeric bodies made at start, compressed once per encoding |
 //! | `GET /cached/4k`, `/cached/8k`, `/cached/64k` | a body from a moka cache (random key in 0..5000 per request, like the seed's Caffeine caches; entries expire after `cache_ttl`), compressed at most once per entry and encoding |
 //! | `GET /sendFile/test` | the file `send_file`, by zero-copy `sendfile(2)` |
-//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`, all or nothing: a failed upload leaves none of its files; 413 over `max_upload_bytes`; 400 for a malformed multipart body or when its preamble or a part header block passes [`MAX_MULTIPART_HEAD_BYTES`] |
+//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`, all or nothing: a failed upload leaves none of its files; 413 over `max_upload_bytes`; 400 for a malformed multipart body, when its preamble or a part header block passes [`MAX_MULTIPART_HEAD_BYTES`], or past [`MAX_UPLOAD_FILES`] file parts |
 
 use std::cell::Cell;
 use std::fs::File;
@@ -54,6 +54,13 @@ pub const CACHE_CAPACITY: u64 = 10_000;
 /// limit the upload gets 400 with `Connection: close`. 16 KiB is also the
 /// default cap on a request's own head (`HttpConfig::max_header_bytes`).
 pub const MAX_MULTIPART_HEAD_BYTES: usize = 16 * 1024;
+
+/// Most file parts one multipart upload may store. Each is a file created
+/// on the blocking pool and renamed at the end: without a cap, a body of
+/// tiny parts within `max_upload_bytes` (64 MiB by default) could make the
+/// server create hundreds of thousands of files for one request. Past it the
+/// upload gets 400 with `Connection: close` and leaves none of its files.
+pub const MAX_UPLOAD_FILES: usize = 1024;
 
 /// Largest piece of the request body given to multer per poll. multer pulls
 /// every chunk that is ready into its buffer before parsing, so the bytes it
@@ -258,6 +265,8 @@ enum UploadError {
     NoFile,
     #[error("{PartHeadTooLong}")]
     PartHead,
+    #[error("more than {MAX_UPLOAD_FILES} file parts in one upload")]
+    TooManyFiles,
     #[error("writing the upload failed: {0}")]
     Disk(#[from] io::Error),
 }
@@ -279,6 +288,10 @@ impl UploadError {
             UploadError::PartHead => router::text(
                 StatusCode::BAD_REQUEST,
                 "multipart preamble or part headers longer than the server's limit\n",
+            ),
+            UploadError::TooManyFiles => router::text(
+                StatusCode::BAD_REQUEST,
+                "more file parts in one upload than the server's limit; send them in several uploads\n",
             ),
             UploadError::Disk(_) => router::text(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -378,6 +391,9 @@ async fn read_multipart(
         // A plain form field is read and dropped (the size limit still applies).
         let is_file = field.file_name().is_some();
         if is_file {
+            if files.len() >= MAX_UPLOAD_FILES {
+                return Err(UploadError::TooManyFiles);
+            }
             files.start().await?;
         }
         while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
@@ -553,6 +569,11 @@ impl UploadFiles {
 
     fn is_empty(&self) -> bool {
         self.ids.is_empty()
+    }
+
+    /// Files started so far.
+    fn len(&self) -> usize {
+        self.ids.len()
     }
 
     /// Runs `step` on the blocking pool, unless the upload has been

@@ -326,6 +326,42 @@ async fn multipart_uploads_with_large_headers_within_the_limit_are_stored() {
 }
 
 #[tokio::test]
+async fn an_upload_with_more_file_parts_than_the_limit_gets_400_and_leaves_no_file() {
+    let (app, opts) = upload_app("manyfiles", 4 << 20);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    let part = |i: usize| {
+        format!(
+            "--B\r\nContent-Disposition: form-data; name=\"f{i}\"; filename=\"f{i}\"\r\n\r\nx\r\n"
+        )
+    };
+    // Exactly the limit is stored.
+    let mut body: String = (0..c10k::MAX_UPLOAD_FILES).map(part).collect();
+    body.push_str("--B--\r\n");
+    let r = multipart_answer(&server, body.as_bytes(), body.len()).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        common::entries(&opts.upload_dir).len(),
+        c10k::MAX_UPLOAD_FILES
+    );
+    for f in common::entries(&opts.upload_dir) {
+        std::fs::remove_file(opts.upload_dir.join(f)).unwrap();
+    }
+    // One more is refused, and none of the upload's files stays.
+    let mut body: String = (0..=c10k::MAX_UPLOAD_FILES).map(part).collect();
+    body.push_str("--B--\r\n");
+    let r = multipart_answer(&server, body.as_bytes(), body.len()).await;
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("connection"), Some("close"));
+    assert!(
+        String::from_utf8_lossy(&r.body).contains("more file parts"),
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+    assert_eq!(common::entries(&opts.upload_dir), Vec::<String>::new());
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn the_head_limit_holds_for_bodies_given_in_one_piece() {
     use http_body_util::BodyExt as _;
     // Called without a socket, the whole body is one chunk.
