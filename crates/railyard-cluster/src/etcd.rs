@@ -8,17 +8,26 @@
 //!
 //! A keep-alive task renews the lease every TTL/3. A follower task reads the
 //! whole prefix once, then watches it from the next revision, applying each
-//! event to a local copy that it publishes as the [`ClusterView`]. If etcd
+//! event to a local copy that it publishes as the [`ClusterView`]. Applying
+//! and copying run on a blocking thread, and watch responses that arrive
+//! meanwhile are taken together into one published view (see `Follower`,
+//! and `docs/cluster.md`, "How a view change reaches the routes"). If etcd
 //! becomes unreachable, the view keeps its last contents with
 //! `connected = false` (routes keep working) while both tasks retry with
 //! backoff; if the lease expired meanwhile, the node re-registers itself and
 //! its subscriptions under a new lease.
 
 use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions, WatchResponse,
+    WatchStream,
+};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -60,6 +69,8 @@ pub struct EtcdManager {
     state: Arc<Mutex<State>>,
     view_tx: Arc<watch::Sender<Arc<ClusterView>>>,
     view_rx: watch::Receiver<Arc<ClusterView>>,
+    /// The follower's counts (tests read them).
+    tally: Arc<Tally>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -101,6 +112,7 @@ impl EtcdManager {
             state: Arc::new(Mutex::new(State::default())),
             view_tx: Arc::new(view_tx),
             view_rx,
+            tally: Arc::default(),
             tasks: Mutex::new(Vec::new()),
         })
     }
@@ -234,40 +246,166 @@ fn apply_key(view: &mut ClusterView, prefix: &str, key: &[u8], value: &[u8], put
     }
 }
 
+/// The most watch responses taken into one view change: responses keep
+/// arriving during a long burst, and the view should still move on.
+const MAX_BATCH: usize = 1024;
+
+/// What the follower has done since it started; tests compare the two.
+#[derive(Default)]
+struct Tally {
+    /// Watch responses read that carried events.
+    responses: AtomicU64,
+    /// Views published.
+    published: AtomicU64,
+}
+
+/// The follower's own copy of the view, and where it publishes copies of it.
+///
+/// Each change is applied to the copy, and the copy cloned and published, on
+/// a blocking thread, one change at a time; watch responses that arrive
+/// meanwhile wait, and are taken together into the next change. The clone
+/// is a deep copy (every address and its set of node ids), which takes
+/// milliseconds for thousands of addresses: too long for an async worker,
+/// once per watch response. So the async side only reads responses, and a
+/// burst of N responses costs at most one copy per copy's duration (copies
+/// follow one another, and all the responses that arrived during one go
+/// into the next), never more than N. What is left is one deep copy per
+/// published view, on a blocking thread, which also drops the view it
+/// replaces if nothing else holds it (as costly); the node that receives
+/// the view walks all of it on a blocking thread too. A change under way
+/// when the follower is aborted (`leave`) is still published.
+///
+/// Not chosen: sharing structure between views (an `Arc` per address's node
+/// set still copies every address per view, on the worker; a persistent map
+/// crate, which is not in the dependency tree, would put a third-party map
+/// in the public `ClusterView` that every manager and test builds), and
+/// publishing at most once per interval (it delays every change, and each
+/// publish would still be a deep copy on the worker).
+struct Follower {
+    prefix: Arc<str>,
+    tx: Arc<watch::Sender<Arc<ClusterView>>>,
+    tally: Arc<Tally>,
+    /// Empty only while a change is being applied on a blocking thread.
+    view: ClusterView,
+}
+
+/// Why the follower's read or watch stopped.
+enum Stop {
+    /// etcd failed or ended the watch: keep the view, start over.
+    Lost(String),
+    /// The runtime is shutting down: the follower ends.
+    ShuttingDown,
+}
+
+impl From<String> for Stop {
+    fn from(reason: String) -> Self {
+        Stop::Lost(reason)
+    }
+}
+
+impl Follower {
+    /// Runs `change` on the view, then publishes a copy, on a blocking thread.
+    async fn publish(
+        &mut self,
+        change: impl FnOnce(&mut ClusterView, &str) + Send + 'static,
+    ) -> Result<(), Stop> {
+        let mut view = std::mem::take(&mut self.view);
+        let (prefix, tx, tally) = (self.prefix.clone(), self.tx.clone(), self.tally.clone());
+        let job = tokio::task::spawn_blocking(move || {
+            change(&mut view, &prefix);
+            // Counted first, so whoever sees the view sees it counted.
+            tally.published.fetch_add(1, Ordering::Relaxed);
+            // The view replaced is dropped here too, off the async workers.
+            drop(tx.send_replace(Arc::new(view.clone())));
+            view
+        });
+        match job.await {
+            Ok(view) => {
+                self.view = view;
+                Ok(())
+            }
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(Stop::ShuttingDown),
+        }
+    }
+
+    /// Applies a batch of watch responses and publishes the result, unless
+    /// they carry no event (as the response that confirms the watch).
+    async fn apply(&mut self, batch: Vec<WatchResponse>) -> Result<(), Stop> {
+        let with_events = batch.iter().filter(|r| !r.events().is_empty()).count();
+        if with_events == 0 {
+            return Ok(());
+        }
+        self.tally
+            .responses
+            .fetch_add(with_events as u64, Ordering::Relaxed);
+        self.publish(move |view, prefix| {
+            for ev in batch.iter().flat_map(|r| r.events()) {
+                if let Some(kv) = ev.kv() {
+                    let put = ev.event_type() == EventType::Put;
+                    apply_key(view, prefix, kv.key(), kv.value(), put);
+                }
+            }
+        })
+        .await
+    }
+}
+
+/// Why the watch stopped, or the response it delivered.
+fn watched(
+    message: Result<Option<WatchResponse>, etcd_client::Error>,
+) -> Result<WatchResponse, String> {
+    let resp = message
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "watch ended".to_string())?;
+    if resp.canceled() {
+        return Err(format!("watch canceled: {}", resp.cancel_reason()));
+    }
+    Ok(resp)
+}
+
+/// The stream's next message if it is already there, without waiting.
+async fn ready(
+    stream: &mut WatchStream,
+) -> Option<Result<Option<WatchResponse>, etcd_client::Error>> {
+    // `message` is cancel safe: dropping it unfinished loses nothing.
+    let mut next = std::pin::pin!(stream.message());
+    std::future::poll_fn(|cx| match next.as_mut().poll(cx) {
+        Poll::Ready(message) => Poll::Ready(Some(message)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
+}
+
 /// Keeps the view in step with etcd: full read, then watch; on failure keep
 /// the last view (marked disconnected) and start over.
-async fn follow(
-    client: Client,
-    prefix: String,
-    op_timeout: Duration,
-    tx: Arc<watch::Sender<Arc<ClusterView>>>,
-) {
+async fn follow(client: Client, op_timeout: Duration, mut f: Follower) {
     let mut backoff = Duration::from_millis(100);
-    let mut view = ClusterView::default();
     loop {
         let mut c = client.clone();
-        let outcome: Result<(), String> = async {
+        let outcome: Result<(), Stop> = async {
             let resp = tokio::time::timeout(
                 op_timeout,
-                c.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
+                c.get(&*f.prefix, Some(GetOptions::new().with_prefix())),
             )
             .await
             .map_err(|_| "read timed out".to_string())?
             .map_err(|e| e.to_string())?;
             let revision = resp.header().map_or(0, |h| h.revision());
-            let mut fresh = ClusterView {
-                connected: true,
-                ..ClusterView::default()
-            };
-            for kv in resp.kvs() {
-                apply_key(&mut fresh, &prefix, kv.key(), kv.value(), true);
-            }
-            view = fresh;
-            tx.send_replace(Arc::new(view.clone()));
+            f.publish(move |view, prefix| {
+                *view = ClusterView {
+                    connected: true,
+                    ..ClusterView::default()
+                };
+                for kv in resp.kvs() {
+                    apply_key(view, prefix, kv.key(), kv.value(), true);
+                }
+            })
+            .await?;
             backoff = Duration::from_millis(100);
             let mut stream = c
                 .watch(
-                    prefix.clone(),
+                    &*f.prefix,
                     Some(
                         WatchOptions::new()
                             .with_prefix()
@@ -277,28 +415,36 @@ async fn follow(
                 .await
                 .map_err(|e| e.to_string())?;
             loop {
-                let Some(resp) = stream.message().await.map_err(|e| e.to_string())? else {
-                    return Err("watch ended".into());
-                };
-                if resp.canceled() {
-                    return Err(format!("watch canceled: {}", resp.cancel_reason()));
-                }
-                for ev in resp.events() {
-                    if let Some(kv) = ev.kv() {
-                        let put = ev.event_type() == EventType::Put;
-                        apply_key(&mut view, &prefix, kv.key(), kv.value(), put);
+                let first = watched(stream.message().await)?;
+                let mut batch = vec![first];
+                // Whatever arrived while the last change was applied joins
+                // this one. An error ends the watch after the batch so far.
+                let mut end = None;
+                while batch.len() < MAX_BATCH {
+                    match ready(&mut stream).await.map(watched) {
+                        None => break,
+                        Some(Ok(resp)) => batch.push(resp),
+                        Some(Err(e)) => {
+                            end = Some(e);
+                            break;
+                        }
                     }
                 }
-                tx.send_replace(Arc::new(view.clone()));
+                f.apply(batch).await?;
+                if let Some(e) = end {
+                    return Err(e.into());
+                }
             }
         }
         .await;
-        if let Err(e) = outcome {
-            tracing::warn!(error = %e, "lost the etcd watch; keeping the last known view");
+        match outcome {
+            Ok(()) | Err(Stop::ShuttingDown) => return,
+            Err(Stop::Lost(e)) => {
+                tracing::warn!(error = %e, "lost the etcd watch; keeping the last known view");
+            }
         }
-        if view.connected {
-            view.connected = false;
-            tx.send_replace(Arc::new(view.clone()));
+        if f.view.connected && f.publish(|view, _| view.connected = false).await.is_err() {
+            return;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
@@ -320,9 +466,13 @@ impl ClusterManager for EtcdManager {
             )));
             tasks.push(tokio::spawn(follow(
                 self.client.clone(),
-                self.prefix.clone(),
                 self.cfg.op_timeout,
-                self.view_tx.clone(),
+                Follower {
+                    prefix: self.prefix.as_str().into(),
+                    tx: self.view_tx.clone(),
+                    tally: self.tally.clone(),
+                    view: ClusterView::default(),
+                },
             )));
             Ok(())
         })
@@ -393,5 +543,148 @@ impl EtcdManager {
     pub fn registration_key(&self) -> Option<String> {
         let id = self.state.lock().node.as_ref().map(|n| n.id.clone())?;
         Some(self.node_key(&id))
+    }
+}
+
+#[cfg(test)]
+impl EtcdManager {
+    /// Watch responses with events the follower read, and views it
+    /// published, so far.
+    fn tally(&self) -> (u64, u64) {
+        (
+            self.tally.responses.load(Ordering::Relaxed),
+            self.tally.published.load(Ordering::Relaxed),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use tokio::task::JoinSet;
+
+    use super::*;
+    use crate::etcd_server::EtcdServer;
+
+    /// Writes `keys` (deletes them if `put` is false) from 8 tasks at once.
+    async fn write_all(client: &Client, keys: Vec<String>, put: bool) {
+        let mut tasks = JoinSet::new();
+        for chunk in keys.chunks(keys.len().div_ceil(8)) {
+            let (mut c, chunk) = (client.clone(), chunk.to_vec());
+            tasks.spawn(async move {
+                for key in chunk {
+                    if put {
+                        c.put(key, "", None).await.expect("put");
+                    } else {
+                        c.delete(key, None).await.expect("delete");
+                    }
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.expect("writer task");
+        }
+    }
+
+    /// 520 subscription changes written while the follower cannot publish
+    /// (its one blocking thread is taken, as by a long copy) end in exactly
+    /// the view etcd holds, published as fewer views than watch responses
+    /// carrying events (one view per such response without the coalescing).
+    #[test]
+    fn a_burst_of_watch_events_is_published_in_few_views() {
+        // One blocking thread, so the test can hold the follower's next
+        // change back while the burst arrives.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let etcd = EtcdServer::start().expect("etcd starts");
+            let m = EtcdManager::connect(EtcdConfig::new(vec![etcd.endpoint()]))
+                .await
+                .expect("etcd reachable");
+            let addr: std::net::SocketAddr = "127.0.0.1:7000".parse().expect("an address");
+            m.join(NodeInfo {
+                id: "n".into(),
+                addr,
+            })
+            .await
+            .expect("joins");
+            let mut rx = m.view();
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                rx.wait_for(|v| v.members.contains_key("n")),
+            )
+            .await
+            .expect("the view lists the node")
+            .expect("follower running");
+
+            // Address i is subscribed by two of three peers; the burst then
+            // drops one subscriber of each even address, and the other one
+            // too of each tenth (which so disappears).
+            let sub =
+                |peer: usize, i: usize| format!("/railyard/railyard/subs/peer-{peer}/addr-{i}");
+            let puts: Vec<String> = (0..200)
+                .flat_map(|i| [sub(i % 3, i), sub((i + 1) % 3, i)])
+                .collect();
+            let deletes: Vec<String> = (0..200)
+                .step_by(2)
+                .map(|i| sub(i % 3, i))
+                .chain((0..200).step_by(10).map(|i| sub((i + 1) % 3, i)))
+                .collect();
+            assert_eq!(puts.len() + deletes.len(), 520);
+            let mut expected = ClusterView {
+                members: BTreeMap::from([("n".to_owned(), addr)]),
+                connected: true,
+                ..ClusterView::default()
+            };
+            for i in (0..200).filter(|i| i % 10 != 0) {
+                let mut peers = BTreeSet::from([format!("peer-{}", (i + 1) % 3)]);
+                if i % 2 == 1 {
+                    peers.insert(format!("peer-{}", i % 3));
+                }
+                expected.subscriptions.insert(format!("addr-{i}"), peers);
+            }
+
+            let (responses_before, published_before) = m.tally();
+            let (taken_tx, taken_rx) = tokio::sync::oneshot::channel();
+            let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+            let holder = tokio::task::spawn_blocking(move || {
+                let _ = taken_tx.send(());
+                let _ = release_rx.recv();
+            });
+            taken_rx.await.expect("the blocking thread is taken");
+            write_all(&m.client, puts, true).await;
+            write_all(&m.client, deletes, false).await;
+            let in_etcd = m
+                .client
+                .clone()
+                .get(
+                    "/railyard/railyard/subs/",
+                    Some(GetOptions::new().with_prefix().with_count_only()),
+                )
+                .await
+                .expect("count");
+            assert_eq!(in_etcd.count(), 400 - 120);
+            release_tx.send(()).expect("holder waiting");
+            holder.await.expect("holder");
+
+            tokio::time::timeout(Duration::from_secs(30), rx.wait_for(|v| **v == expected))
+                .await
+                .expect("the published view reaches etcd's state")
+                .expect("follower running");
+            let (responses, published) = m.tally();
+            let (responses, published) =
+                (responses - responses_before, published - published_before);
+            println!("520 events: {responses} watch responses with events, {published} views");
+            assert!(responses > 0);
+            assert!(
+                published < responses,
+                "{published} views published for {responses} watch responses with events"
+            );
+        });
     }
 }
