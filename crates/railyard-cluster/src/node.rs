@@ -256,6 +256,10 @@ impl ClusterNode {
         for address in existing {
             manager.subscribe(&address).await?;
         }
+        // The view known now is applied before `start` returns, so the
+        // node's first sends already see the routes and links it lists.
+        let known = inner.manager.view().borrow().clone();
+        apply_off_workers(&inner, known).await;
         let tasks = vec![
             tokio::spawn(accept_loop(inner.clone(), listener, cfg.max_handshakes)),
             tokio::spawn(follow_view(inner.clone())),
@@ -645,19 +649,26 @@ async fn follow_view(inner: Arc<NodeInner>) {
         if view.connected || connected.is_some() {
             connected = Some(view.connected);
         }
-        // Off the async workers: `apply`'s work grows with the view (see
-        // there). Views that arrive meanwhile are coalesced: the next round
-        // applies the newest.
-        let (applying, newest) = (inner.clone(), view.clone());
-        match tokio::task::spawn_blocking(move || applying.apply(&newest)).await {
-            Ok(()) => {}
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // The runtime is shutting down.
-            Err(_) => return,
+        // Views that arrive meanwhile are coalesced: the next round applies
+        // the newest.
+        if !apply_off_workers(&inner, view).await {
+            return;
         }
         if rx.changed().await.is_err() {
             return;
         }
+    }
+}
+
+/// Runs `apply` on a blocking thread, not an async worker: its work grows
+/// with the view (see there). False if the runtime is shutting down; a
+/// panic in it is re-raised here.
+async fn apply_off_workers(inner: &Arc<NodeInner>, view: Arc<ClusterView>) -> bool {
+    let applying = inner.clone();
+    match tokio::task::spawn_blocking(move || applying.apply(&view)).await {
+        Ok(()) => true,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => false,
     }
 }
 
