@@ -60,6 +60,8 @@ pub(crate) struct Core {
     /// Idle connections to re-check at the next tick (one entry per
     /// connection and tick at most).
     pub(crate) park_wakers: RefCell<Vec<std::task::Waker>>,
+    /// File ranges this core found in the page cache lately (see `sendfile`).
+    pub(crate) warmth: crate::sendfile::Warmth,
 }
 
 impl Core {
@@ -93,6 +95,7 @@ impl Core {
             idle: Notify::new(),
             park_epoch: Cell::new(0),
             park_wakers: RefCell::new(Vec::new()),
+            warmth: crate::sendfile::Warmth::default(),
         }
     }
 
@@ -450,11 +453,7 @@ impl Future for ResponseFuture {
         let run = resp
             .body_mut()
             .take_sendfile_run()
-            .map(|(file, offset, remaining)| Run {
-                file,
-                offset,
-                remaining,
-            });
+            .map(|(file, offset, remaining)| Run::new(file, offset, remaining));
         let secs = this.start.elapsed().as_secs_f64();
         this.core
             .record(this.route, this.method, resp.status().as_u16(), secs);
@@ -527,12 +526,12 @@ impl ConnIo {
             )));
         };
         let want = max.min(usize::try_from(run.remaining).unwrap_or(usize::MAX));
+        // `sendfile` reads the file on this thread: the pages it is about to
+        // read must be cached first (see `sendfile`).
+        ready!(self.poll_cached(run, want as u64, cx))?;
         loop {
             ready!(self.tcp.poll_write_ready(cx))?;
             let mut off = run.offset;
-            // Reads the file through the page cache on this thread: an
-            // uncached page is read from the disk here, holding up the core
-            // (not fixed yet: docs/http.md, "Cold pages").
             let res = self.tcp.try_io(Interest::WRITABLE, || {
                 rustix::fs::sendfile(&self.tcp, &*run.file, Some(&mut off), want)
                     .map_err(io::Error::from)
@@ -556,6 +555,44 @@ impl ConnIo {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    /// Ready once the pages of `run`'s next `want` bytes are known to be in
+    /// the page cache (or cannot be checked): a window found cold is read
+    /// on the blocking pool first, and the write waits for it.
+    fn poll_cached(&self, run: &mut Run, want: u64, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        use crate::sendfile::{residency, warm, Residency, WARM_SPAN};
+        loop {
+            if let Some(job) = run.warming.as_mut() {
+                let end = ready!(Pin::new(job).poll(cx))
+                    .map_err(|e| io::Error::other(format!("warming a file range failed: {e}")))??;
+                run.warming = None;
+                run.cached_to = end;
+                self.core
+                    .warmth
+                    .remember(&run.file, run.offset, end, Instant::now());
+            }
+            if run.offset + want <= run.cached_to {
+                return Poll::Ready(Ok(()));
+            }
+            let end = run.offset + WARM_SPAN.min(run.remaining);
+            let now = Instant::now();
+            if self.core.warmth.trusted(&run.file, run.offset, end, now) {
+                run.cached_to = end;
+                continue;
+            }
+            match residency(&run.file, run.offset, end - run.offset) {
+                Residency::Cached => {
+                    run.cached_to = end;
+                    self.core.warmth.remember(&run.file, run.offset, end, now);
+                }
+                Residency::Unknown => run.cached_to = end,
+                Residency::Cold => {
+                    self.core.metrics.cold_file_reads.inc();
+                    run.warming = Some(warm(run.file.clone(), run.offset, end - run.offset));
+                }
             }
         }
     }

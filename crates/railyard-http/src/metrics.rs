@@ -11,6 +11,7 @@
 //! | `railyard_http_sent_bytes_total` | counter | |
 //! | `railyard_http_connection_parks_total` | counter | (idle keep-alive connections parked: see `conn`) |
 //! | `railyard_http_sendfile_bytes_total` | counter | (the part of sent bytes sent by `sendfile(2)`) |
+//! | `railyard_http_cold_file_reads_total` | counter | (file windows read on the blocking pool because their pages were not cached) |
 //!
 //! `route` is the route pattern (`unmatched` for unknown paths), never the
 //! raw path, so label cardinality stays bounded. The duration runs from the
@@ -223,6 +224,7 @@ pub struct HttpMetrics {
     pub(crate) open_connections: Gauge,
     pub(crate) accepted: Counter,
     pub(crate) sendfile_bytes: Counter,
+    pub(crate) cold_file_reads: Counter,
     pub(crate) parks: Counter,
 }
 
@@ -234,6 +236,7 @@ impl HttpMetrics {
             open_connections: Gauge::default(),
             accepted: Counter::default(),
             sendfile_bytes: Counter::default(),
+            cold_file_reads: Counter::default(),
             parks: Counter::default(),
         };
         // A poisoned lock only means another thread panicked mid-registration;
@@ -285,6 +288,11 @@ impl HttpMetrics {
             "sendfile_bytes",
             "Bytes written to client sockets by sendfile(2)",
             m.sendfile_bytes.clone(),
+        );
+        r.register(
+            "cold_file_reads",
+            "File windows (up to 1 MiB) found not cached before sendfile(2) and read on the blocking pool first",
+            m.cold_file_reads.clone(),
         );
         Arc::new(m)
     }

@@ -7,13 +7,24 @@
 //! buffer); when the connection's writer meets a placeholder slice it calls
 //! `sendfile` for that many bytes of the next queued file run instead. Heads,
 //! keep-alive and pipelining stay hyper's business.
+//!
+//! `sendfile` reads the file through the page cache on the core's thread, so
+//! a page that is not cached would be read from the disk right there, with
+//! every connection of the core waiting. Before the first `sendfile` of each
+//! window of a run ([`WARM_SPAN`]), [`Warmth`] asks `cachestat(2)` whether
+//! the window's pages are all cached (one system call that never waits on
+//! the disk); if not, the window is read on the blocking pool first, and the
+//! connection's write waits for that. See docs/http.md, "Cold pages".
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fs::File;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tokio::task::JoinHandle;
 
 /// Length of the placeholder buffer, hence of the largest placeholder chunk.
 pub(crate) const PLACEHOLDER_LEN: usize = 64 * 1024;
@@ -39,6 +50,194 @@ pub(crate) struct Run {
     pub(crate) file: Arc<File>,
     pub(crate) offset: u64,
     pub(crate) remaining: u64,
+    /// The file's pages are known to be cached up to here (exclusive).
+    pub(crate) cached_to: u64,
+    /// A blocking-pool read of the next window, under way; it returns where
+    /// the window ends.
+    pub(crate) warming: Option<JoinHandle<std::io::Result<u64>>>,
+}
+
+impl Run {
+    pub(crate) fn new(file: Arc<File>, offset: u64, remaining: u64) -> Self {
+        Self {
+            file,
+            offset,
+            remaining,
+            cached_to: offset,
+            warming: None,
+        }
+    }
+}
+
+/// How much of a run one residency check (and, if it finds the pages cold,
+/// one blocking-pool read) covers.
+pub(crate) const WARM_SPAN: u64 = 1 << 20;
+
+/// How long a core trusts that a file range it found cached (or warmed)
+/// stays cached. A page evicted within it is read by `sendfile` on the core
+/// as before; the trust is what keeps a small hot file (the C10K bench's
+/// 4 KiB) from paying a system call per response, and a file whose pages
+/// `cachestat` cannot see (stacking filesystems such as overlayfs keep them
+/// on the underlying inode) from a blocking-pool trip per response.
+const TRUST: Duration = Duration::from_secs(1);
+
+/// Most file ranges a core remembers as cached.
+const REMEMBERED: usize = 64;
+
+/// `cachestat(2)` failed with `ENOSYS` or `EPERM` (a kernel before 6.5, or a
+/// seccomp filter): nobody asks again, and `sendfile` reads as it did.
+static NO_CACHESTAT: AtomicBool = AtomicBool::new(false);
+
+/// What `cachestat` says about a file range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Residency {
+    /// Every page is cached.
+    Cached,
+    /// Some page is not.
+    Cold,
+    /// Cannot tell (no `cachestat`, or it failed): send as before.
+    Unknown,
+}
+
+/// `cachestat(2)` on `len` bytes of `file` from `offset`.
+pub(crate) fn residency(file: &File, offset: u64, len: u64) -> Residency {
+    if len == 0 || NO_CACHESTAT.load(Ordering::Relaxed) {
+        return Residency::Unknown;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        /// `struct cachestat_range` (include/uapi/linux/mman.h).
+        #[repr(C)]
+        struct Range {
+            off: u64,
+            len: u64,
+        }
+        /// `struct cachestat`.
+        #[repr(C)]
+        #[derive(Default)]
+        struct Stat {
+            nr_cache: u64,
+            nr_dirty: u64,
+            nr_writeback: u64,
+            nr_evicted: u64,
+            nr_recently_evicted: u64,
+        }
+        /// The same number on every architecture (a syscall added after
+        /// the tables were unified); the `libc` crate does not name it.
+        const SYS_CACHESTAT: libc::c_long = 451;
+        let range = Range { off: offset, len };
+        let mut stat = Stat::default();
+        // SAFETY: the file descriptor is open for the call's duration (we
+        // hold the `File`), and both pointers are to live, properly laid
+        // out structs the kernel reads and writes within their size.
+        let r = unsafe {
+            libc::syscall(
+                SYS_CACHESTAT,
+                file.as_raw_fd(),
+                &range as *const Range,
+                &mut stat as *mut Stat,
+                0u32,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error().raw_os_error();
+            if matches!(e, Some(libc::ENOSYS | libc::EPERM)) {
+                NO_CACHESTAT.store(true, Ordering::Relaxed);
+            }
+            return Residency::Unknown;
+        }
+        static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        // SAFETY: sysconf has no preconditions.
+        let page = *PAGE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            n if n > 0 => n as u64,
+            _ => 4096,
+        });
+        let pages = (offset + len).div_ceil(page) - offset / page;
+        if stat.nr_cache >= pages {
+            Residency::Cached
+        } else {
+            Residency::Cold
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, offset);
+        Residency::Unknown
+    }
+}
+
+/// Reads `len` bytes of `file` from `offset` (or to its end) so that they
+/// are cached; runs on the blocking pool. Returns where the range ends.
+pub(crate) fn warm(file: Arc<File>, offset: u64, len: u64) -> JoinHandle<std::io::Result<u64>> {
+    tokio::task::spawn_blocking(move || {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; 64 * 1024];
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let want = usize::try_from(end - at)
+                .unwrap_or(usize::MAX)
+                .min(buf.len());
+            match file.read_at(&mut buf[..want], at) {
+                Ok(0) => break,
+                Ok(n) => at += n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(end)
+    })
+}
+
+/// The file ranges one core found cached (or warmed) lately, so that it asks
+/// `cachestat` about each at most once per [`TRUST`].
+#[derive(Default)]
+pub(crate) struct Warmth {
+    known: RefCell<Vec<Known>>,
+}
+
+/// A file range found cached.
+struct Known {
+    /// Held weakly: its allocation, so its address, cannot be reused by
+    /// another file while the entry exists.
+    file: Weak<File>,
+    from: u64,
+    to: u64,
+    at: Instant,
+}
+
+impl Known {
+    fn is(&self, file: &Arc<File>) -> bool {
+        std::ptr::eq(self.file.as_ptr(), Arc::as_ptr(file))
+    }
+}
+
+impl Warmth {
+    /// Whether `file`'s `offset..end` was found cached within [`TRUST`].
+    pub(crate) fn trusted(&self, file: &Arc<File>, offset: u64, end: u64, now: Instant) -> bool {
+        self.known.borrow().iter().any(|k| {
+            k.is(file) && k.from <= offset && end <= k.to && now.duration_since(k.at) < TRUST
+        })
+    }
+
+    /// Remembers that `file`'s `offset..end` was cached at `now` (in place
+    /// of what it knew of that file).
+    pub(crate) fn remember(&self, file: &Arc<File>, offset: u64, end: u64, now: Instant) {
+        let mut known = self.known.borrow_mut();
+        known.retain(|k| {
+            k.file.strong_count() > 0 && now.duration_since(k.at) < TRUST && !k.is(file)
+        });
+        if known.len() >= REMEMBERED {
+            known.remove(0);
+        }
+        known.push(Known {
+            file: Arc::downgrade(file),
+            from: offset,
+            to: end,
+            at: now,
+        });
+    }
 }
 
 /// The file runs of one connection, front first. Responses are written in

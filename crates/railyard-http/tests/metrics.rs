@@ -134,3 +134,68 @@ async fn metrics_count_what_was_served() {
     admin.stop().await;
     server.stop().await;
 }
+
+/// Scrapes `/metrics` on `admin` and returns `name`'s value.
+async fn scraped(admin: &TestServer, name: &str) -> f64 {
+    let mut a = Client::connect(admin.addr).await;
+    let r = a.get("/metrics", "").await;
+    let text = String::from_utf8(r.body).unwrap();
+    let s = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap();
+    value(sample(&s, name, &[]).unwrap_or_else(|| panic!("{name} in\n{text}")))
+}
+
+/// A file whose pages were evicted from the page cache is read on the
+/// blocking pool before `sendfile` reads it on the core's thread; a file
+/// found cached is not read again.
+#[tokio::test]
+async fn a_file_evicted_from_the_page_cache_is_read_off_the_event_loop_first() {
+    use std::os::fd::AsRawFd;
+    use std::sync::Arc;
+    // On a disk, not a tmpfs (whose pages cannot be evicted).
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cold-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cold");
+    let data: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&path, &data).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    file.sync_all().unwrap();
+    // SAFETY: a plain advisory call on an open descriptor.
+    let r = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(r, 0, "posix_fadvise");
+    let file = Arc::new(file);
+    let len = data.len() as u64;
+    let router = railyard_http::Router::new().get("/cold", move |_req| {
+        std::future::ready(http::Response::new(railyard_http::Body::file(
+            file.clone(),
+            0,
+            len,
+        )))
+    });
+    let server = TestServer::start(router, HttpConfig::default()).await;
+    let admin =
+        TestServer::start(admin_router(server.registry.clone()), HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+
+    let r = c.get("/cold", "").await;
+    assert_eq!(r.status, 200);
+    assert!(r.body == data, "the file's own bytes");
+    let cold = scraped(&admin, "railyard_http_cold_file_reads_total").await;
+    // Three windows of 1 MiB, each found not cached (unless the kernel
+    // read some ahead on its own while the first was warmed).
+    assert!(
+        (1.0..=3.0).contains(&cold),
+        "cold windows read first: {cold}"
+    );
+
+    // Now cached: sent as it is, without another read.
+    let r = c.get("/cold", "").await;
+    assert!(r.body == data);
+    assert_eq!(
+        scraped(&admin, "railyard_http_cold_file_reads_total").await,
+        cold
+    );
+    admin.stop().await;
+    server.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
