@@ -1,6 +1,8 @@
 //! The bridge's configuration: a plain serde struct, read from the `[bridge]`
 //! section of a node's config file, with a `Default` for every field.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
 /// The default TCP port, the one Vert.x bridge clients connect to by default.
@@ -20,6 +22,8 @@ pub const DEFAULT_PORT: u16 = 7000;
 /// outbound_permitted = [{ address_regex = "news\\..+" }]
 /// max_frame_size = 1048576
 /// max_headers = 1024
+/// frame_timeout = 30000   # milliseconds
+/// idle_timeout = 120000   # milliseconds; leave out for none
 /// auth_token = "change-me"
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,6 +71,23 @@ pub struct BridgeConfig {
     /// Most connections open at once. Past it a new connection gets a
     /// `too_many_connections` err frame and is closed. Default 16384.
     pub max_connections: usize,
+    /// How long a client may take to send one frame, from the first byte of
+    /// its length prefix to its last byte. Past it the client gets a
+    /// `frame_timeout` err frame and is closed: without it, a client that
+    /// sends part of a frame and then nothing would hold its connection slot
+    /// and its partly filled read buffer forever. Only a partly received
+    /// frame is timed, so idle connections cost no timer; time the bridge
+    /// spends not reading (paused because the client does not read its
+    /// replies) does not count. In files: milliseconds. Default 30 s.
+    #[serde(with = "millis")]
+    pub frame_timeout: Duration,
+    /// When set, a connection that delivers no complete frame for this long
+    /// gets an `idle_timeout` err frame and is closed; a `ping` counts (the
+    /// Vert.x clients ping to stay connected). In files: milliseconds; leave
+    /// it out for none. Default: none, as in Vert.x's bridge, so idle clients
+    /// stay connected.
+    #[serde(with = "millis_or_none")]
+    pub idle_timeout: Option<Duration>,
     /// When set, a client must send this value in the `authToken` header of
     /// its first frame other than `ping`; otherwise it gets an
     /// `authentication_failed` err frame and is closed. Default: unset.
@@ -88,6 +109,8 @@ impl Default for BridgeConfig {
             max_pending_replies: 1024,
             outbound_queue_bytes: 1 << 20,
             max_connections: 16_384,
+            frame_timeout: Duration::from_secs(30),
+            idle_timeout: None,
             auth_token: None,
         }
     }
@@ -122,5 +145,41 @@ impl PermittedOptions {
             address: None,
             address_regex: Some(regex.into()),
         }
+    }
+}
+
+/// Durations as whole milliseconds in files, as the node's `[saga]` section
+/// writes them: `frame_timeout = 30000`.
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}
+
+/// An optional duration in whole milliseconds: a missing key is none.
+mod millis_or_none {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => super::millis::serialize(d, s),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
     }
 }

@@ -6,6 +6,10 @@
 //! `try_write` on the one `TcpStream`), so reading and writing never wait on
 //! each other, and a full outbound buffer simply disables the branches that
 //! would add to it (see Back-pressure in the crate docs).
+//!
+//! One timer per connection enforces `frame_timeout` and `idle_timeout`; it
+//! runs only while a frame is partly received or an idle timeout is set (see
+//! [`Conn::update_timer`]).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -22,6 +26,7 @@ use serde_json::{Map, Value};
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
 use tokio_stream::StreamMap;
 use tokio_util::sync::CancellationToken;
 
@@ -34,6 +39,10 @@ pub const AUTH_HEADER: &str = "authToken";
 
 /// How long a closing connection may take to flush its last frames.
 const CLOSE_FLUSH: Duration = Duration::from_secs(1);
+
+/// How far ahead the timer is moved when nothing is left to time: far
+/// enough never to fire in practice, within the range of tokio's timer wheel.
+const PARKED: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Read buffer growth step: an idle connection holds one such buffer, and
 /// one grown for a large frame is given back once drained.
@@ -88,6 +97,16 @@ struct Conn<'a> {
     authed: bool,
     next_reply: u64,
     paused: bool,
+    /// When the partly received frame at the end of `inbuf` began; `None`
+    /// when there is none, and while paused (the bridge is not reading, so
+    /// the frame's time does not run; it starts again on resuming).
+    frame_started: Option<Instant>,
+    /// When the last complete frame arrived (or the connection opened);
+    /// kept up to date only when `idle_timeout` is set.
+    last_frame: Instant,
+    /// The deadline the connection's timer is set to; `None` when it is
+    /// parked or has fired, and then it is not polled.
+    timer_at: Option<Instant>,
     local: LocalCounters,
 }
 
@@ -108,6 +127,9 @@ pub(crate) async fn serve(mut stream: TcpStream, shared: &Shared, shutdown: &Can
         authed: shared.config.auth_token.is_none(),
         next_reply: 0,
         paused: false,
+        frame_started: None,
+        last_frame: Instant::now(),
+        timer_at: None,
         local: LocalCounters::default(),
     };
     let (rd, wr) = stream.split();
@@ -135,16 +157,29 @@ impl<'a> Conn<'a> {
         // Registered once, not on every turn of the loop.
         let cancelled = shutdown.cancelled();
         tokio::pin!(cancelled);
+        // Created once and moved with `reset`, never re-created per frame.
+        // Until it is first set it is not polled, so it is not in tokio's
+        // timer wheel.
+        self.timer_at = self
+            .shared
+            .config
+            .idle_timeout
+            .map(|d| after(self.last_frame, d));
+        let timer = tokio::time::sleep_until(self.timer_at.unwrap_or(self.last_frame));
+        tokio::pin!(timer);
         loop {
             // Frames already buffered are handled first, as room allows.
+            let frames_before = self.local.0.frames_in;
             if self.handle_buffered().await == Flow::Close {
                 return Flow::Close;
             }
+            let got_frames = self.local.0.frames_in != frames_before;
             let room = self.out.len() < high;
             if !room && !self.paused {
                 self.local.0.outbound_pauses += 1;
             }
             self.paused = !room;
+            self.update_timer(timer.as_mut(), room, got_frames);
             // Counters reach the shared ones before the task may sleep.
             self.local.flush(&self.shared.counters);
             if room && self.inbuf.capacity() - self.inbuf.len() < READ_CHUNK / 4 {
@@ -188,6 +223,13 @@ impl<'a> Conn<'a> {
                     Ok(n) => self.local.0.bytes_in += n as u64,
                     Err(_) => return Flow::Close,
                 },
+                // After the read: bytes that are already here complete a
+                // frame before its deadline is looked at.
+                () = &mut timer, if self.timer_at.is_some() => {
+                    if self.on_timer(timer.as_mut()) == Flow::Close {
+                        return Flow::Close;
+                    }
+                }
                 r = wr.writable(), if !self.out.is_empty() => {
                     if r.is_err() {
                         return Flow::Close;
@@ -200,6 +242,93 @@ impl<'a> Conn<'a> {
                 return Flow::Close;
             }
         }
+    }
+
+    /// Keeps the timeouts' state after each turn of the loop. On the hot
+    /// path (whole frames, no `idle_timeout`) this is a few compares; the
+    /// clock is read only when a read leaves a new frame partly received,
+    /// or, with `idle_timeout`, once per batch of frames read.
+    ///
+    /// One `Sleep` serves both timeouts. It is moved only when it must fire
+    /// sooner (a frame starts) or must not fire at all (nothing left to
+    /// time): a deadline that moves later, as the idle deadline does with
+    /// every frame, is left where the timer is and dealt with when the timer
+    /// fires early ([`Self::on_timer`]), at most once per timeout. With
+    /// nothing left to time the timer is parked [`PARKED`] ahead and not
+    /// polled, so an idle connection without `idle_timeout` never wakes up.
+    /// Parking moves a registered timer later, one atomic in tokio; setting
+    /// it sooner for a frame takes the timer wheel's lock. Both happen once
+    /// per partly received frame at most, never for a frame that arrives
+    /// whole in one read, and no `Sleep` is ever created after the first.
+    fn update_timer(&mut self, mut timer: Pin<&mut Sleep>, room: bool, got_frames: bool) {
+        let config = &self.shared.config;
+        // With room, `handle_buffered` left at most one partial frame.
+        let partial = room && !self.inbuf.is_empty();
+        // A new frame began if frames completed and bytes are left over, or
+        // if bytes are left and no frame was being timed.
+        let starts = partial && (got_frames || self.frame_started.is_none());
+        let active = got_frames && config.idle_timeout.is_some();
+        if starts || active {
+            let now = Instant::now();
+            if active {
+                self.last_frame = now;
+            }
+            if starts {
+                self.frame_started = Some(now);
+                let due = after(now, config.frame_timeout);
+                if self.timer_at.is_none_or(|at| due < at) {
+                    self.set_timer(timer.as_mut(), due);
+                }
+            }
+        }
+        if !partial && self.frame_started.take().is_some() && config.idle_timeout.is_none() {
+            if let Some(at) = self.timer_at.take() {
+                timer.reset(after(at, PARKED));
+            }
+        }
+    }
+
+    fn set_timer(&mut self, timer: Pin<&mut Sleep>, at: Instant) {
+        timer.reset(at);
+        self.timer_at = Some(at);
+    }
+
+    /// The timer fired: closes the connection with an `err` frame if a
+    /// timeout has passed, or sets the timer for the deadline that comes
+    /// next (one that moved later since the timer was set).
+    fn on_timer(&mut self, timer: Pin<&mut Sleep>) -> Flow {
+        self.timer_at = None;
+        let config = &self.shared.config;
+        let now = Instant::now();
+        let frame_due = self.frame_started.map(|t| after(t, config.frame_timeout));
+        let idle_due = config.idle_timeout.map(|d| after(self.last_frame, d));
+        if frame_due.is_some_and(|d| d <= now) {
+            let e = FrameError::TimedOut {
+                received: self.inbuf.len(),
+                timeout: config.frame_timeout,
+            };
+            self.local.0.frame_timeouts += 1;
+            tracing::debug!(error = %e, "bridge frame timed out");
+            self.err(e.wire_message());
+            return Flow::Close;
+        }
+        if idle_due.is_some_and(|d| d <= now) {
+            self.local.0.idle_timeouts += 1;
+            tracing::debug!(
+                idle_timeout_ms = config.idle_timeout.map_or(0, |d| d.as_millis()),
+                "bridge connection closed: no frame within idle_timeout"
+            );
+            self.err("idle_timeout");
+            return Flow::Close;
+        }
+        let next = match (frame_due, idle_due) {
+            (Some(f), Some(i)) => Some(f.min(i)),
+            (f, i) => f.or(i),
+        };
+        if let Some(at) = next {
+            self.set_timer(timer, at);
+        }
+        Flow::Continue
     }
 
     /// Handles complete frames in the read buffer while the outbound queue has room.
@@ -612,6 +741,13 @@ impl<'a> Conn<'a> {
         }
         Ok(())
     }
+}
+
+/// `t + d`, or a year ([`PARKED`]) after `t` when `d` is too long to add to
+/// an `Instant` (a timeout set through the API, e.g. `Duration::MAX`), so
+/// such a setting cannot make a connection task panic.
+fn after(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d).unwrap_or_else(|| t + PARKED)
 }
 
 /// The timeout a failed request had, for the Vert.x-style timeout message.

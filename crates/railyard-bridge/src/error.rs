@@ -20,6 +20,26 @@ pub enum ConfigError {
         /// The field.
         field: &'static str,
     },
+    /// `frame_timeout` or `idle_timeout` is zero: it would close every
+    /// connection at once.
+    #[error(
+        "[bridge] {field} must be at least 1 (milliseconds){}",
+        zero_timeout_hint(field)
+    )]
+    ZeroTimeout {
+        /// The field.
+        field: &'static str,
+    },
+}
+
+/// What to write instead of a zero timeout: `idle_timeout = 0` most likely
+/// meant "no idle timeout", which is said by leaving the key out.
+fn zero_timeout_hint(field: &str) -> &'static str {
+    if field == "idle_timeout" {
+        "; leave idle_timeout out for no idle timeout"
+    } else {
+        ""
+    }
 }
 
 /// The bridge could not start.

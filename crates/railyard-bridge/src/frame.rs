@@ -34,6 +34,14 @@ pub enum FrameError {
     /// The connection ended inside a frame.
     #[error("connection closed {0} bytes into an incomplete frame")]
     Truncated(usize),
+    /// A frame did not arrive whole within `frame_timeout`.
+    #[error("frame still incomplete {received} bytes in after {timeout:?} (frame_timeout)")]
+    TimedOut {
+        /// Bytes of the frame received, its length prefix included.
+        received: usize,
+        /// The configured `frame_timeout`.
+        timeout: std::time::Duration,
+    },
 }
 
 impl FrameError {
@@ -43,6 +51,7 @@ impl FrameError {
             FrameError::TooLarge { .. } => "frame_too_large",
             FrameError::Malformed(_) => "invalid_json",
             FrameError::Truncated(_) => "truncated_frame",
+            FrameError::TimedOut { .. } => "frame_timeout",
         }
     }
 }

@@ -47,10 +47,13 @@
 //! consumer as skipped). Every pause is counted (`outbound_pauses`).
 //!
 //! # Bad input
-//! A frame that is not a JSON object, a length above `max_frame_size`, or a
-//! connection ending mid-frame gets an `err` frame (`invalid_json`,
-//! `frame_too_large`, `truncated_frame`) and that connection is closed;
-//! others are unaffected. Protocol errors that leave the stream in sync
+//! A frame that is not a JSON object, a length above `max_frame_size`, a
+//! frame not received whole within `frame_timeout`, or a connection ending
+//! mid-frame gets an `err` frame (`invalid_json`, `frame_too_large`,
+//! `frame_timeout`, `truncated_frame`) and that connection is closed;
+//! others are unaffected. With `idle_timeout` set, a connection that sends
+//! no complete frame (a `ping` counts) for that long is closed the same way
+//! (`idle_timeout`). Protocol errors that leave the stream in sync
 //! (`access_denied`, `unknown_type`, `missing_address`, `unknown_address`,
 //! limits) get an `err` frame and the connection stays open.
 //!

@@ -82,6 +82,10 @@ counters! {
     malformed_frames,
     /// Length prefixes above `max_frame_size` (connection closed).
     oversized_frames,
+    /// Frames not received whole within `frame_timeout` (connection closed).
+    frame_timeouts,
+    /// Connections closed for sending no complete frame within `idle_timeout`.
+    idle_timeouts,
     /// Frames refused by a limit (registrations, pending requests or replies
     /// per connection, headers per frame).
     limit_rejections,

@@ -40,7 +40,7 @@ pub struct BridgeServer {
 }
 
 impl BridgeServer {
-    /// Validates `config` (regexes compile, limits are at least 1).
+    /// Validates `config` (regexes compile, limits and timeouts are at least 1).
     ///
     /// # Errors
     /// [`ConfigError`] naming the bad field.
@@ -56,6 +56,14 @@ impl BridgeServer {
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero { field });
+            }
+        }
+        for (field, d) in [
+            ("frame_timeout", Some(config.frame_timeout)),
+            ("idle_timeout", config.idle_timeout),
+        ] {
+            if d.is_some_and(|d| d.is_zero()) {
+                return Err(ConfigError::ZeroTimeout { field });
             }
         }
         let inbound = Permissions::compile(&config.inbound_permitted, "inbound_permitted")?;

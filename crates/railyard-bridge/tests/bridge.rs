@@ -1,6 +1,6 @@
 //! The bridge against a real listener on loopback, driven by raw frames:
 //! every frame type, every error, permissions, bad input, cleanup, limits,
-//! authentication and back-pressure.
+//! timeouts, authentication and back-pressure.
 
 mod common;
 
@@ -691,5 +691,187 @@ async fn pipelined_requests_all_get_replies() {
     }
     assert!(seen.iter().all(|s| *s));
     assert_eq!(bridge.metrics().limit_rejections, 0);
+    bridge.shutdown().await;
+}
+
+/// A frame's bytes on the wire.
+fn wire(frame: &Value) -> Vec<u8> {
+    let text = serde_json::to_vec(frame).unwrap();
+    let mut bytes = (text.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(&text);
+    bytes
+}
+
+// The timeout tests run on paused time: the runtime jumps to the next timer
+// whenever every task waits, so a 1 s timeout costs no real second and the
+// client's bounded waits (5 s, `WAIT`) always outlast the bridge's timeouts.
+
+/// One second, the frame timeout of the tests below.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(1);
+
+#[tokio::test(start_paused = true)]
+async fn partial_frames_time_out_and_close_only_their_connection() {
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: FRAME_TIMEOUT,
+            ..open_config()
+        },
+    )
+    .await;
+    let addr = bridge.local_addr();
+    // Two bytes of a length prefix, then nothing.
+    assert_closed_with(addr, &[0, 0], false, "frame_timeout").await;
+    // A whole prefix and part of the body, then nothing.
+    let mut body = 100u32.to_be_bytes().to_vec();
+    body.extend_from_slice(b"{\"type\":");
+    assert_closed_with(addr, &body, false, "frame_timeout").await;
+    // A whole frame followed by part of the next one: the first is answered,
+    // the second times out.
+    let mut c = Client::connect(addr).await;
+    let mut bytes = wire(&json!({"type":"ping"}));
+    bytes.extend_from_slice(&[0, 0, 0]);
+    c.send_raw(&bytes).await;
+    assert_eq!(c.recv().await, json!({"type":"pong"}));
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"frame_timeout"})
+    );
+    c.expect_closed().await;
+
+    let m = bridge.metrics();
+    assert_eq!(m.frame_timeouts, 3);
+    assert_eq!(m.idle_timeouts, 0);
+    bridge.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_but_whole_frames_are_not_timed_out() {
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: FRAME_TIMEOUT,
+            ..open_config()
+        },
+    )
+    .await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    let ping = wire(&json!({"type":"ping"}));
+    let pong = json!({"type":"pong"});
+    for _ in 0..3 {
+        // Whole frames with gaps of three frame timeouts.
+        c.send_raw(&ping).await;
+        assert_eq!(c.recv().await, pong);
+        tokio::time::sleep(3 * FRAME_TIMEOUT).await;
+        // A frame in two writes, the second well within the timeout.
+        c.send_raw(&ping[..3]).await;
+        tokio::time::sleep(FRAME_TIMEOUT / 2).await;
+        c.send_raw(&ping[3..]).await;
+        assert_eq!(c.recv().await, pong);
+        tokio::time::sleep(3 * FRAME_TIMEOUT).await;
+    }
+    // Each write completes one frame and starts the next: every frame is
+    // whole within the timeout, though the run of them takes longer.
+    let split = ping.len() / 2;
+    c.send_raw(&ping[..split]).await;
+    for _ in 0..4 {
+        tokio::time::sleep(FRAME_TIMEOUT * 6 / 10).await;
+        let mut bytes = ping[split..].to_vec();
+        bytes.extend_from_slice(&ping[..split]);
+        c.send_raw(&bytes).await;
+        assert_eq!(c.recv().await, pong);
+    }
+    c.send_raw(&ping[split..]).await;
+    assert_eq!(c.recv().await, pong);
+    assert_eq!(bridge.metrics().frame_timeouts, 0);
+    bridge.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_idle_timeout_silent_connections_stay_open() {
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: FRAME_TIMEOUT,
+            ..open_config()
+        },
+    )
+    .await;
+    let mut silent = Client::connect(bridge.local_addr()).await;
+    let mut after_a_frame = Client::connect(bridge.local_addr()).await;
+    after_a_frame.ping_pong().await;
+    tokio::time::sleep(100 * FRAME_TIMEOUT).await;
+    silent.ping_pong().await;
+    after_a_frame.ping_pong().await;
+    let m = bridge.metrics();
+    assert_eq!((m.frame_timeouts, m.idle_timeouts), (0, 0));
+    assert_eq!(m.connections_open(), 2);
+    bridge.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_timeout_closes_silent_connections_and_pings_keep_them() {
+    let idle = Duration::from_secs(2);
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: FRAME_TIMEOUT,
+            idle_timeout: Some(idle),
+            ..open_config()
+        },
+    )
+    .await;
+    let addr = bridge.local_addr();
+    let mut silent = Client::connect(addr).await;
+    let mut pinger = Client::connect(addr).await;
+    // Pings at half the idle timeout, for five idle timeouts.
+    for _ in 0..10 {
+        tokio::time::sleep(idle / 2).await;
+        pinger.ping_pong().await;
+    }
+    assert_eq!(
+        silent.recv().await,
+        json!({"type":"err","message":"idle_timeout"})
+    );
+    silent.expect_closed().await;
+    // The frame timeout still applies, and is the sooner one here.
+    let mut partial = Client::connect(addr).await;
+    partial.send_raw(&[0, 0]).await;
+    assert_eq!(
+        partial.recv().await,
+        json!({"type":"err","message":"frame_timeout"})
+    );
+    partial.expect_closed().await;
+    pinger.ping_pong().await;
+    let m = bridge.metrics();
+    assert_eq!((m.idle_timeouts, m.frame_timeouts), (1, 1));
+    bridge.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unfinished_frame_is_no_activity_for_idle_timeout() {
+    let idle = Duration::from_secs(1);
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: Duration::from_secs(3),
+            idle_timeout: Some(idle),
+            ..open_config()
+        },
+    )
+    .await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.ping_pong().await;
+    c.send_raw(&[0, 0]).await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"idle_timeout"})
+    );
+    c.expect_closed().await;
     bridge.shutdown().await;
 }
