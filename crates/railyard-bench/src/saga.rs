@@ -112,7 +112,8 @@ pub struct SagaBenchConfig {
     pub store: String,
     /// Share of transactions that abort on the third service, 0..=1.
     pub abort_ratio: f64,
-    /// HTTP/2 connections (Omega) or sessions per service (native): the
+    /// HTTP/2 connections (Omega and native; native sessions per
+    /// [`SagaBenchConfig::sessions`]): the
     /// simulated participant processes.
     pub channels: usize,
     /// Threads of the load generator's own runtime.
@@ -171,7 +172,7 @@ pub struct SagaResult {
     pub transactions: u64,
     /// Workers.
     pub concurrency: usize,
-    /// Connections / sessions per service (see [`SagaBenchConfig::channels`]).
+    /// Simulated processes, each with its connection (see [`SagaBenchConfig::channels`]).
     pub channels: usize,
     /// Native only: `process` (one session per simulated process) or
     /// `participant` (one per participant instance); empty for Omega and in

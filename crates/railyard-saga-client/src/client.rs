@@ -309,14 +309,22 @@ impl ClientBuilder {
     /// process hosting several services reports for all of them on one
     /// stream, so the events of all their concurrent sagas share frames and
     /// acknowledgements (the native saga bench's four participants per
-    /// simulated process used 20 to 40 % less CPU per transaction that way
-    /// than with a session each: docs/benchmarks.md). Connect with
+    /// simulated process used 26 % less CPU per transaction that way than
+    /// with a session each, median of six pairs: docs/benchmarks.md).
+    /// Connect with
     /// [`connect_all`](Self::connect_all), which returns one handle per
     /// participant. They share everything this builder sets: the session
     /// and its connection, the token, the batch and in-flight limits (one
-    /// budget for all), the compensation slots, the counters
-    /// ([`SagaClient::stats`]) and [`SagaClient::close`]. At most
-    /// 64 participants per session, each `(service, instance)` once.
+    /// budget for all), the compensation slots and the outbound queue (a
+    /// burst of one participant's commands can crowd out another's), the
+    /// counters ([`SagaClient::stats`]) and [`SagaClient::close`]. The
+    /// session lasts until `close` or until every handle of every
+    /// participant is dropped: dropping one participant's handles does not
+    /// unregister it. At most 64 participants per session, each
+    /// `(service, instance)` once, and the coordinator must say it takes
+    /// them (its `Welcome`): one that does not is refused
+    /// ([`SagaError::Refused`], `UNIMPLEMENTED`) rather than let it record
+    /// every event as the first participant's.
     pub fn participant(mut self, participant: Participant) -> Self {
         self.others.push(participant);
         self
@@ -382,10 +390,17 @@ impl ClientBuilder {
                 railyard_saga_proto::MAX_SESSION_PARTICIPANTS
             )));
         }
-        if self.service_name.is_empty() || self.others.iter().any(|p| p.service_name.is_empty()) {
+        if self.service_name.is_empty() {
             return Err(SagaError::InvalidConfig(
                 "the service name must not be empty".into(),
             ));
+        }
+        if let Some(k) = self.others.iter().position(|p| p.service_name.is_empty()) {
+            return Err(SagaError::InvalidConfig(format!(
+                "the service name of participant {} (the {} added with ClientBuilder::participant) must not be empty",
+                k + 1,
+                ordinal(k + 1)
+            )));
         }
         if self.max_batch_events == 0
             || self.max_in_flight_events == 0
@@ -467,17 +482,20 @@ impl ClientBuilder {
             })
             .collect();
         let (first_tx, first_rx) = oneshot::channel();
+        // The session holds no sender of its own: once every handle is
+        // gone, its queue ends and so does the session.
         let session = Session::new(
             settings,
             submit_rx,
             submit_tx.downgrade(),
-            reporter,
+            reporter.in_flight.clone(),
+            reporter.closed.clone(),
             registries,
             stats,
             meta,
             stop,
         );
-        drop(submit_tx);
+        drop((submit_tx, reporter));
         tokio::spawn(session.run(first_tx));
         match first_rx.await {
             Ok(Ok(())) => Ok(clients),
@@ -487,6 +505,18 @@ impl ClientBuilder {
             ))),
         }
     }
+}
+
+/// "1st", "2nd", "3rd", "4th", ...
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
 }
 
 /// 64 bits from the standard library's per-process random keys, mixed with

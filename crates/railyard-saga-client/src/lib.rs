@@ -66,7 +66,7 @@
 //! `UNAUTHENTICATED`, `PERMISSION_DENIED`, `UNIMPLEMENTED` close the
 //! client, since sending the same frames again cannot help), the session task
 //! reconnects with exponential backoff (with jitter, capped), sends `Hello`
-//! with the same instance id, waits for `Welcome`, then sends again every batch that was not
+//! with the same instance ids, waits for `Welcome`, then sends again every batch that was not
 //! acknowledged, in the original order, under new `seq` numbers, before any
 //! newer event. Waiting callers notice nothing but the delay. So the client
 //! assumes of the coordinator:

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -55,8 +55,10 @@ pub(crate) struct Session {
     /// For compensation tasks to report their result; weak so that the
     /// session ends when the application drops its handles.
     self_tx: mpsc::WeakSender<Submit>,
-    /// Participant 0's path (the others differ only in their number).
-    reporter: Reporter,
+    /// The in-flight budget the handles report through.
+    in_flight: Arc<Semaphore>,
+    /// Why the client closed for good, once it has.
+    closed: Arc<OnceLock<String>>,
     /// Each participant's compensation handlers, by participant number.
     registries: Vec<Registry>,
     stats: Arc<StatsCounters>,
@@ -84,7 +86,8 @@ impl Session {
         settings: Arc<Settings>,
         submit_rx: mpsc::Receiver<Submit>,
         self_tx: mpsc::WeakSender<Submit>,
-        reporter: Reporter,
+        in_flight: Arc<Semaphore>,
+        closed: Arc<OnceLock<String>>,
         registries: Vec<Registry>,
         stats: Arc<StatsCounters>,
         meta: Arc<RwLock<HashMap<String, String>>>,
@@ -95,7 +98,8 @@ impl Session {
             settings,
             submit_rx,
             self_tx,
-            reporter,
+            in_flight,
+            closed,
             registries,
             stats,
             meta,
@@ -165,8 +169,8 @@ impl Session {
 
     fn close_with(&mut self, first: Option<oneshot::Sender<Result<(), SagaError>>>, e: SagaError) {
         tracing::error!(error = %e, "saga session refused; the client is closed");
-        let _ = self.reporter.closed.set(e.to_string());
-        self.reporter.in_flight.close();
+        let _ = self.closed.set(e.to_string());
+        self.in_flight.close();
         if let Some(f) = first {
             let _ = f.send(Err(e.clone()));
         }
@@ -175,9 +179,9 @@ impl Session {
 
     /// Fails every waiter (with `e`, or "closed") and stops taking events.
     fn fail_all(&mut self, e: Option<SagaError>) {
-        self.reporter.in_flight.close();
+        self.in_flight.close();
         self.submit_rx.close();
-        let err = e.unwrap_or_else(|| SagaError::Closed(self.reporter.closed.get().cloned()));
+        let err = e.unwrap_or_else(|| SagaError::Closed(self.closed.get().cloned()));
         let unacked = std::mem::take(&mut self.unacked);
         let queued = std::iter::from_fn(|| self.submit_rx.try_recv().ok()).collect::<Vec<_>>();
         let replies = unacked
@@ -250,6 +254,8 @@ impl Session {
                 Ok(Some(ServerFrame {
                     kind: Some(server_frame::Kind::Welcome(w)),
                 })) => {
+                    participants_taken(self.settings.participants.len(), &w.meta)
+                        .map_err(End::Fatal)?;
                     *self
                         .meta
                         .write()
@@ -455,6 +461,9 @@ impl Session {
     fn on_compensate(&mut self, c: Compensate) {
         self.stats.compensations.fetch_add(1, Ordering::Relaxed);
         let Some(registry) = self.registries.get(c.participant as usize) else {
+            self.stats
+                .compensations_dropped
+                .fetch_add(1, Ordering::Relaxed);
             // Nobody here could answer it; the coordinator sends it again
             // (to whoever runs that participant) after its reverse timeout.
             tracing::warn!(
@@ -485,8 +494,9 @@ impl Session {
         };
         let reporter = Reporter {
             tx,
+            in_flight: self.in_flight.clone(),
+            closed: self.closed.clone(),
             participant: c.participant,
-            ..self.reporter.clone()
         };
         let slots = self.compensation_slots.clone();
         tokio::spawn(async move {
@@ -535,6 +545,30 @@ impl Session {
             }
         });
     }
+}
+
+/// Whether a coordinator whose `Welcome` carried `meta` takes a session of
+/// `count` participants. One with more than one needs a coordinator that
+/// says so: one that does not ignores the fields that name them and would
+/// record every event as participant 0's.
+fn participants_taken(count: usize, meta: &HashMap<String, String>) -> Result<(), SagaError> {
+    if count == 1 {
+        return Ok(());
+    }
+    let takes = meta
+        .get(railyard_saga_proto::PARTICIPANTS_META)
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1);
+    if takes >= count {
+        return Ok(());
+    }
+    Err(SagaError::Refused {
+        code: tonic::Code::Unimplemented,
+        message: format!(
+            "this session has {count} participants, and the coordinator takes at most {takes} per session (Welcome.meta {:?}); upgrade the coordinator, or connect each participant with a client of its own",
+            railyard_saga_proto::PARTICIPANTS_META
+        ),
+    })
 }
 
 /// How many of the queued events (their encoded `sizes`, in order) the
@@ -597,6 +631,36 @@ mod tests {
             railyard_saga_proto::native::saga_coordinator_server::SERVICE_NAME
         );
         assert_eq!(SESSION_PATH, generated);
+    }
+
+    #[test]
+    fn several_participants_need_a_coordinator_that_says_it_takes_them() {
+        let meta = |v: Option<&str>| -> HashMap<String, String> {
+            v.map(|v| {
+                HashMap::from([(
+                    railyard_saga_proto::PARTICIPANTS_META.to_owned(),
+                    v.to_owned(),
+                )])
+            })
+            .unwrap_or_default()
+        };
+        // One participant: any coordinator, old ones included.
+        assert!(participants_taken(1, &meta(None)).is_ok());
+        assert!(participants_taken(4, &meta(Some("64"))).is_ok());
+        assert!(participants_taken(64, &meta(Some("64"))).is_ok());
+        for (count, m) in [
+            (2, meta(None)),
+            (65, meta(Some("64"))),
+            (2, meta(Some("x"))),
+        ] {
+            match participants_taken(count, &m) {
+                Err(SagaError::Refused { code, message }) => {
+                    assert_eq!(code, tonic::Code::Unimplemented);
+                    assert!(message.contains("upgrade the coordinator"), "{message}");
+                }
+                other => panic!("{count} participants, {m:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -626,3 +626,40 @@ async fn participants_of_one_session_share_its_frames_and_run_their_own_compensa
     assert_eq!(s.in_flight, 0);
     assert_eq!(node.coordinator.instances().len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_every_handle_ends_the_session_and_unregisters_its_participants() {
+    let node = Node::memory().await;
+    let clients = SagaClient::builder(node.endpoint.clone(), "front")
+        .participant(Participant::new("stock"))
+        .connect_all()
+        .await
+        .expect("connect both");
+    let saga = start_with_stock_step(&clients[0], &clients[1], "s1")
+        .await
+        .expect("a saga");
+    saga.end().await.expect("end");
+    assert_eq!(node.coordinator.instances().len(), 2);
+    // Dropping one participant's handles keeps the session (and both).
+    let front = clients[0].clone();
+    drop(clients);
+    drop(saga);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        node.coordinator.instances().len(),
+        2,
+        "front still holds it"
+    );
+    // The last handle gone, the session ends: nobody can report on it.
+    drop(front);
+    for _ in 0..1000 {
+        if node.coordinator.instances().is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "still registered after every handle was dropped: {:?}",
+        node.coordinator.instances()
+    );
+}

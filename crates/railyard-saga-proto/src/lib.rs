@@ -24,6 +24,14 @@ pub const MAX_NATIVE_FRAME_BYTES: usize = 64 << 20;
 /// own and `Hello.others`): the coordinator refuses a `Hello` naming more.
 pub const MAX_SESSION_PARTICIPANTS: usize = 64;
 
+/// The `Welcome.meta` key by which a coordinator says it takes several
+/// participants per session (`Hello.others`); its value is how many at
+/// most. A coordinator without it ignores `Hello.others` and
+/// `SagaEvent.participant` (they are new fields), so it would record every
+/// event as participant 0's: a client with more than one participant must
+/// not go on without it.
+pub const PARTICIPANTS_META: &str = "Participants";
+
 /// ServiceComb Pack's `TxEventService` (Omega's contract).
 pub mod omega {
     tonic::include_proto!("_");

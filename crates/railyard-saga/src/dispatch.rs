@@ -129,9 +129,15 @@ impl Registry {
 
     /// Removes one connection (its stream ended).
     pub(crate) fn unregister(&self, id: u64) {
+        self.unregister_all(&[id]);
+    }
+
+    /// Removes several connections (a native session's participants) in
+    /// one pass over the registry.
+    pub(crate) fn unregister_all(&self, ids: &[u64]) {
         let mut g = self.services.write();
         g.retain(|_, links| {
-            links.retain(|l| l.id != id);
+            links.retain(|l| !ids.contains(&l.id));
             !links.is_empty()
         });
     }

@@ -56,7 +56,7 @@ pub enum InvalidEvent {
     #[error("{0} is recorded by the coordinator and cannot be reported by a participant")]
     Reserved(&'static str),
     /// A native event naming a participant its session's `Hello` did not.
-    #[error("participant {index} is not one of this session's {count} (Hello's own is 0, Hello.others are 1 and up)")]
+    #[error("participant {index} is not in this session, which has {count} (0 is Hello's own, 1 and up are Hello.others)")]
     UnknownParticipant {
         /// The event's `participant`.
         index: u32,

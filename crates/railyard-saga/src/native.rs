@@ -36,7 +36,7 @@ use railyard_saga_proto::native::{
     client_frame, server_frame, Ack, ClientFrame, EventResult, EventType, Hello, SagaEvent,
     ServerFrame, Welcome,
 };
-use railyard_saga_proto::MAX_SESSION_PARTICIPANTS;
+use railyard_saga_proto::{MAX_SESSION_PARTICIPANTS, PARTICIPANTS_META};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -220,10 +220,13 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
             return;
         }
     }
+    let mut meta = crate::omega::server_meta(engine.config.advertise_akka);
+    meta.insert(
+        PARTICIPANTS_META.to_owned(),
+        MAX_SESSION_PARTICIPANTS.to_string(),
+    );
     let welcome = ServerFrame {
-        kind: Some(server_frame::Kind::Welcome(Welcome {
-            meta: crate::omega::server_meta(engine.config.advertise_akka),
-        })),
+        kind: Some(server_frame::Kind::Welcome(Welcome { meta })),
     };
     if tx.send(Ok(welcome)).await.is_err() {
         return;
@@ -356,8 +359,6 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                 .await;
         });
     }
-    for link in links {
-        engine.registry.unregister(link);
-    }
+    engine.registry.unregister_all(&links);
     engine.metrics.instances.set(engine.registry.len() as i64);
 }

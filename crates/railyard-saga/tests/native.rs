@@ -56,6 +56,13 @@ impl Session {
         match s.next().await {
             server_frame::Kind::Welcome(w) => {
                 assert_eq!(w.meta.get("AkkaEnabled").map(String::as_str), Some("false"));
+                // Says it takes several participants per session, and how many.
+                assert_eq!(
+                    w.meta
+                        .get(railyard_saga_proto::PARTICIPANTS_META)
+                        .map(String::as_str),
+                    Some("64")
+                );
             }
             other => panic!("expected Welcome, got {other:?}"),
         }
@@ -436,7 +443,7 @@ async fn an_event_naming_a_participant_the_hello_did_not_is_refused_alone() {
     assert!(
         ack.results[1]
             .error
-            .contains("participant 2 is not one of this session's 2"),
+            .contains("participant 2 is not in this session, which has 2"),
         "{ack:?}"
     );
     assert!(ack.results[2].error.is_empty());

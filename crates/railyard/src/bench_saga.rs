@@ -35,7 +35,7 @@ pub(crate) struct SagaArgs {
     #[arg(long, default_value_t = 0.0)]
     abort_ratio: f64,
     /// Simulated participant processes: HTTP/2 connections (omega) or
-    /// sessions per service (native); workers are spread over them.
+    /// connections of the native SDK (see --sessions); workers are spread over them.
     #[arg(long, default_value_t = 4)]
     channels: usize,
     /// Threads of the load generator's own runtime (apart from the coordinator's).
