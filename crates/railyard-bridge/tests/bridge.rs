@@ -709,17 +709,23 @@ fn wire(frame: &Value) -> Vec<u8> {
 /// One second, the frame timeout of the tests below.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(1);
 
-#[tokio::test(start_paused = true)]
-async fn partial_frames_time_out_and_close_only_their_connection() {
-    let bus = EventBus::new();
-    let bridge = start(
-        &bus,
+/// A bridge with the tests' short frame timeout and `idle_timeout`.
+async fn timed(bus: &EventBus, idle_timeout: Option<Duration>) -> railyard_bridge::RunningBridge {
+    start(
+        bus,
         BridgeConfig {
             frame_timeout: FRAME_TIMEOUT,
+            idle_timeout,
             ..open_config()
         },
     )
-    .await;
+    .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn partial_frames_time_out_and_close_only_their_connection() {
+    let bus = EventBus::new();
+    let bridge = timed(&bus, None).await;
     let addr = bridge.local_addr();
     // Two bytes of a length prefix, then nothing.
     assert_closed_with(addr, &[0, 0], false, "frame_timeout").await;
@@ -749,14 +755,7 @@ async fn partial_frames_time_out_and_close_only_their_connection() {
 #[tokio::test(start_paused = true)]
 async fn slow_but_whole_frames_are_not_timed_out() {
     let bus = EventBus::new();
-    let bridge = start(
-        &bus,
-        BridgeConfig {
-            frame_timeout: FRAME_TIMEOUT,
-            ..open_config()
-        },
-    )
-    .await;
+    let bridge = timed(&bus, None).await;
     let mut c = Client::connect(bridge.local_addr()).await;
     let ping = wire(&json!({"type":"ping"}));
     let pong = json!({"type":"pong"});
@@ -792,14 +791,7 @@ async fn slow_but_whole_frames_are_not_timed_out() {
 #[tokio::test(start_paused = true)]
 async fn without_idle_timeout_silent_connections_stay_open() {
     let bus = EventBus::new();
-    let bridge = start(
-        &bus,
-        BridgeConfig {
-            frame_timeout: FRAME_TIMEOUT,
-            ..open_config()
-        },
-    )
-    .await;
+    let bridge = timed(&bus, None).await;
     let mut silent = Client::connect(bridge.local_addr()).await;
     let mut after_a_frame = Client::connect(bridge.local_addr()).await;
     after_a_frame.ping_pong().await;
@@ -816,15 +808,7 @@ async fn without_idle_timeout_silent_connections_stay_open() {
 async fn idle_timeout_closes_silent_connections_and_pings_keep_them() {
     let idle = Duration::from_secs(2);
     let bus = EventBus::new();
-    let bridge = start(
-        &bus,
-        BridgeConfig {
-            frame_timeout: FRAME_TIMEOUT,
-            idle_timeout: Some(idle),
-            ..open_config()
-        },
-    )
-    .await;
+    let bridge = timed(&bus, Some(idle)).await;
     let addr = bridge.local_addr();
     let mut silent = Client::connect(addr).await;
     let mut pinger = Client::connect(addr).await;
