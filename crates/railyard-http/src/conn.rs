@@ -566,9 +566,12 @@ impl ConnIo {
         use crate::sendfile::{residency, warm, Residency, WARM_SPAN};
         loop {
             if let Some(job) = run.warming.as_mut() {
-                let end = ready!(Pin::new(job).poll(cx))
-                    .map_err(|e| io::Error::other(format!("warming a file range failed: {e}")))??;
+                let done = ready!(Pin::new(job).poll(cx));
+                // Cleared before any error returns: a finished handle must
+                // never be polled again.
                 run.warming = None;
+                let end = done
+                    .map_err(|e| io::Error::other(format!("warming a file range failed: {e}")))??;
                 run.cached_to = end;
                 self.core
                     .warmth
@@ -590,8 +593,18 @@ impl ConnIo {
                 }
                 Residency::Unknown => run.cached_to = end,
                 Residency::Cold => {
+                    let slots = &self.core.warmth.slots;
+                    if !slots.take(cx.waker()) {
+                        // Woken when one of this core's reads is done.
+                        return Poll::Pending;
+                    }
                     self.core.metrics.cold_file_reads.inc();
-                    run.warming = Some(warm(run.file.clone(), run.offset, end - run.offset));
+                    run.warming = Some(warm(
+                        run.file.clone(),
+                        run.offset,
+                        end - run.offset,
+                        slots.clone(),
+                    ));
                 }
             }
         }

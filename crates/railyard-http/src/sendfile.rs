@@ -73,6 +73,10 @@ impl Run {
 /// one blocking-pool read) covers.
 pub(crate) const WARM_SPAN: u64 = 1 << 20;
 
+// A window always covers the most one `sendfile` call sends, so checking
+// (or warming) one window is always enough for the call to proceed.
+const _: () = assert!(PLACEHOLDER_LEN as u64 <= WARM_SPAN);
+
 /// How long a core trusts that a file range it found cached (or warmed)
 /// stays cached. A page evicted within it is read by `sendfile` on the core
 /// as before; the trust is what keeps a small hot file (the C10K bench's
@@ -84,8 +88,9 @@ const TRUST: Duration = Duration::from_secs(1);
 /// Most file ranges a core remembers as cached.
 const REMEMBERED: usize = 64;
 
-/// `cachestat(2)` failed with `ENOSYS` or `EPERM` (a kernel before 6.5, or a
-/// seccomp filter): nobody asks again, and `sendfile` reads as it did.
+/// `cachestat(2)` failed with `ENOSYS` (a kernel before 6.5, or a seccomp
+/// filter that answers so): nobody asks again, and `sendfile` reads as it
+/// did.
 static NO_CACHESTAT: AtomicBool = AtomicBool::new(false);
 
 /// What `cachestat` says about a file range.
@@ -93,7 +98,9 @@ static NO_CACHESTAT: AtomicBool = AtomicBool::new(false);
 pub(crate) enum Residency {
     /// Every page is cached.
     Cached,
-    /// Some page is not.
+    /// Some page is not, or the kernel will not say for this file (newer
+    /// kernels answer `EPERM` for a file the process could not write): the
+    /// window is read on the blocking pool either way.
     Cold,
     /// Cannot tell (no `cachestat`, or it failed): send as before.
     Unknown,
@@ -141,11 +148,18 @@ pub(crate) fn residency(file: &File, offset: u64, len: u64) -> Residency {
             )
         };
         if r != 0 {
-            let e = std::io::Error::last_os_error().raw_os_error();
-            if matches!(e, Some(libc::ENOSYS | libc::EPERM)) {
-                NO_CACHESTAT.store(true, Ordering::Relaxed);
-            }
-            return Residency::Unknown;
+            return match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::ENOSYS) => {
+                    NO_CACHESTAT.store(true, Ordering::Relaxed);
+                    Residency::Unknown
+                }
+                // This file only (one the process could not write, on
+                // kernels that keep page-cache state of such files to
+                // themselves): read it off the core, then trust it for
+                // `TRUST` like a cached one.
+                Some(libc::EPERM) => Residency::Cold,
+                _ => Residency::Unknown,
+            };
         }
         static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
         // SAFETY: sysconf has no preconditions.
@@ -167,10 +181,79 @@ pub(crate) fn residency(file: &File, offset: u64, len: u64) -> Residency {
     }
 }
 
+/// Most cold windows one core reads on the blocking pool at once. Each is
+/// up to 1 MiB read by a blocking thread that cannot be cancelled, and a
+/// core's runtime would start up to 512 such threads: a burst of
+/// connections to a large cold file must not. Further cold windows wait
+/// for a slot (their connections' writes wait, the core does not).
+pub(crate) const MAX_WARMS: usize = 4;
+
+/// A core's slots for blocking-pool reads of cold windows (see
+/// [`MAX_WARMS`]); shared with the reads, which free theirs on their own
+/// thread when done, whether or not their connection is still there.
+#[derive(Default)]
+pub(crate) struct WarmSlots {
+    busy: std::sync::atomic::AtomicUsize,
+    waiters: std::sync::Mutex<Vec<std::task::Waker>>,
+}
+
+impl WarmSlots {
+    /// Takes a slot, or registers `waker` to be woken when one frees.
+    pub(crate) fn take(&self, waker: &std::task::Waker) -> bool {
+        if self.try_take() {
+            return true;
+        }
+        self.waiters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(waker.clone());
+        // A slot freed between the first try and the registration would
+        // have woken nobody: try once more.
+        self.try_take()
+    }
+
+    fn try_take(&self) -> bool {
+        self.busy
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_WARMS).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Frees a slot and wakes everyone waiting (they try again).
+    fn free(&self) {
+        self.busy.fetch_sub(1, Ordering::AcqRel);
+        let waiters = std::mem::take(
+            &mut *self
+                .waiters
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for w in waiters {
+            w.wake();
+        }
+    }
+}
+
 /// Reads `len` bytes of `file` from `offset` (or to its end) so that they
-/// are cached; runs on the blocking pool. Returns where the range ends.
-pub(crate) fn warm(file: Arc<File>, offset: u64, len: u64) -> JoinHandle<std::io::Result<u64>> {
+/// are cached; runs on the blocking pool, in a slot already taken from
+/// `slots`, which it frees when done. Returns where the range ends.
+pub(crate) fn warm(
+    file: Arc<File>,
+    offset: u64,
+    len: u64,
+    slots: Arc<WarmSlots>,
+) -> JoinHandle<std::io::Result<u64>> {
+    /// Frees the slot however the read ends.
+    struct Slot(Arc<WarmSlots>);
+    impl Drop for Slot {
+        fn drop(&mut self) {
+            self.0.free();
+        }
+    }
+    let slot = Slot(slots);
     tokio::task::spawn_blocking(move || {
+        let _slot = slot;
         use std::os::unix::fs::FileExt;
         let mut buf = vec![0u8; 64 * 1024];
         let end = offset + len;
@@ -195,6 +278,8 @@ pub(crate) fn warm(file: Arc<File>, offset: u64, len: u64) -> JoinHandle<std::io
 #[derive(Default)]
 pub(crate) struct Warmth {
     known: RefCell<Vec<Known>>,
+    /// This core's blocking-pool reads of cold windows.
+    pub(crate) slots: Arc<WarmSlots>,
 }
 
 /// A file range found cached.
@@ -251,3 +336,63 @@ impl Warmth {
 /// (16 chunks or about 400 KiB), so the queue never holds more runs than
 /// that buffer holds chunks, plus the one being taken: it cannot fill up.
 pub(crate) type Runs = RefCell<VecDeque<Run>>;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::task::{Wake, Waker};
+
+    use super::*;
+
+    /// Counts its wake-ups.
+    struct Counting(AtomicUsize);
+
+    impl Wake for Counting {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn cold_reads_wait_for_a_free_slot_and_are_woken_when_one_frees() {
+        let slots = WarmSlots::default();
+        let counter = Arc::new(Counting(AtomicUsize::new(0)));
+        let waker = Waker::from(counter.clone());
+        for _ in 0..MAX_WARMS {
+            assert!(slots.take(&waker));
+        }
+        // Full: the next one waits, woken by the first slot freed.
+        assert!(!slots.take(&waker));
+        assert_eq!(counter.0.load(Ordering::SeqCst), 0);
+        slots.free();
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+        assert!(slots.take(&waker));
+        assert!(!slots.take(&waker));
+    }
+
+    #[test]
+    fn a_range_found_cached_is_trusted_for_a_while_and_only_for_that_file() {
+        let path = std::env::temp_dir().join(format!("railyard-warmth-{}", std::process::id()));
+        std::fs::write(&path, b"x").unwrap();
+        let a = Arc::new(File::open(&path).unwrap());
+        let b = Arc::new(File::open(&path).unwrap());
+        let w = Warmth::default();
+        let now = Instant::now();
+        w.remember(&a, 0, 100, now);
+        assert!(w.trusted(&a, 10, 90, now));
+        assert!(!w.trusted(&a, 10, 101, now), "beyond the range");
+        assert!(!w.trusted(&b, 10, 90, now), "another file");
+        assert!(!w.trusted(&a, 10, 90, now + TRUST), "too old");
+        // A file's newer range replaces its older one; the list stays bounded.
+        w.remember(&a, 100, 200, now);
+        assert!(!w.trusted(&a, 0, 50, now));
+        let files: Vec<Arc<File>> = (0..2 * REMEMBERED)
+            .map(|_| Arc::new(File::open(&path).unwrap()))
+            .collect();
+        for f in &files {
+            w.remember(f, 0, 1, now);
+        }
+        assert_eq!(w.known.borrow().len(), REMEMBERED);
+        let _ = std::fs::remove_file(&path);
+    }
+}
