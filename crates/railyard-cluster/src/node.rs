@@ -250,6 +250,13 @@ impl ClusterNode {
             max_frame: cfg.max_frame,
             handshake_timeout: cfg.handshake_timeout,
         });
+        // Owned from here on: should `start` fail or be dropped at one of
+        // its awaits below, dropping this removes the hook, and the links
+        // and routes an apply under way made.
+        let mut node = ClusterNode {
+            inner: inner.clone(),
+            tasks: Vec::new(),
+        };
         let existing = bus.set_cluster_hook(Some(Arc::new(Hook {
             manager: manager.clone(),
         })));
@@ -259,13 +266,15 @@ impl ClusterNode {
         // The view known now is applied before `start` returns, so the
         // node's first sends already see the routes and links it lists.
         let known = inner.manager.view().borrow().clone();
-        apply_off_workers(&inner, known).await;
-        let tasks = vec![
+        if !apply_off_workers(&inner, known).await {
+            return Err(ManagerError::Stopped.into());
+        }
+        node.tasks = vec![
             tokio::spawn(accept_loop(inner.clone(), listener, cfg.max_handshakes)),
-            tokio::spawn(follow_view(inner.clone())),
+            tokio::spawn(follow_view(inner)),
         ];
         tracing::info!(node = %cfg.node_id, %addr, "joined the cluster");
-        Ok(ClusterNode { inner, tasks })
+        Ok(node)
     }
 
     /// This node's id.
