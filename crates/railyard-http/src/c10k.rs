@@ -531,15 +531,18 @@ where
 /// answer; `Drop` removes them when the request is cancelled.
 ///
 /// Every step that makes a name appear (creating a file, the renames) and the
-/// removal run on the blocking pool holding the `abandoned` lock. Removal
-/// sets it, and a step that finds it set does nothing: so a create or rename
-/// still queued when a cancelled request was dropped cannot bring a file back
-/// after the removal ran, and one that ran first is undone by it.
+/// removal run on the blocking pool holding the `steps` lock. Removal marks
+/// the upload abandoned, and a step that finds it so does nothing: so a
+/// create or rename still queued when a cancelled request was dropped cannot
+/// bring a file back after the removal ran, and one that ran first is undone
+/// by it. Removal deletes a file's final name only if this upload renamed it
+/// there: names are unique to this run of the process (see [`run_tag`]), but
+/// a file under a final name is someone's stored upload.
 struct UploadFiles {
     dir: PathBuf,
-    /// Set once the files have been (or are being) removed; held while a
-    /// step runs (a std mutex: only blocking-pool threads take it).
-    abandoned: Arc<std::sync::Mutex<bool>>,
+    /// Held while a step runs (a std mutex: only blocking-pool threads take
+    /// it).
+    steps: Arc<std::sync::Mutex<Steps>>,
     /// The ids of the files made so far, the one being written last (ids, not
     /// paths: a multipart body of tiny parts may hold very many).
     ids: Vec<u64>,
@@ -547,21 +550,51 @@ struct UploadFiles {
     open: Option<tokio::fs::File>,
 }
 
+/// What an upload's blocking steps have done.
+#[derive(Debug, Default)]
+struct Steps {
+    /// The files have been (or are being) removed.
+    abandoned: bool,
+    /// How many of the upload's files (its first ids) are under their final
+    /// names.
+    renamed: usize,
+}
+
 static UPLOAD_ID: AtomicU64 = AtomicU64::new(0);
 
+/// Part of every upload file name, unique to this run of the process: the
+/// ids restart at 0 with every run, and a process id alone repeats (a
+/// container's server is often pid 1 on every start, and two containers can
+/// share a volume), so without it a new upload could replace, or a failed
+/// one remove, a file an earlier run stored.
+fn run_tag() -> &'static str {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TAG.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
+        format!("{}-{:016x}", std::process::id(), h.finish())
+    })
+}
+
 fn stored_name(dir: &Path, id: u64) -> PathBuf {
-    dir.join(format!("upload-{}-{id}", std::process::id()))
+    dir.join(format!("upload-{}-{id}", run_tag()))
 }
 
 fn partial_name(dir: &Path, id: u64) -> PathBuf {
-    dir.join(format!(".upload-{}-{id}.part", std::process::id()))
+    dir.join(format!(".upload-{}-{id}.part", run_tag()))
 }
 
 impl UploadFiles {
     fn new(dir: &Path) -> Self {
         Self {
             dir: dir.to_owned(),
-            abandoned: Arc::default(),
+            steps: Arc::default(),
             ids: Vec::new(),
             open: None,
         }
@@ -580,18 +613,18 @@ impl UploadFiles {
     /// abandoned by then.
     async fn unless_abandoned<T: Send + 'static>(
         &self,
-        step: impl FnOnce() -> io::Result<T> + Send + 'static,
+        step: impl FnOnce(&mut Steps) -> io::Result<T> + Send + 'static,
     ) -> io::Result<T> {
-        let abandoned = self.abandoned.clone();
+        let steps = self.steps.clone();
         let job = tokio::task::spawn_blocking(move || {
             // A step that panicked left nothing half-done that removal minds.
-            let abandoned = abandoned
+            let mut steps = steps
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if *abandoned {
+            if steps.abandoned {
                 return Err(io::Error::other("the upload was abandoned"));
             }
-            step()
+            step(&mut steps)
         });
         job.await.map_err(io::Error::other)?
     }
@@ -603,7 +636,7 @@ impl UploadFiles {
         // Listed before it exists, so a cancelled create is cleaned up too.
         self.ids.push(id);
         let path = partial_name(&self.dir, id);
-        let file = self.unless_abandoned(move || File::create(path)).await?;
+        let file = self.unless_abandoned(move |_| File::create(path)).await?;
         self.open = Some(tokio::fs::File::from_std(file));
         Ok(())
     }
@@ -629,9 +662,13 @@ impl UploadFiles {
         let renamed = match self.finish_part().await {
             Ok(()) => {
                 let (dir, ids) = (self.dir.clone(), self.ids.clone());
-                self.unless_abandoned(move || {
+                self.unless_abandoned(move |steps| {
+                    // One after another: should one fail, removal takes
+                    // back those already renamed.
                     ids.iter().try_for_each(|&id| {
-                        std::fs::rename(partial_name(&dir, id), stored_name(&dir, id))
+                        std::fs::rename(partial_name(&dir, id), stored_name(&dir, id))?;
+                        steps.renamed += 1;
+                        Ok(())
                     })
                 })
                 .await
@@ -658,30 +695,34 @@ impl UploadFiles {
         }
     }
 
-    /// The job that abandons the upload and removes its files under both
-    /// names (a file may be renamed already), `None` if there are none.
+    /// The job that abandons the upload and removes its files: under their
+    /// final names those this upload renamed, the others under their hidden
+    /// names. `None` if there are none.
     fn removal(&mut self) -> Option<impl FnOnce() + Send + 'static> {
         if self.ids.is_empty() {
             return None;
         }
-        let (dir, ids, abandoned) = (
+        let (dir, ids, steps) = (
             std::mem::take(&mut self.dir),
             std::mem::take(&mut self.ids),
-            self.abandoned.clone(),
+            self.steps.clone(),
         );
         Some(move || {
-            let mut abandoned = abandoned
+            let mut steps = steps
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            *abandoned = true;
-            for id in ids {
-                for path in [partial_name(&dir, id), stored_name(&dir, id)] {
-                    match std::fs::remove_file(&path) {
-                        Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                            tracing::warn!(error = %e, file = %path.display(), "cannot remove a failed upload's file");
-                        }
-                        _ => {}
+            steps.abandoned = true;
+            for (k, id) in ids.into_iter().enumerate() {
+                let path = if k < steps.renamed {
+                    stored_name(&dir, id)
+                } else {
+                    partial_name(&dir, id)
+                };
+                match std::fs::remove_file(&path) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                        tracing::warn!(error = %e, file = %path.display(), "cannot remove a failed upload's file");
                     }
+                    _ => {}
                 }
             }
         })
@@ -779,20 +820,49 @@ mod tests {
         files.start().await.unwrap();
         // As when a cancelled request's removal runs before a create or
         // rename it had queued.
-        let abandoned = files.abandoned.clone();
+        let steps = files.steps.clone();
         let remove = files.removal().expect("one file to remove");
         tokio::task::spawn_blocking(remove).await.unwrap();
-        assert!(*abandoned.lock().unwrap());
+        assert!(steps.lock().unwrap().abandoned);
         let late = dir.join("late");
         let made = files
             .unless_abandoned({
                 let late = late.clone();
-                move || File::create(late)
+                move |_| File::create(late)
             })
             .await;
         assert!(made.is_err());
         assert!(!late.exists());
         assert_eq!(names(&dir), Vec::<String>::new());
+    }
+
+    /// A failed upload removes only its own files: a stored file of another
+    /// upload (or of an earlier run of the process) stays, whatever its
+    /// name; and a rename that fails half-way takes back those done.
+    #[tokio::test]
+    async fn a_failed_upload_removes_its_own_files_and_no_other() {
+        let dir = upload_dir("own");
+        let mut stored = UploadFiles::new(&dir);
+        stored.start().await.unwrap();
+        stored.write(b"kept").await.unwrap();
+        stored.commit().await.unwrap();
+        let kept = names(&dir);
+        assert_eq!(kept.len(), 1);
+        // Three files; the second's hidden file vanishes, so the renames
+        // stop after the first.
+        let mut failing = UploadFiles::new(&dir);
+        for data in [&b"a"[..], b"b", b"c"] {
+            failing.start().await.unwrap();
+            failing.write(data).await.unwrap();
+        }
+        std::fs::remove_file(partial_name(&dir, failing.ids[1])).unwrap();
+        assert!(failing.commit().await.is_err());
+        assert_eq!(names(&dir), kept, "only the earlier upload's file is left");
+        // Names are unique to this run: not the process id alone.
+        assert!(
+            kept[0].starts_with(&format!("upload-{}-", run_tag())) && run_tag().len() > 17,
+            "{kept:?}"
+        );
     }
 
     #[tokio::test]
