@@ -97,10 +97,16 @@ struct Conn<'a> {
     authed: bool,
     next_reply: u64,
     paused: bool,
-    /// When the partly received frame at the end of `inbuf` began; `None`
-    /// when there is none, and while paused (the bridge is not reading, so
-    /// the frame's time does not run; it starts again on resuming).
+    /// When the partly received frame at the end of `inbuf` began (less any
+    /// time paused); `None` when there is none, and while paused (the bridge
+    /// is not reading, so the frame's time does not run; it goes on from
+    /// `frame_waited` on resuming).
     frame_started: Option<Instant>,
+    /// Time the partly received frame was already given before a pause:
+    /// on resuming, its clock goes on from there instead of restarting, so
+    /// a client cannot trickle one frame forever by making the bridge pause
+    /// (reading its replies in bursts).
+    frame_waited: Duration,
     /// When the last complete frame arrived (or the connection opened);
     /// kept up to date only when `idle_timeout` is set.
     last_frame: Instant,
@@ -128,6 +134,7 @@ pub(crate) async fn serve(mut stream: TcpStream, shared: &Shared, shutdown: &Can
         next_reply: 0,
         paused: false,
         frame_started: None,
+        frame_waited: Duration::ZERO,
         last_frame: Instant::now(),
         timer_at: None,
         local: LocalCounters::default(),
@@ -274,16 +281,31 @@ impl<'a> Conn<'a> {
                 self.last_frame = now;
             }
             if starts {
-                self.frame_started = Some(now);
-                let due = after(now, config.frame_timeout);
+                if got_frames {
+                    // A new frame: the one paused on (if any) is complete.
+                    self.frame_waited = Duration::ZERO;
+                }
+                let started = now.checked_sub(self.frame_waited).unwrap_or(now);
+                self.frame_started = Some(started);
+                let due = after(started, config.frame_timeout);
                 if self.timer_at.is_none_or(|at| due < at) {
                     self.set_timer(timer.as_mut(), due);
                 }
             }
         }
-        if !partial && self.frame_started.take().is_some() && config.idle_timeout.is_none() {
-            if let Some(at) = self.timer_at.take() {
-                timer.reset(after(at, PARKED));
+        if !partial {
+            if let Some(started) = self.frame_started.take() {
+                // Paused on the same partial frame: keep what it was given.
+                self.frame_waited = if !room && !got_frames && !self.inbuf.is_empty() {
+                    started.elapsed()
+                } else {
+                    Duration::ZERO
+                };
+                if config.idle_timeout.is_none() {
+                    if let Some(at) = self.timer_at.take() {
+                        timer.reset(after(at, PARKED));
+                    }
+                }
             }
         }
     }

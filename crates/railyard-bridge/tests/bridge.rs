@@ -859,3 +859,65 @@ async fn an_unfinished_frame_is_no_activity_for_idle_timeout() {
     c.expect_closed().await;
     bridge.shutdown().await;
 }
+
+/// A client cannot keep one frame partial forever by making the bridge pause
+/// (not reading its replies): the frame's time stops while the bridge is
+/// paused and goes on, not from zero, when it resumes.
+#[tokio::test(start_paused = true)]
+async fn a_pause_stops_a_partial_frames_clock_without_restarting_it() {
+    let bus = EventBus::new();
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: FRAME_TIMEOUT,
+            outbound_queue_bytes: 16 * 1024,
+            ..open_config()
+        },
+    )
+    .await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.flood"}))
+        .await;
+    eventually("registered", || bus.consumer_count("test.flood") == 1).await;
+    let ping = wire(&json!({"type":"ping"}));
+    c.send_raw(&ping[..3]).await;
+    // Paused time: it jumps to the next timer whenever every task waits, so
+    // the timeout fires exactly at its deadline, whatever waits on sockets.
+    let t0 = tokio::time::Instant::now();
+    // 0.6 of the frame timeout while the bridge reads...
+    tokio::time::sleep(FRAME_TIMEOUT * 6 / 10).await;
+    // ...then the client stops reading until the bridge pauses (no time
+    // passes: the loop never waits)...
+    let payload = "x".repeat(4096);
+    let mut accepted = 0u64;
+    while bus
+        .send("test.flood", json!({"i": accepted, "p": payload}))
+        .is_ok()
+    {
+        accepted += 1;
+        tokio::task::yield_now().await;
+    }
+    assert!(bridge.metrics().outbound_pauses >= 1);
+    // ...and reads everything, so the bridge resumes: the frame's clock
+    // goes on from 0.6 and ends 0.4 later (restarted, it would end 1.0
+    // later).
+    let mut received = 0;
+    let err = loop {
+        let m = c.recv().await;
+        if m["type"] == "err" {
+            break m;
+        }
+        assert_eq!(m["body"]["i"], received);
+        received += 1;
+    };
+    let at = t0.elapsed();
+    assert_eq!(received, accepted, "every accepted message came first");
+    assert_eq!(err, json!({"type":"err","message":"frame_timeout"}));
+    assert!(
+        at >= FRAME_TIMEOUT && at < FRAME_TIMEOUT * 13 / 10,
+        "timed out {at:?} after the frame began; the timeout is {FRAME_TIMEOUT:?} of reading time"
+    );
+    c.expect_closed().await;
+    assert_eq!(bridge.metrics().frame_timeouts, 1);
+    bridge.shutdown().await;
+}
