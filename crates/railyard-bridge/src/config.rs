@@ -90,7 +90,10 @@ pub struct BridgeConfig {
     pub idle_timeout: Option<Duration>,
     /// When set, a client must send this value in the `authToken` header of
     /// its first frame other than `ping`; otherwise it gets an
-    /// `authentication_failed` err frame and is closed. Default: unset.
+    /// `authentication_failed` err frame and is closed. It must do so within
+    /// `frame_timeout` of connecting (pings need no token, so they would
+    /// otherwise hold a slot forever), or it gets `authentication_timeout`.
+    /// Default: unset.
     pub auth_token: Option<String>,
 }
 

@@ -40,6 +40,14 @@ pub const AUTH_HEADER: &str = "authToken";
 /// How long a closing connection may take to flush its last frames.
 const CLOSE_FLUSH: Duration = Duration::from_secs(1);
 
+/// The sooner of two optional deadlines.
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// How far ahead the timer is moved when nothing is left to time: far
 /// enough never to fire in practice, within the range of tokio's timer wheel.
 const PARKED: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -110,6 +118,9 @@ struct Conn<'a> {
     /// When the last complete frame arrived (or the connection opened);
     /// kept up to date only when `idle_timeout` is set.
     last_frame: Instant,
+    /// When the connection opened: with `auth_token` set, it must have
+    /// authenticated `frame_timeout` after this.
+    opened: Instant,
     /// The deadline the connection's timer is set to; `None` when it is
     /// parked or has fired, and then it is not polled.
     timer_at: Option<Instant>,
@@ -136,6 +147,7 @@ pub(crate) async fn serve(mut stream: TcpStream, shared: &Shared, shutdown: &Can
         frame_started: None,
         frame_waited: Duration::ZERO,
         last_frame: Instant::now(),
+        opened: Instant::now(),
         timer_at: None,
         local: LocalCounters::default(),
     };
@@ -167,11 +179,13 @@ impl<'a> Conn<'a> {
         // Created once and moved with `reset`, never re-created per frame.
         // Until it is first set it is not polled, so it is not in tokio's
         // timer wheel.
-        self.timer_at = self
-            .shared
-            .config
-            .idle_timeout
-            .map(|d| after(self.last_frame, d));
+        self.timer_at = earliest(
+            self.shared
+                .config
+                .idle_timeout
+                .map(|d| after(self.last_frame, d)),
+            self.auth_due(),
+        );
         let timer = tokio::time::sleep_until(self.timer_at.unwrap_or(self.last_frame));
         tokio::pin!(timer);
         loop {
@@ -301,13 +315,21 @@ impl<'a> Conn<'a> {
                 } else {
                     Duration::ZERO
                 };
-                if config.idle_timeout.is_none() {
+                if config.idle_timeout.is_none() && self.authed {
                     if let Some(at) = self.timer_at.take() {
                         timer.reset(after(at, PARKED));
                     }
                 }
             }
         }
+    }
+
+    /// With `auth_token` set, when a connection that has not authenticated
+    /// yet is closed: `frame_timeout` after it opened. Without it, a client
+    /// could hold a connection slot forever with pings alone, which need no
+    /// token.
+    fn auth_due(&self) -> Option<Instant> {
+        (!self.authed).then(|| after(self.opened, self.shared.config.frame_timeout))
     }
 
     fn set_timer(&mut self, timer: Pin<&mut Sleep>, at: Instant) {
@@ -334,6 +356,16 @@ impl<'a> Conn<'a> {
             self.err(e.wire_message());
             return Flow::Close;
         }
+        let auth_due = self.auth_due();
+        if auth_due.is_some_and(|d| d <= now) {
+            self.local.0.auth_failures += 1;
+            tracing::debug!(
+                frame_timeout_ms = config.frame_timeout.as_millis(),
+                "bridge connection closed: not authenticated within frame_timeout"
+            );
+            self.err("authentication_timeout");
+            return Flow::Close;
+        }
         if idle_due.is_some_and(|d| d <= now) {
             self.local.0.idle_timeouts += 1;
             tracing::debug!(
@@ -343,11 +375,7 @@ impl<'a> Conn<'a> {
             self.err("idle_timeout");
             return Flow::Close;
         }
-        let next = match (frame_due, idle_due) {
-            (Some(f), Some(i)) => Some(f.min(i)),
-            (f, i) => f.or(i),
-        };
-        if let Some(at) = next {
+        if let Some(at) = earliest(earliest(frame_due, idle_due), auth_due) {
             self.set_timer(timer, at);
         }
         Flow::Continue

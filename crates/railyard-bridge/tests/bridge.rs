@@ -921,3 +921,48 @@ async fn a_pause_stops_a_partial_frames_clock_without_restarting_it() {
     assert_eq!(bridge.metrics().frame_timeouts, 1);
     bridge.shutdown().await;
 }
+
+/// With a token required, pings alone (which need none) do not keep a
+/// connection that never authenticates: it is closed `frame_timeout` after
+/// it opened. One that authenticated may ping and idle as it likes.
+#[tokio::test(start_paused = true)]
+async fn a_connection_that_never_authenticates_is_closed_after_the_frame_timeout() {
+    let bus = EventBus::new();
+    let _e = echo(&bus, "test.echo").await;
+    let bridge = start(
+        &bus,
+        BridgeConfig {
+            frame_timeout: FRAME_TIMEOUT,
+            auth_token: Some("s3cret".into()),
+            ..open_config()
+        },
+    )
+    .await;
+    let t0 = tokio::time::Instant::now();
+    let mut anon = Client::connect(bridge.local_addr()).await;
+    let mut ok = Client::connect(bridge.local_addr()).await;
+    ok.send(json!({"type":"send","address":"test.echo","replyAddress":"r","headers":{"authToken":"s3cret"},"body":1}))
+        .await;
+    assert_eq!(ok.recv().await["body"], 1);
+    // Pings every third of the timeout: answered until the deadline.
+    for _ in 0..2 {
+        anon.ping_pong().await;
+        tokio::time::sleep(FRAME_TIMEOUT / 3).await;
+    }
+    anon.ping_pong().await;
+    assert_eq!(
+        anon.recv().await,
+        json!({"type":"err","message":"authentication_timeout"})
+    );
+    anon.expect_closed().await;
+    let at = t0.elapsed();
+    assert!(
+        at >= FRAME_TIMEOUT && at < FRAME_TIMEOUT * 13 / 10,
+        "closed {at:?} after it opened"
+    );
+    // The authenticated one stays, well past the deadline.
+    tokio::time::sleep(5 * FRAME_TIMEOUT).await;
+    ok.ping_pong().await;
+    assert_eq!(bridge.metrics().auth_failures, 1);
+    bridge.shutdown().await;
+}
