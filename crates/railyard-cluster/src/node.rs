@@ -136,6 +136,10 @@ struct NodeInner {
     node_id: String,
     addr: SocketAddr,
     links: Mutex<HashMap<String, Arc<Link>>>,
+    /// Set by shutdown before it empties `links`: a handshake task still
+    /// running (they are not aborted) finds it under the links lock and
+    /// makes no link, so none outlives the node.
+    closed: std::sync::atomic::AtomicBool,
     /// What the bus's remote routes were last computed from. Held through
     /// all of `apply` and by `shutdown_links`, so a stopping node clears the
     /// routes and links of the last `apply` and no `apply` runs after it
@@ -245,6 +249,7 @@ impl ClusterNode {
             node_id: cfg.node_id.clone(),
             addr,
             links: Mutex::new(HashMap::new()),
+            closed: std::sync::atomic::AtomicBool::new(false),
             routes: Mutex::new(Routes::default()),
             counters: Arc::new(ClusterCounters::default()),
             max_frame: cfg.max_frame,
@@ -327,6 +332,9 @@ impl ClusterNode {
         let mut routes = self.inner.routes.lock();
         routes.stopped = true;
         let basis = routes.basis.take();
+        self.inner
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
         let links: Vec<Arc<Link>> = self.inner.links.lock().drain().map(|(_, l)| l).collect();
         for l in links {
             l.close();
@@ -540,6 +548,9 @@ impl NodeInner {
         view: &watch::Receiver<Arc<ClusterView>>,
     ) -> Option<Arc<Link>> {
         let mut links = self.links.lock();
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
         let addr = *view.borrow().members.get(peer)?;
         Some(self.link_in(&mut links, peer, addr))
     }
@@ -818,6 +829,22 @@ mod tests {
         let _joiner = member(&reg, "a-joiner").await;
         assert_eq!(greeted(&mut s).await, Greeted::Pong);
         assert_eq!(node.link_ids(), vec!["a-joiner".to_string()]);
+    }
+
+    /// A handshake that completes after the node shut down (its task is not
+    /// aborted) makes no link.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_link_is_made_after_the_node_shut_down() {
+        let reg = InProcessRegistry::new();
+        let _member = member(&reg, "a-member").await;
+        let (_bus, node) = start_node(Arc::new(reg.manager()), "m", |_| {}).await;
+        assert_eq!(node.link_ids(), vec!["a-member".to_string()]);
+        let inner = node.inner.clone();
+        drop(node);
+        assert!(inner.links.lock().is_empty());
+        let view = inner.manager.view();
+        assert!(inner.link_if_member("a-member", &view).is_none());
+        assert!(inner.links.lock().is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
