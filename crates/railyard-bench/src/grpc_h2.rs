@@ -1704,6 +1704,20 @@ mod tests {
         }
     }
 
+    /// Connects to `addr` and makes one call that the hand-spoken server
+    /// there makes fail: the connection and what the call returned, within
+    /// 5 s (a call left waiting for an answer fails the test).
+    async fn failing_call(addr: &str) -> (Conn, Result<Bytes, CallError>) {
+        let conn = Conn::connect(addr).await.unwrap();
+        let call = tokio::time::timeout(
+            Duration::from_secs(5),
+            conn.unary(&block(addr), framed(b"x")),
+        )
+        .await
+        .expect("the call must fail, not wait for an answer");
+        (conn, call)
+    }
+
     /// A call whose stream gets a WINDOW_UPDATE of `increment` from a
     /// hand-spoken server: what the call returned, the code of the
     /// RST_STREAM the client sent for it, and the connection.
@@ -1722,13 +1736,7 @@ mod tests {
             // Hold the connection until the client is done.
             let _ = tcp.read_buf(&mut buf).await;
         });
-        let conn = Conn::connect(&addr).await.unwrap();
-        let call = tokio::time::timeout(
-            Duration::from_secs(5),
-            conn.unary(&block(&addr), framed(b"x")),
-        )
-        .await
-        .expect("the call must fail, not wait for an answer");
+        let (conn, call) = failing_call(&addr).await;
         (call, code_rx.await.unwrap(), conn)
     }
 
@@ -1760,13 +1768,7 @@ mod tests {
             tcp.write_all(&out).await.unwrap();
             let _ = tcp.read_buf(&mut buf).await;
         });
-        let conn = Conn::connect(&addr).await.unwrap();
-        let call = tokio::time::timeout(
-            Duration::from_secs(5),
-            conn.unary(&block(&addr), framed(b"x")),
-        )
-        .await
-        .expect("the call must fail, not wait for an answer");
+        let (conn, call) = failing_call(&addr).await;
         match call {
             Err(CallError::Connection(why)) => assert!(why.contains("WINDOW_UPDATE of 0"), "{why}"),
             other => panic!("expected a connection error, got {other:?}"),

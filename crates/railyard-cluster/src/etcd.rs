@@ -18,10 +18,8 @@
 //! its subscriptions under a new lease.
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use etcd_client::{
@@ -365,16 +363,10 @@ fn watched(
 }
 
 /// The stream's next message if it is already there, without waiting.
-async fn ready(
-    stream: &mut WatchStream,
-) -> Option<Result<Option<WatchResponse>, etcd_client::Error>> {
+fn ready(stream: &mut WatchStream) -> Option<Result<Option<WatchResponse>, etcd_client::Error>> {
+    use futures_util::FutureExt as _;
     // `message` is cancel safe: dropping it unfinished loses nothing.
-    let mut next = std::pin::pin!(stream.message());
-    std::future::poll_fn(|cx| match next.as_mut().poll(cx) {
-        Poll::Ready(message) => Poll::Ready(Some(message)),
-        Poll::Pending => Poll::Ready(None),
-    })
-    .await
+    stream.message().now_or_never()
 }
 
 /// Keeps the view in step with etcd: full read, then watch; on failure keep
@@ -421,7 +413,7 @@ async fn follow(client: Client, op_timeout: Duration, mut f: Follower) {
                 // this one. An error ends the watch after the batch so far.
                 let mut end = None;
                 while batch.len() < MAX_BATCH {
-                    match ready(&mut stream).await.map(watched) {
+                    match ready(&mut stream).map(watched) {
                         None => break,
                         Some(Ok(resp)) => batch.push(resp),
                         Some(Err(e)) => {

@@ -136,30 +136,21 @@ struct NodeInner {
     node_id: String,
     addr: SocketAddr,
     links: Mutex<HashMap<String, Arc<Link>>>,
-    /// Set by shutdown before it empties `links`: a handshake task still
+    /// Set by shutdown, under the routes lock and before it empties
+    /// `links`: an `apply` after it does nothing, and a handshake task still
     /// running (they are not aborted) finds it under the links lock and
     /// makes no link, so none outlives the node.
     closed: std::sync::atomic::AtomicBool,
-    /// What the bus's remote routes were last computed from. Held through
+    /// What the bus's remote routes were last computed from (`None` before
+    /// the first `apply` and after shutdown). Held through
     /// all of `apply` and by `shutdown_links`, so a stopping node clears the
     /// routes and links of the last `apply` and no `apply` runs after it
     /// (without it, an `apply` under way could re-add both). Taken before
     /// `links`, never while holding it.
-    routes: Mutex<Routes>,
+    routes: Mutex<Option<Basis>>,
     counters: Arc<ClusterCounters>,
     max_frame: usize,
     handshake_timeout: Duration,
-}
-
-/// What `apply` last gave the bus, so the next view recomputes only what
-/// differs.
-#[derive(Default)]
-struct Routes {
-    /// Set when the node shuts down: `apply` does nothing after it.
-    stopped: bool,
-    /// What the bus's routes were computed from (`None` before the first
-    /// `apply` and after shutdown).
-    basis: Option<Basis>,
 }
 
 /// The view and the links the bus's routes were computed from. An address's
@@ -250,7 +241,7 @@ impl ClusterNode {
             addr,
             links: Mutex::new(HashMap::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
-            routes: Mutex::new(Routes::default()),
+            routes: Mutex::new(None),
             counters: Arc::new(ClusterCounters::default()),
             max_frame: cfg.max_frame,
             handshake_timeout: cfg.handshake_timeout,
@@ -270,13 +261,16 @@ impl ClusterNode {
         }
         // The view known now is applied before `start` returns, so the
         // node's first sends already see the routes and links it lists.
-        let known = inner.manager.view().borrow().clone();
+        let mut views = inner.manager.view();
+        let known = views.borrow_and_update().clone();
+        let connected = known.connected;
         if !apply_off_workers(&inner, known).await {
             return Err(ManagerError::Stopped.into());
         }
         node.tasks = vec![
             tokio::spawn(accept_loop(inner.clone(), listener, cfg.max_handshakes)),
-            tokio::spawn(follow_view(inner)),
+            // Follows from the next view: this one is applied.
+            tokio::spawn(follow_view(inner, views, connected)),
         ];
         tracing::info!(node = %cfg.node_id, %addr, "joined the cluster");
         Ok(node)
@@ -330,11 +324,12 @@ impl ClusterNode {
         // Waits for an `apply` under way on its blocking thread (aborting
         // the follower does not stop it), so what it set is cleared here too.
         let mut routes = self.inner.routes.lock();
-        routes.stopped = true;
-        let basis = routes.basis.take();
+        // Under the routes lock: an `apply` after this one sees it and does
+        // nothing.
         self.inner
             .closed
             .store(true, std::sync::atomic::Ordering::Release);
+        let basis = routes.take();
         let links: Vec<Arc<Link>> = self.inner.links.lock().drain().map(|(_, l)| l).collect();
         for l in links {
             l.close();
@@ -563,7 +558,7 @@ impl NodeInner {
     /// addresses can hold a thread for longer than an async task may block.
     fn apply(&self, view: &Arc<ClusterView>) {
         let mut routes = self.routes.lock();
-        if routes.stopped {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
         // Links: one per live member other than us.
@@ -587,9 +582,9 @@ impl NodeInner {
         // Routes: every address with a live remote subscriber, in one batch
         // (one registry copy for the whole view change).
         let links = self.links.lock().clone();
-        let changes = self.route_changes(routes.basis.as_ref(), view, &links);
+        let changes = self.route_changes(routes.as_ref(), view, &links);
         self.bus.set_remote_nodes_many(changes);
-        routes.basis = Some(Basis {
+        *routes = Some(Basis {
             view: view.clone(),
             links,
         });
@@ -651,12 +646,20 @@ impl NodeInner {
 }
 
 /// Follows the manager's view for the node's lifetime.
-async fn follow_view(inner: Arc<NodeInner>) {
-    let mut rx = inner.manager.view();
+/// `rx` has seen the view `start` applied; `connected` is whether that view
+/// reached the store.
+async fn follow_view(
+    inner: Arc<NodeInner>,
+    mut rx: watch::Receiver<Arc<ClusterView>>,
+    connected: bool,
+) {
     // `None` until the store was first reached: the manager's initial view
     // (before its first read) is not an outage.
-    let mut connected: Option<bool> = None;
+    let mut connected: Option<bool> = connected.then_some(true);
     loop {
+        if rx.changed().await.is_err() {
+            return;
+        }
         let view = rx.borrow_and_update().clone();
         match (connected, view.connected) {
             (Some(true), false) => {
@@ -672,9 +675,6 @@ async fn follow_view(inner: Arc<NodeInner>) {
         // Views that arrive meanwhile are coalesced: the next round applies
         // the newest.
         if !apply_off_workers(&inner, view).await {
-            return;
-        }
-        if rx.changed().await.is_err() {
             return;
         }
     }
