@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{eventually, open_config, start, Client, WAIT};
+use common::{eventually, open_config, start, wire, Client, WAIT};
 use futures::StreamExt;
 use railyard_bridge::{BridgeConfig, PermittedOptions};
 use railyard_bus::{BusError, EventBus};
@@ -692,14 +692,6 @@ async fn pipelined_requests_all_get_replies() {
     assert!(seen.iter().all(|s| *s));
     assert_eq!(bridge.metrics().limit_rejections, 0);
     bridge.shutdown().await;
-}
-
-/// A frame's bytes on the wire.
-fn wire(frame: &Value) -> Vec<u8> {
-    let text = serde_json::to_vec(frame).unwrap();
-    let mut bytes = (text.len() as u32).to_be_bytes().to_vec();
-    bytes.extend_from_slice(&text);
-    bytes
 }
 
 // The timeout tests run on paused time: the runtime jumps to the next timer

@@ -426,7 +426,7 @@ fn multipart_error(e: multer::Error) -> UploadError {
 #[error("multipart preamble or part headers longer than {MAX_MULTIPART_HEAD_BYTES} bytes")]
 struct PartHeadTooLong;
 
-/// Which stretch of a multipart body multer is in, set by [`store_multipart`]
+/// Which stretch of a multipart body multer is in, set by [`read_multipart`]
 /// (which alone knows) and read by [`HeadLimited`] (which sees the bytes).
 /// Atomics only because multer wants a `Send` stream: both sides run on the
 /// same task.

@@ -593,18 +593,17 @@ impl ConnIo {
                 }
                 Residency::Unknown => run.cached_to = end,
                 Residency::Cold => {
-                    let slots = &self.core.warmth.slots;
-                    if !slots.take(cx.waker()) {
-                        // Woken when one of this core's reads is done.
-                        return Poll::Pending;
-                    }
+                    // One of this core's slots for such reads; woken when
+                    // one frees.
+                    let waiting = run.slot.get_or_insert_with(|| {
+                        tokio_util::sync::PollSemaphore::new(self.core.warmth.slots.clone())
+                    });
+                    let Some(slot) = ready!(waiting.poll_acquire(cx)) else {
+                        return Poll::Ready(Err(io::Error::other("the core is shutting down")));
+                    };
+                    run.slot = None;
                     self.core.metrics.cold_file_reads.inc();
-                    run.warming = Some(warm(
-                        run.file.clone(),
-                        run.offset,
-                        end - run.offset,
-                        slots.clone(),
-                    ));
+                    run.warming = Some(warm(run.file.clone(), run.offset, end - run.offset, slot));
                 }
             }
         }

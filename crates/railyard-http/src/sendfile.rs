@@ -24,6 +24,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 /// Length of the placeholder buffer, hence of the largest placeholder chunk.
@@ -55,6 +56,8 @@ pub(crate) struct Run {
     /// A blocking-pool read of the next window, under way; it returns where
     /// the window ends.
     pub(crate) warming: Option<JoinHandle<std::io::Result<u64>>>,
+    /// Waiting for one of the core's slots for such a read.
+    pub(crate) slot: Option<tokio_util::sync::PollSemaphore>,
 }
 
 impl Run {
@@ -65,6 +68,7 @@ impl Run {
             remaining,
             cached_to: offset,
             warming: None,
+            slot: None,
         }
     }
 }
@@ -188,70 +192,16 @@ pub(crate) fn residency(file: &File, offset: u64, len: u64) -> Residency {
 /// for a slot (their connections' writes wait, the core does not).
 pub(crate) const MAX_WARMS: usize = 4;
 
-/// A core's slots for blocking-pool reads of cold windows (see
-/// [`MAX_WARMS`]); shared with the reads, which free theirs on their own
-/// thread when done, whether or not their connection is still there.
-#[derive(Default)]
-pub(crate) struct WarmSlots {
-    busy: std::sync::atomic::AtomicUsize,
-    waiters: std::sync::Mutex<Vec<std::task::Waker>>,
-}
-
-impl WarmSlots {
-    /// Takes a slot, or registers `waker` to be woken when one frees.
-    pub(crate) fn take(&self, waker: &std::task::Waker) -> bool {
-        if self.try_take() {
-            return true;
-        }
-        self.waiters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(waker.clone());
-        // A slot freed between the first try and the registration would
-        // have woken nobody: try once more.
-        self.try_take()
-    }
-
-    fn try_take(&self) -> bool {
-        self.busy
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < MAX_WARMS).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    /// Frees a slot and wakes everyone waiting (they try again).
-    fn free(&self) {
-        self.busy.fetch_sub(1, Ordering::AcqRel);
-        let waiters = std::mem::take(
-            &mut *self
-                .waiters
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
-        for w in waiters {
-            w.wake();
-        }
-    }
-}
-
 /// Reads `len` bytes of `file` from `offset` (or to its end) so that they
-/// are cached; runs on the blocking pool, in a slot already taken from
-/// `slots`, which it frees when done. Returns where the range ends.
+/// are cached; runs on the blocking pool, holding `slot` (one of the core's
+/// [`MAX_WARMS`]) until it is done, whether or not its connection is still
+/// there. Returns where the range ends.
 pub(crate) fn warm(
     file: Arc<File>,
     offset: u64,
     len: u64,
-    slots: Arc<WarmSlots>,
+    slot: OwnedSemaphorePermit,
 ) -> JoinHandle<std::io::Result<u64>> {
-    /// Frees the slot however the read ends.
-    struct Slot(Arc<WarmSlots>);
-    impl Drop for Slot {
-        fn drop(&mut self) {
-            self.0.free();
-        }
-    }
-    let slot = Slot(slots);
     tokio::task::spawn_blocking(move || {
         let _slot = slot;
         use std::os::unix::fs::FileExt;
@@ -275,11 +225,20 @@ pub(crate) fn warm(
 
 /// The file ranges one core found cached (or warmed) lately, so that it asks
 /// `cachestat` about each at most once per [`TRUST`].
-#[derive(Default)]
 pub(crate) struct Warmth {
     known: RefCell<Vec<Known>>,
-    /// This core's blocking-pool reads of cold windows.
-    pub(crate) slots: Arc<WarmSlots>,
+    /// This core's blocking-pool reads of cold windows, [`MAX_WARMS`] at a
+    /// time.
+    pub(crate) slots: Arc<Semaphore>,
+}
+
+impl Default for Warmth {
+    fn default() -> Self {
+        Self {
+            known: RefCell::default(),
+            slots: Arc::new(Semaphore::new(MAX_WARMS)),
+        }
+    }
 }
 
 /// A file range found cached.
@@ -339,35 +298,23 @@ pub(crate) type Runs = RefCell<VecDeque<Run>>;
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicUsize;
-    use std::task::{Wake, Waker};
-
     use super::*;
 
-    /// Counts its wake-ups.
-    struct Counting(AtomicUsize);
-
-    impl Wake for Counting {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    #[test]
-    fn cold_reads_wait_for_a_free_slot_and_are_woken_when_one_frees() {
-        let slots = WarmSlots::default();
-        let counter = Arc::new(Counting(AtomicUsize::new(0)));
-        let waker = Waker::from(counter.clone());
-        for _ in 0..MAX_WARMS {
-            assert!(slots.take(&waker));
-        }
-        // Full: the next one waits, woken by the first slot freed.
-        assert!(!slots.take(&waker));
-        assert_eq!(counter.0.load(Ordering::SeqCst), 0);
-        slots.free();
-        assert_eq!(counter.0.load(Ordering::SeqCst), 1);
-        assert!(slots.take(&waker));
-        assert!(!slots.take(&waker));
+    #[tokio::test]
+    async fn cold_reads_wait_for_a_free_slot_and_are_woken_when_one_frees() {
+        let w = Warmth::default();
+        let taken: Vec<OwnedSemaphorePermit> = (0..MAX_WARMS)
+            .map(|_| w.slots.clone().try_acquire_owned().expect("a slot"))
+            .collect();
+        // Full: the next one waits, and is woken by the first slot freed.
+        let mut waiting = tokio_util::sync::PollSemaphore::new(w.slots.clone());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(waiting.poll_acquire(&mut cx).is_pending());
+        drop(taken);
+        assert!(matches!(
+            waiting.poll_acquire(&mut cx),
+            std::task::Poll::Ready(Some(_))
+        ));
     }
 
     #[test]

@@ -308,10 +308,8 @@ impl ClientBuilder {
     /// Adds another participant instance to this client's session: a
     /// process hosting several services reports for all of them on one
     /// stream, so the events of all their concurrent sagas share frames and
-    /// acknowledgements (the native saga bench's four participants per
-    /// simulated process used 26 % less CPU per transaction that way than
-    /// with a session each, median of six pairs: docs/benchmarks.md).
-    /// Connect with
+    /// acknowledgements (what that saves is measured in docs/benchmarks.md,
+    /// "One session per process"). Connect with
     /// [`connect_all`](Self::connect_all), which returns one handle per
     /// participant. They share everything this builder sets: the session
     /// and its connection, the token, the batch and in-flight limits (one
@@ -397,9 +395,8 @@ impl ClientBuilder {
         }
         if let Some(k) = self.others.iter().position(|p| p.service_name.is_empty()) {
             return Err(SagaError::InvalidConfig(format!(
-                "the service name of participant {} (the {} added with ClientBuilder::participant) must not be empty",
-                k + 1,
-                ordinal(k + 1)
+                "the service name of participant {} (the builder's own is 0, those added with ClientBuilder::participant 1 and up) must not be empty",
+                k + 1
             )));
         }
         if self.max_batch_events == 0
@@ -430,7 +427,10 @@ impl ClientBuilder {
             let instance_id = p
                 .instance_id
                 .unwrap_or_else(|| format!("{}-{:08x}", p.service_name, random_u64() as u32));
-            if participants.contains(&(p.service_name.clone(), instance_id.clone())) {
+            if participants
+                .iter()
+                .any(|(s, i)| *s == p.service_name && *i == instance_id)
+            {
                 return Err(SagaError::InvalidConfig(format!(
                     "service `{}` instance `{instance_id}` is in this session twice; give each participant its own instance id",
                     p.service_name
@@ -505,18 +505,6 @@ impl ClientBuilder {
             ))),
         }
     }
-}
-
-/// "1st", "2nd", "3rd", "4th", ...
-fn ordinal(n: usize) -> String {
-    let suffix = match (n % 10, n % 100) {
-        (1, 11) | (2, 12) | (3, 13) => "th",
-        (1, _) => "st",
-        (2, _) => "nd",
-        (3, _) => "rd",
-        _ => "th",
-    };
-    format!("{n}{suffix}")
 }
 
 /// 64 bits from the standard library's per-process random keys, mixed with

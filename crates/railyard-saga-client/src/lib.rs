@@ -87,7 +87,7 @@
 /// The largest event, encoded, a client sends: 16 MiB, the size of the
 /// largest Omega message the coordinator takes. A larger one fails with
 /// [`SagaError::TooLarge`] before it is queued.
-pub const MAX_EVENT_BYTES: usize = 16 << 20;
+pub const MAX_EVENT_BYTES: usize = railyard_saga_proto::MAX_EVENT_BYTES;
 
 /// The most a batch's events add up to, encoded (each event's own length,
 /// not its few bytes of tag and length prefix): 32 MiB, half the

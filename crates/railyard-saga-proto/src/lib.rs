@@ -20,6 +20,11 @@
 /// coordinator's decoding limit and the SDK's encoding and decoding limit.
 pub const MAX_NATIVE_FRAME_BYTES: usize = 64 << 20;
 
+/// The largest event message, encoded: an Omega `OnTxEvent` message (the
+/// coordinator's decoding limit) and a native event (the SDK refuses a
+/// larger one before sending it).
+pub const MAX_EVENT_BYTES: usize = 16 << 20;
+
 /// The most participant instances one native session carries (`Hello`'s
 /// own and `Hello.others`): the coordinator refuses a `Hello` naming more.
 pub const MAX_SESSION_PARTICIPANTS: usize = 64;

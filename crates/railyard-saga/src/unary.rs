@@ -51,7 +51,7 @@ pub(crate) const ON_TX_EVENT: &str = "/TxEventService/OnTxEvent";
 
 /// The largest `OnTxEvent` message accepted, as the tonic service's
 /// `max_decoding_message_size`.
-pub(crate) const MAX_MESSAGE: usize = 16 * 1024 * 1024;
+pub(crate) const MAX_MESSAGE: usize = railyard_saga_proto::MAX_EVENT_BYTES;
 
 /// `application/grpc`, the content type of every answer.
 const GRPC: HeaderValue = HeaderValue::from_static("application/grpc");

@@ -24,6 +24,14 @@ pub fn open_config() -> BridgeConfig {
     }
 }
 
+/// A frame's bytes on the wire: its length, then its JSON.
+pub fn wire(frame: &Value) -> Vec<u8> {
+    let text = serde_json::to_vec(frame).unwrap();
+    let mut bytes = (text.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(&text);
+    bytes
+}
+
 pub async fn start(bus: &EventBus, config: BridgeConfig) -> RunningBridge {
     BridgeServer::new(bus.clone(), config)
         .expect("valid config")
@@ -47,10 +55,7 @@ impl Client {
     }
 
     pub async fn send(&mut self, frame: Value) {
-        let text = serde_json::to_vec(&frame).unwrap();
-        let mut bytes = (text.len() as u32).to_be_bytes().to_vec();
-        bytes.extend_from_slice(&text);
-        self.send_raw(&bytes).await;
+        self.send_raw(&wire(&frame)).await;
     }
 
     pub async fn send_raw(&mut self, bytes: &[u8]) {
