@@ -136,14 +136,15 @@ struct NodeInner {
     node_id: String,
     addr: SocketAddr,
     links: Mutex<HashMap<String, Arc<Link>>>,
-    /// Set by shutdown, under the routes lock and before it empties
-    /// `links`: an `apply` after it does nothing, and a handshake task still
+    /// Set by shutdown before it takes the routes lock and empties `links`:
+    /// an `apply` that starts after it does nothing (one under way finishes
+    /// first, and shutdown clears what it set), and a handshake task still
     /// running (they are not aborted) finds it under the links lock and
     /// makes no link, so none outlives the node.
     closed: std::sync::atomic::AtomicBool,
     /// What the bus's remote routes were last computed from (`None` before
     /// the first `apply` and after shutdown). Held through
-    /// all of `apply` and by `shutdown_links`, so a stopping node clears the
+    /// all of `apply` and by `close`, so a stopping node clears the
     /// routes and links of the last `apply` and no `apply` runs after it
     /// (without it, an `apply` under way could re-add both). Taken before
     /// `links`, never while holding it.
@@ -305,7 +306,8 @@ impl ClusterNode {
         }
     }
 
-    /// Deregisters from the cluster and closes every link.
+    /// Deregisters from the cluster and closes every link; the bus's
+    /// remote routes are cleared when it returns.
     ///
     /// # Errors
     /// [`ManagerError`] if the store could not be told (the lease then
@@ -313,30 +315,46 @@ impl ClusterNode {
     pub async fn leave(self) -> Result<(), ManagerError> {
         self.inner.bus.set_cluster_hook(None);
         let r = self.inner.manager.leave().await;
-        self.shutdown_links();
+        if let Some(clearing) = self.shut_down() {
+            if let Err(e) = clearing.await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        }
         r
     }
 
-    fn shutdown_links(&self) {
+    /// Stops the node's tasks, marks it closed and closes its links, then
+    /// clears its remote routes from the bus. That second part waits
+    /// for an `apply` under way and copies the bus's registry once (work
+    /// that grows with the subscriptions), so on a runtime it runs on the
+    /// blocking pool and the handle returned finishes it; without a runtime
+    /// it runs here. `None` once done or if another call did it.
+    fn shut_down(&self) -> Option<tokio::task::JoinHandle<()>> {
         for t in &self.tasks {
             t.abort();
         }
-        // Waits for an `apply` under way on its blocking thread (aborting
-        // the follower does not stop it), so what it set is cleared here too.
-        let mut routes = self.inner.routes.lock();
-        // Under the routes lock: an `apply` after this one sees it and does
-        // nothing.
-        self.inner
+        // From here an `apply` that starts does nothing and a handshake
+        // makes no link; what one under way sets, `close` clears after it.
+        if self
+            .inner
             .closed
-            .store(true, std::sync::atomic::Ordering::Release);
-        let basis = routes.take();
-        let links: Vec<Arc<Link>> = self.inner.links.lock().drain().map(|(_, l)| l).collect();
-        for l in links {
-            l.close();
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return None;
         }
-        if let Some(basis) = basis {
-            let cleared = basis.view.subscriptions.keys().map(|a| (a, Vec::new()));
-            self.inner.bus.set_remote_nodes_many(cleared);
+        // Links close now, so requests waiting on them fail at once; `close`
+        // takes any that an `apply` under way adds.
+        self.inner.close_links();
+        let inner = self.inner.clone();
+        let close = move || inner.close();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => Some(rt.spawn_blocking(close)),
+            Err(_) => {
+                close();
+                None
+            }
         }
     }
 }
@@ -344,7 +362,8 @@ impl ClusterNode {
 impl Drop for ClusterNode {
     fn drop(&mut self) {
         self.inner.bus.set_cluster_hook(None);
-        self.shutdown_links();
+        // Finishes on its own; nobody is left to wait for it.
+        drop(self.shut_down());
     }
 }
 
@@ -530,6 +549,28 @@ impl NodeInner {
                 return Ok(link);
             }
             // It left again between the two looks: wait for it to return.
+        }
+    }
+
+    /// Closes every link and clears the routes of the last `apply` from
+    /// the bus, after any `apply` under way (which holds the routes lock).
+    /// Called once `closed` is set, so no `apply` or handshake adds either
+    /// afterwards.
+    fn close(&self) {
+        let mut routes = self.routes.lock();
+        let basis = routes.take();
+        self.close_links();
+        if let Some(basis) = basis {
+            let cleared = basis.view.subscriptions.keys().map(|a| (a, Vec::new()));
+            self.bus.set_remote_nodes_many(cleared);
+        }
+    }
+
+    /// Closes and forgets every link.
+    fn close_links(&self) {
+        let links: Vec<Arc<Link>> = self.links.lock().drain().map(|(_, l)| l).collect();
+        for l in links {
+            l.close();
         }
     }
 

@@ -323,6 +323,40 @@ async fn frames_sent_with_the_hello_are_not_lost() {
     assert_eq!(nz.counters().malformed.get(), 0);
 }
 
+/// `leave` clears the node's remote routes before it returns (the clearing
+/// runs on the blocking pool, and `leave` waits for it).
+#[tokio::test(flavor = "current_thread")]
+async fn leaving_clears_the_remote_routes_before_it_returns() {
+    let reg = InProcessRegistry::new();
+    let (a, na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let _c = echo(&b, "over-there").await;
+    routed(&a, "over-there").await;
+    na.leave().await.expect("leaves");
+    assert!(a.remote_addresses().is_empty());
+    let r = a.request("over-there", String::from("x")).await;
+    assert!(matches!(r, Err(BusError::NoHandlers { .. })), "{r:?}");
+}
+
+/// Dropping a node on a single-threaded runtime clears its routes soon
+/// after, off the loop (the loop keeps running meanwhile).
+#[tokio::test(flavor = "current_thread")]
+async fn dropping_a_node_clears_its_remote_routes() {
+    let reg = InProcessRegistry::new();
+    let (a, na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let _c = echo(&b, "over-there").await;
+    routed(&a, "over-there").await;
+    drop(na);
+    for _ in 0..500 {
+        if a.remote_addresses().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(a.remote_addresses().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregistering_withdraws_the_route_everywhere() {
     let reg = InProcessRegistry::new();
