@@ -56,6 +56,13 @@ const PARKED: Duration = Duration::from_secs(365 * 24 * 3600);
 /// one grown for a large frame is given back once drained.
 const READ_CHUNK: usize = 4 * 1024;
 
+/// Turns in a row that may drain answers and deliveries before a turn
+/// looks at the client's input (its frames, then the timer) first. Under
+/// a constant stream of deliveries, each such turn queues up to
+/// `outbound_queue_bytes`; with one request in flight, output and input
+/// alternate on their own and no extra turn is taken.
+const OUTPUT_TURNS: u32 = 4;
+
 /// A request from the client, waiting for the bus's answer.
 struct InFlight<'a> {
     /// The client's `replyAddress`: the answer is addressed to it.
@@ -188,6 +195,7 @@ impl<'a> Conn<'a> {
         );
         let timer = tokio::time::sleep_until(self.timer_at.unwrap_or(self.last_frame));
         tokio::pin!(timer);
+        let mut output_turns = 0u32;
         loop {
             // Frames already buffered are handled first, as room allows.
             let frames_before = self.local.0.frames_in;
@@ -207,11 +215,20 @@ impl<'a> Conn<'a> {
                 self.inbuf.reserve(READ_CHUNK);
             }
             // Answers and deliveries are drained before more is read, so a
-            // client that floods requests still gets its replies.
+            // client that floods requests still gets its replies; but after
+            // OUTPUT_TURNS turns in a row that drained them, the next turn is
+            // input's (reads and the timer first), so a constant stream of
+            // deliveries cannot keep the client's own frames unread or its
+            // timeouts from firing.
+            let input_turn = output_turns >= OUTPUT_TURNS;
+            if input_turn {
+                output_turns = 0;
+            }
             tokio::select! {
                 biased;
                 () = &mut cancelled => return Flow::Close,
-                Some(done) = self.inflight.next(), if room && !self.inflight.is_empty() => {
+                Some(done) = self.inflight.next(), if room && !input_turn && !self.inflight.is_empty() => {
+                    output_turns += 1;
                     self.on_answer(done);
                     while self.out.len() < high {
                         match self.inflight.next().now_or_never() {
@@ -220,7 +237,8 @@ impl<'a> Conn<'a> {
                         }
                     }
                 }
-                Some((_, msg)) = self.regs.next(), if room && !self.regs.is_empty() => {
+                Some((_, msg)) = self.regs.next(), if room && !input_turn && !self.regs.is_empty() => {
+                    output_turns += 1;
                     self.deliver(msg);
                     while self.out.len() < high {
                         match self.regs.next().now_or_never() {
@@ -232,18 +250,21 @@ impl<'a> Conn<'a> {
                 // `read_buf` (not readiness + `try_read`): tokio then clears the
                 // readiness after a short read, saving a `read` that would
                 // only say "would block" on every round trip.
-                r = rd.read_buf(&mut self.inbuf), if room => match r {
-                    Ok(0) => {
-                        if !self.inbuf.is_empty() {
-                            let e = FrameError::Truncated(self.inbuf.len());
-                            tracing::debug!(error = %e, "bridge client left mid-frame");
-                            self.err(e.wire_message());
+                r = rd.read_buf(&mut self.inbuf), if room => {
+                    output_turns = 0;
+                    match r {
+                        Ok(0) => {
+                            if !self.inbuf.is_empty() {
+                                let e = FrameError::Truncated(self.inbuf.len());
+                                tracing::debug!(error = %e, "bridge client left mid-frame");
+                                self.err(e.wire_message());
+                            }
+                            return Flow::Close;
                         }
-                        return Flow::Close;
+                        Ok(n) => self.local.0.bytes_in += n as u64,
+                        Err(_) => return Flow::Close,
                     }
-                    Ok(n) => self.local.0.bytes_in += n as u64,
-                    Err(_) => return Flow::Close,
-                },
+                }
                 // After the read: bytes that are already here complete a
                 // frame before its deadline is looked at.
                 () = &mut timer, if self.timer_at.is_some() => {
@@ -256,6 +277,8 @@ impl<'a> Conn<'a> {
                         return Flow::Close;
                     }
                 }
+                // Input's turn found nothing ready: back to the output.
+                () = std::future::ready(()), if input_turn => {}
             }
             if !self.out.is_empty() && self.flush(wr).is_err() {
                 // The client is gone: nothing left to tell it.

@@ -958,3 +958,70 @@ async fn a_connection_that_never_authenticates_is_closed_after_the_frame_timeout
     assert_eq!(bridge.metrics().auth_failures, 1);
     bridge.shutdown().await;
 }
+
+/// A client that receives a constant stream of deliveries is still read:
+/// its ping is answered while the stream goes on (the connection's loop
+/// gives input a turn after a few turns of output). Before that turn
+/// existed, two of three runs of this test saw no pong within the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_flooded_with_deliveries_is_still_read() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let bus = EventBus::new();
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.flood"}))
+        .await;
+    eventually("registered", || bus.consumer_count("test.flood") == 1).await;
+
+    // Two threads publish without pause (bounded in count and time) until
+    // told to stop, so the registration's buffer seldom runs dry.
+    let stop = Arc::new(AtomicBool::new(false));
+    let floods: Vec<_> = (0..2)
+        .map(|_| {
+            let (bus, stop) = (bus.clone(), stop.clone());
+            tokio::task::spawn_blocking(move || {
+                let deadline = std::time::Instant::now() + 2 * WAIT;
+                let mut sent = 0u64;
+                while !stop.load(Ordering::Relaxed)
+                    && sent < 50_000_000
+                    && std::time::Instant::now() < deadline
+                {
+                    if bus.publish("test.flood", String::from("x")).is_ok() {
+                        sent += 1;
+                    }
+                }
+                sent
+            })
+        })
+        .collect();
+    // The stream is under way before the ping.
+    let mut before = 0u64;
+    while before < 10_000 {
+        assert_eq!(c.recv().await["type"], "message");
+        before += 1;
+    }
+    c.send(json!({"type":"ping"})).await;
+    let mut after = 0u64;
+    let answered = tokio::time::timeout(WAIT, async {
+        loop {
+            let f = c.recv().await;
+            if f["type"] == "pong" {
+                return;
+            }
+            assert_eq!(f["type"], "message");
+            after += 1;
+        }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let mut sent = 0;
+    for f in floods {
+        sent += f.await.unwrap();
+    }
+    assert!(
+        answered.is_ok(),
+        "no pong within {WAIT:?}: {after} deliveries after the ping, {sent} published"
+    );
+    bridge.shutdown().await;
+}
