@@ -478,8 +478,31 @@ mod tests {
             r#"{"h0":"last","h1":"v1","h2":"v2","h3":"again","h4":"v4","h5":"v5","h6":"v6","h7":"v7","h8":"v8","h9":"v9","H3":"upper"}"#
         );
         assert_eq!(headers_json(&h), quadratic_reference(&h));
-        // Every size around the threshold, and many distinct names.
-        for n in [0, 1, SCAN_HEADERS - 1, SCAN_HEADERS, SCAN_HEADERS + 1, 5000] {
+        // Up to the threshold (the scan, which the reference copies, so
+        // these are checked against literals): empty, one, and exactly
+        // SCAN_HEADERS entries with repeats and a name differing in case.
+        assert_eq!(headers_json(&Headers::new()), "{}");
+        let mut one = Headers::new();
+        one.add("a", "1");
+        assert_eq!(headers_json(&one), r#"{"a":"1"}"#);
+        let mut eight = Headers::new();
+        eight
+            .add("a", "1")
+            .add("b", "2")
+            .add("a", "3")
+            .add("A", "4")
+            .add("c", "5")
+            .add("b", "6")
+            .add("d", "7")
+            .add("e", "8");
+        assert_eq!(eight.len(), SCAN_HEADERS);
+        assert_eq!(
+            headers_json(&eight),
+            r#"{"a":"3","b":"6","A":"4","c":"5","d":"7","e":"8"}"#
+        );
+        // Above it the hash index must agree with the scan: sizes around
+        // the threshold once the repeats are added, and many distinct names.
+        for n in [SCAN_HEADERS - 1, SCAN_HEADERS, SCAN_HEADERS + 1, 5000] {
             let mut h = Headers::new();
             for i in 0..n {
                 h.add(format!("n{i}"), "a");
@@ -487,6 +510,7 @@ mod tests {
                     h.add(format!("n{}", i / 2), format!("b{i}"));
                 }
             }
+            assert!(h.len() > SCAN_HEADERS, "{n} headers take the hash path");
             assert_eq!(headers_json(&h), quadratic_reference(&h), "{n} headers");
         }
     }
