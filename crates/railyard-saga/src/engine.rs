@@ -466,9 +466,11 @@ impl Engine {
         };
         // The empty check keeps the usual case (nobody waiting) to a branch.
         if saga.waiting_for_instance() {
-            shard.waiting.insert(id.clone());
-        } else if !shard.waiting.is_empty() {
-            shard.waiting.remove(id);
+            if shard.waiting.insert(id.clone()) {
+                self.metrics.waiting_for_instance.inc();
+            }
+        } else if !shard.waiting.is_empty() && shard.waiting.remove(id) {
+            self.metrics.waiting_for_instance.dec();
         }
         let after = saga.deadline;
         if before.0.map(|d| d.0) != after.map(|d| d.0) {

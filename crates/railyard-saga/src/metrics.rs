@@ -13,6 +13,7 @@
 //! | `railyard_saga_compensations_retried_total` | counter | (later attempts) |
 //! | `railyard_saga_compensations_failed_total` | counter | (sub-transactions given up) |
 //! | `railyard_saga_instances` | gauge | (participant connections registered) |
+//! | `railyard_saga_waiting_for_instance` | gauge | (live sagas with a compensation waiting for a live instance of its service) |
 //!
 //! Label values are fixed sets, so cardinality is bounded.
 
@@ -76,6 +77,7 @@ pub(crate) struct SagaMetrics {
     pub(crate) compensations_retried: Counter,
     pub(crate) compensations_failed: Counter,
     pub(crate) instances: Gauge,
+    pub(crate) waiting_for_instance: Gauge,
 }
 
 impl SagaMetrics {
@@ -92,6 +94,7 @@ impl SagaMetrics {
             compensations_retried: Counter::default(),
             compensations_failed: Counter::default(),
             instances: Gauge::default(),
+            waiting_for_instance: Gauge::default(),
         }
     }
 
@@ -151,6 +154,11 @@ impl SagaMetrics {
             "instances",
             "Participant connections registered",
             self.instances.clone(),
+        );
+        r.register(
+            "waiting_for_instance",
+            "Live sagas with a compensation waiting for a live instance of its service",
+            self.waiting_for_instance.clone(),
         );
     }
 

@@ -323,7 +323,9 @@ async fn a_command_with_no_instance_waits_then_counts_as_a_failed_attempt() {
 
 /// Real time, and the waiting saga polls for an instance only once a
 /// minute: only the registration itself can send the waiting command
-/// within the test's few seconds.
+/// within the test's few seconds. The `waiting_for_instance` gauge, which
+/// counts the engine's index of waiting sagas, shows the index holds
+/// exactly that saga while it waits and nothing after.
 #[tokio::test]
 async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
     let cfg = CoordinatorConfig {
@@ -333,14 +335,28 @@ async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
     let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
         .await
         .unwrap();
+    let registry = railyard_saga::MetricsRegistry::default();
+    c.register_metrics(&registry);
+    // The gauge counts the engine's index of waiting sagas.
+    let waiting = || {
+        let text = railyard_saga::encode_metrics(&registry);
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("railyard_saga_waiting_for_instance "))
+            .unwrap_or_else(|| panic!("no waiting gauge in {text}"))
+            .to_owned();
+        line.rsplit(' ').next().unwrap().parse::<i64>().unwrap()
+    };
     // Live sagas that wait for nothing, beside the one that waits.
     for i in 0..50 {
         submit(&c, vec![start(&format!("g-busy-{i}"), 0)]).await;
     }
+    assert_eq!(waiting(), 0);
     let g = "g-waiting";
     submit(&c, aborted_after_one_step(g)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(c.state(g), Some(SagaState::Compensating));
+    assert_eq!(waiting(), 1, "only the saga without an instance waits");
     let mut rx = c.connect_local("svc", "svc-late", 16);
     let cmd = tokio::time::timeout(Duration::from_secs(5), command(&mut rx))
         .await
@@ -349,8 +365,11 @@ async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
         (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
         (g, "l1")
     );
+    // Its command went: it waits for the answer, not for an instance.
+    assert_eq!(waiting(), 0);
     submit(&c, vec![rec(EventKind::TxCompensated, g, "l1")]).await;
     assert_eq!(c.state(g), Some(SagaState::Compensated));
+    assert_eq!(waiting(), 0);
     // Nothing else was waiting: no other command.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(try_command(&mut rx).is_none());
