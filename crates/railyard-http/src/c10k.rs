@@ -6,7 +6,7 @@
 //! | `GET /static/4k`, `/static/8k`, `/static/64k` | fixed random alphanumeric bodies made at start, compressed once per encoding |
 //! | `GET /cached/4k`, `/cached/8k`, `/cached/64k` | a body from a moka cache (random key in 0..5000 per request, like the seed's Caffeine caches; entries expire after `cache_ttl`), compressed at most once per entry and encoding |
 //! | `GET /sendFile/test` | the file `send_file`, by zero-copy `sendfile(2)` |
-//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`, all or nothing: a failed upload leaves none of its files; 413 over `max_upload_bytes`; 400 for a malformed multipart body, when its preamble or a part header block passes [`MAX_MULTIPART_HEAD_BYTES`], or past [`MAX_UPLOAD_FILES`] file parts |
+//! | `POST /upload` | the body (raw, or every file part of a `multipart/form-data` body) streamed to `upload_dir`, all or nothing: a failed upload leaves none of its files; the 200 comes only once every file's data and its rename are durable (fsynced); 413 over `max_upload_bytes`; 400 for a malformed multipart body, when its preamble or a part header block passes [`MAX_MULTIPART_HEAD_BYTES`], or past [`MAX_UPLOAD_FILES`] file parts. [`app`] removes the hidden `.part` files that processes no longer running left in `upload_dir` |
 
 use std::cell::Cell;
 use std::fs::File;
@@ -99,13 +99,16 @@ impl C10kOptions {
     }
 }
 
-/// Builds the app. Does blocking file I/O (creates directories, opens and
-/// warms the send file): call it before serving, or on a blocking thread.
+/// Builds the app. Does blocking file I/O (creates directories, removes the
+/// stale upload parts of processes no longer running, opens and warms the
+/// send file): call it before serving, or on a blocking thread.
 ///
 /// # Errors
-/// If the upload directory or the send file cannot be created or opened.
+/// If the upload directory or the send file cannot be created or opened. A
+/// stale part that cannot be removed is logged, not an error.
 pub fn app(opts: &C10kOptions) -> io::Result<Router> {
     std::fs::create_dir_all(&opts.upload_dir)?;
+    remove_stale_parts(&opts.upload_dir);
     let (file, len) = open_send_file(&opts.send_file)?;
     let min = opts.compress_min_bytes;
     let fixed = |n| FixedBody::new(random_alnum(n), TEXT, min);
@@ -537,7 +540,20 @@ where
 /// bring a file back after the removal ran, and one that ran first is undone
 /// by it. Removal deletes a file's final name only if this upload renamed it
 /// there: names are unique to this run of the process (see [`run_tag`]), but
-/// a file under a final name is someone's stored upload.
+/// a file under a final name is someone's stored upload. A removal tokio
+/// drops without running it (see [`Removal`]) removes the files all the same.
+///
+/// # Durability
+/// The 200 goes out only once what it acknowledges survives a crash: every
+/// file's data is synced (`sync_all`) before its rename, and the upload
+/// directory is synced once after the renames, so the new names are durable
+/// too. This adds no blocking-pool hop: a finished part is synced and closed
+/// in the step that creates the next one, and the commit's one step syncs the
+/// last part, renames every file and syncs the directory. An upload of `n`
+/// files thus takes `n` create steps and one commit step, plus tokio's hops
+/// for the writes. A failed sync fails the upload (500) and removes its
+/// files like any other error. (Whether the disk was synced cannot be seen
+/// from a test; the order above is the whole argument.)
 struct UploadFiles {
     dir: PathBuf,
     /// Held while a step runs (a std mutex: only blocking-pool threads take
@@ -566,7 +582,8 @@ static UPLOAD_ID: AtomicU64 = AtomicU64::new(0);
 /// ids restart at 0 with every run, and a process id alone repeats (a
 /// container's server is often pid 1 on every start, and two containers can
 /// share a volume), so without it a new upload could replace, or a failed
-/// one remove, a file an earlier run stored.
+/// one remove, a file an earlier run stored. The process id comes first:
+/// [`remove_stale_parts`] reads it back.
 fn run_tag() -> &'static str {
     static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TAG.get_or_init(|| {
@@ -588,6 +605,114 @@ fn stored_name(dir: &Path, id: u64) -> PathBuf {
 
 fn partial_name(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!(".upload-{}-{id}.part", run_tag()))
+}
+
+/// Removes the hidden `.part` files in `dir` that no running process will
+/// finish, and returns how many it removed: those of a process that has
+/// exited (by the process id in their name, see [`run_tag`]), and those of
+/// an earlier run that had this process's id (that run is over: this process
+/// holds its id). The parts of this run and of other live processes stay, as
+/// do stored uploads and every name this server does not make. A part that
+/// cannot be removed is logged and left: it never fails the start. Blocking
+/// (lists the directory): [`app`] runs it.
+///
+/// Liveness is `kill(pid, 0)` in this process's pid namespace. A server
+/// writing to the same directory from another namespace (another container
+/// sharing the volume) can look exited, or have this process's id; its open
+/// part is then removed, and the upload it belongs to fails at its rename
+/// (500) instead of being acknowledged: nothing acknowledged is lost.
+fn remove_stale_parts(dir: &Path) -> usize {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => {
+            tracing::warn!(error = %e, dir = %dir.display(), "cannot list the upload directory for stale parts");
+            return 0;
+        }
+    };
+    let (mut removed, mut kept, mut failed) = (0usize, 0usize, 0usize);
+    for entry in entries {
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %dir.display(), "cannot list the upload directory for stale parts");
+                break;
+            }
+        };
+        let name = entry.file_name();
+        let Some((pid, tag)) = name.to_str().and_then(part_owner) else {
+            continue;
+        };
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        if !is_stale(pid, tag) {
+            kept += 1;
+            continue;
+        }
+        let path = entry.path();
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed += 1,
+            // Its owner finished or removed it meanwhile.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                failed += 1;
+                tracing::warn!(error = %e, file = %path.display(), "cannot remove a stale upload part");
+            }
+        }
+    }
+    if removed + kept + failed > 0 {
+        tracing::info!(removed, kept, failed, dir = %dir.display(), "swept the upload directory for stale parts");
+    }
+    removed
+}
+
+/// The process id and run tag in `name` if it is an upload part's name as
+/// [`partial_name`] makes it: `.upload-<pid>-<16 hex digits>-<id>.part`.
+fn part_owner(name: &str) -> Option<(libc::pid_t, &str)> {
+    let rest = name.strip_prefix(".upload-")?.strip_suffix(".part")?;
+    let (tag, id) = rest.rsplit_once('-')?;
+    let (pid, random) = tag.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(id) || !digits(pid) {
+        return None;
+    }
+    if random.len() != 16 || !random.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    // A process id is positive and fits a pid_t; anything else is not a
+    // name this server made.
+    let pid = pid.parse::<libc::pid_t>().ok().filter(|&p| p > 0)?;
+    Some((pid, tag))
+}
+
+/// Whether the part of run `tag` of process `pid` is left over: not this
+/// run's, and either of this process's id (an earlier run's) or of a process
+/// that no longer exists.
+fn is_stale(pid: libc::pid_t, tag: &str) -> bool {
+    if tag == run_tag() {
+        return false;
+    }
+    u32::try_from(pid).is_ok_and(|p| p == std::process::id()) || !process_exists(pid)
+}
+
+/// Whether process `pid` (> 0) exists in this pid namespace.
+fn process_exists(pid: libc::pid_t) -> bool {
+    // Safety: signal 0 sends nothing, kill only checks that the process
+    // exists and may be signalled; `pid` > 0 names one process, not a group.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    // EPERM: it exists but belongs to another user. A zombie counts as
+    // existing too: its parts wait for the next start.
+    io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Syncs a finished part's data to disk and closes it: blocking, the work of
+/// a step on the blocking pool.
+fn sync_and_close(part: Option<File>) -> io::Result<()> {
+    // Closing after a successful sync loses nothing, so drop's silent close
+    // is enough.
+    part.map_or(Ok(()), |f| f.sync_all())
 }
 
 impl UploadFiles {
@@ -629,14 +754,21 @@ impl UploadFiles {
         job.await.map_err(io::Error::other)?
     }
 
-    /// Closes the part being written, if any, and starts the next file.
+    /// Finishes the part being written, if any, and starts the next file:
+    /// one blocking step syncs and closes the finished part, then creates
+    /// the next.
     async fn start(&mut self) -> io::Result<()> {
-        self.finish_part().await?;
+        let finished = self.finish_part().await?;
         let id = UPLOAD_ID.fetch_add(1, Ordering::Relaxed);
         // Listed before it exists, so a cancelled create is cleaned up too.
         self.ids.push(id);
         let path = partial_name(&self.dir, id);
-        let file = self.unless_abandoned(move |_| File::create(path)).await?;
+        let file = self
+            .unless_abandoned(move |_| {
+                sync_and_close(finished)?;
+                File::create(path)
+            })
+            .await?;
         self.open = Some(tokio::fs::File::from_std(file));
         Ok(())
     }
@@ -649,27 +781,36 @@ impl UploadFiles {
     }
 
     /// Waits for the open part's writes (tokio's file writes in the
-    /// background) and closes it.
-    async fn finish_part(&mut self) -> io::Result<()> {
-        if let Some(mut f) = self.open.take() {
-            f.flush().await?;
-        }
-        Ok(())
+    /// background) and hands its file over, for the next blocking step to
+    /// sync and close ([`sync_and_close`]). `None` if no part is open.
+    async fn finish_part(&mut self) -> io::Result<Option<File>> {
+        let Some(mut f) = self.open.take() else {
+            return Ok(None);
+        };
+        f.flush().await?;
+        // Nothing is in flight after the flush: this does not wait.
+        Ok(Some(f.into_std().await))
     }
 
-    /// Renames every file into place. On an error, removes them all first.
+    /// Makes every file durable and renames it into place, in one blocking
+    /// step: syncs the last part (each earlier one was synced when the next
+    /// began), renames the files one after another, then syncs the directory
+    /// so that the renames are durable too. On an error, removes them all
+    /// first.
     async fn commit(mut self) -> io::Result<()> {
         let renamed = match self.finish_part().await {
-            Ok(()) => {
+            Ok(last) => {
                 let (dir, ids) = (self.dir.clone(), self.ids.clone());
                 self.unless_abandoned(move |steps| {
+                    sync_and_close(last)?;
                     // One after another: should one fail, removal takes
                     // back those already renamed.
-                    ids.iter().try_for_each(|&id| {
+                    for &id in &ids {
                         std::fs::rename(partial_name(&dir, id), stored_name(&dir, id))?;
                         steps.renamed += 1;
-                        Ok(())
-                    })
+                    }
+                    // A name lives in the directory: synced once for all.
+                    File::open(&dir)?.sync_all()
                 })
                 .await
             }
@@ -689,42 +830,22 @@ impl UploadFiles {
 
     /// Removes every file before returning.
     async fn discard(mut self) {
-        self.open = None;
-        if let Some(remove) = self.removal() {
-            let _ = tokio::task::spawn_blocking(remove).await;
+        if let Some(removal) = self.removal() {
+            let _ = tokio::task::spawn_blocking(move || removal.run()).await;
         }
     }
 
-    /// The job that abandons the upload and removes its files: under their
-    /// final names those this upload renamed, the others under their hidden
-    /// names. `None` if there are none.
-    fn removal(&mut self) -> Option<impl FnOnce() + Send + 'static> {
+    /// The job that abandons the upload and removes its files. `None` if
+    /// there are none.
+    fn removal(&mut self) -> Option<Removal> {
         if self.ids.is_empty() {
             return None;
         }
-        let (dir, ids, steps) = (
-            std::mem::take(&mut self.dir),
-            std::mem::take(&mut self.ids),
-            self.steps.clone(),
-        );
-        Some(move || {
-            let mut steps = steps
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            steps.abandoned = true;
-            for (k, id) in ids.into_iter().enumerate() {
-                let path = if k < steps.renamed {
-                    stored_name(&dir, id)
-                } else {
-                    partial_name(&dir, id)
-                };
-                match std::fs::remove_file(&path) {
-                    Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                        tracing::warn!(error = %e, file = %path.display(), "cannot remove a failed upload's file");
-                    }
-                    _ => {}
-                }
-            }
+        Some(Removal {
+            dir: std::mem::take(&mut self.dir),
+            ids: std::mem::take(&mut self.ids),
+            steps: self.steps.clone(),
+            open: self.open.take(),
         })
     }
 }
@@ -734,17 +855,74 @@ impl Drop for UploadFiles {
         // Cancelled mid-upload (the client left, or shutdown dropped the
         // request): remove on the blocking pool. A write still in flight
         // only touches an unlinked inode.
-        let Some(remove) = self.removal() else {
+        let Some(removal) = self.removal() else {
             return;
         };
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {
-                h.spawn_blocking(remove);
+                // Should the pool be shutting down, tokio drops the job
+                // unrun, and its drop removes the files.
+                h.spawn_blocking(move || removal.run());
             }
             // Outside the runtime (its core's thread is shutting down):
             // blocking here holds up no event loop.
-            Err(_) => remove(),
+            Err(_) => removal.run(),
         }
+    }
+}
+
+/// The job that abandons an upload and removes its files: under their final
+/// names those it renamed, the others under their hidden names. It does its
+/// work in [`Removal::run`], or else when dropped: tokio drops a
+/// blocking job it never starts (one spawned once its runtime's blocking
+/// pool is shutting down, as when a runtime drops the requests still open),
+/// and the files must go all the same. Blocking: it is run on the blocking
+/// pool, and dropped unrun only there or by a runtime that is shutting down,
+/// never on a serving event loop.
+struct Removal {
+    dir: PathBuf,
+    ids: Vec<u64>,
+    steps: Arc<std::sync::Mutex<Steps>>,
+    /// The part being written, if any: closed here, off the event loop.
+    open: Option<tokio::fs::File>,
+}
+
+impl Removal {
+    fn run(mut self) {
+        self.remove();
+    }
+
+    /// Removes the files; does nothing the second time.
+    fn remove(&mut self) {
+        self.open = None;
+        let ids = std::mem::take(&mut self.ids);
+        if ids.is_empty() {
+            return;
+        }
+        let mut steps = self
+            .steps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        steps.abandoned = true;
+        for (k, id) in ids.into_iter().enumerate() {
+            let path = if k < steps.renamed {
+                stored_name(&self.dir, id)
+            } else {
+                partial_name(&self.dir, id)
+            };
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!(error = %e, file = %path.display(), "cannot remove a failed upload's file");
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+impl Drop for Removal {
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 
@@ -803,6 +981,17 @@ mod tests {
             stored.iter().all(|n| n.starts_with("upload-")),
             "{stored:?}"
         );
+        // Each part's bytes, under the name of its id (ids grow).
+        let mut bytes: Vec<(u64, Vec<u8>)> = stored
+            .iter()
+            .map(|n| {
+                let id = n.rsplit('-').next().unwrap().parse().unwrap();
+                (id, std::fs::read(dir.join(n)).unwrap())
+            })
+            .collect();
+        bytes.sort();
+        assert_eq!(bytes[0].1, b"one");
+        assert_eq!(bytes[1].1, b"two");
 
         let dir = upload_dir("discard");
         let mut files = UploadFiles::new(&dir);
@@ -822,7 +1011,9 @@ mod tests {
         // rename it had queued.
         let steps = files.steps.clone();
         let remove = files.removal().expect("one file to remove");
-        tokio::task::spawn_blocking(remove).await.unwrap();
+        tokio::task::spawn_blocking(move || remove.run())
+            .await
+            .unwrap();
         assert!(steps.lock().unwrap().abandoned);
         let late = dir.join("late");
         let made = files
@@ -880,6 +1071,81 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("files left behind: {:?}", names(&dir));
+    }
+
+    /// A removal tokio never starts still removes the files: here the
+    /// runtime's blocking pool has stopped when the runtime drops the task
+    /// holding the upload (as a core's runtime drops the requests still
+    /// open), so the removal's job is dropped unrun.
+    #[test]
+    fn an_upload_dropped_as_its_runtime_shuts_down_removes_its_files() {
+        let dir = upload_dir("runtime-drop");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+            let dir = dir.clone();
+            tokio::spawn(async move {
+                let mut files = UploadFiles::new(&dir);
+                files.start().await.unwrap();
+                files.write(b"one").await.unwrap();
+                files.start().await.unwrap();
+                let _ = ready_tx.send(());
+                std::future::pending::<()>().await;
+                drop(files);
+            });
+            ready_rx.await.unwrap();
+        });
+        assert_eq!(names(&dir).len(), 2);
+        // Stops the blocking pool first, then drops the task inside the
+        // runtime: spawning the removal finds the pool shut down.
+        rt.shutdown_timeout(Duration::from_secs(5));
+        assert_eq!(names(&dir), Vec::<String>::new());
+    }
+
+    #[test]
+    fn only_part_names_are_read_as_parts() {
+        let tag = run_tag();
+        let ours = format!(".upload-{tag}-12.part");
+        assert_eq!(
+            part_owner(&ours),
+            Some((std::process::id() as libc::pid_t, tag))
+        );
+        for other in [
+            "upload-7-0123456789abcdef-1",
+            ".upload-7-0123456789abcdef-1",
+            ".upload-7-0123456789abcdef-.part",
+            ".upload-7-0123456789abcdeg-1.part",
+            ".upload-7-0123456789abcdef0-1.part",
+            ".upload-0-0123456789abcdef-1.part",
+            ".upload-+7-0123456789abcdef-1.part",
+            ".upload-99999999999-0123456789abcdef-1.part",
+            ".upload-7-1.part",
+        ] {
+            assert_eq!(part_owner(other), None, "{other}");
+        }
+    }
+
+    /// At start, the parts of this run stay (another app in this process may
+    /// be writing them), and those of an earlier run that had this
+    /// process's id go: that run is over. (Other processes' parts, live and
+    /// exited: `tests/routes.rs`.)
+    #[test]
+    fn stale_parts_of_an_earlier_run_with_this_pid_are_removed() {
+        let dir = upload_dir("stale-own-pid");
+        let this_run = partial_name(&dir, 3);
+        let earlier_run = dir.join(format!(
+            ".upload-{}-0123456789abcdef-3.part",
+            std::process::id()
+        ));
+        for f in [&this_run, &earlier_run] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        assert_eq!(remove_stale_parts(&dir), 1);
+        assert!(this_run.exists());
+        assert!(!earlier_run.exists());
     }
 
     #[test]

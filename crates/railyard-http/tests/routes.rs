@@ -1,6 +1,7 @@
 //! Every seed route over a real socket: status, headers, body, compressed
 //! variants, the sendfile path under keep-alive (beside `HEAD` and bodiless
-//! statuses); and the router without a socket.
+//! statuses); the router without a socket; and the app's removal of stale
+//! upload parts at start.
 
 mod common;
 
@@ -185,6 +186,56 @@ async fn the_router_answers_without_a_socket() {
     assert_eq!(
         std::fs::read(opts.upload_dir.join(&files[0])).unwrap(),
         b"hello upload"
+    );
+}
+
+/// At start the app removes the hidden `.part` files that exited processes
+/// left in the upload directory, and keeps a live process's parts, stored
+/// uploads and names it does not make; uploads then store as before.
+#[tokio::test]
+async fn the_app_removes_stale_upload_parts_at_start() {
+    let opts = C10kOptions::in_dir(&common::temp_dir("staleparts"));
+    std::fs::create_dir_all(&opts.upload_dir).unwrap();
+    // A process that has exited (and been reaped), and one still running.
+    let mut exited = std::process::Command::new("true").spawn().unwrap();
+    let exited_pid = exited.id();
+    exited.wait().unwrap();
+    let mut live = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let live_pid = live.id();
+    let part = |pid: u32, n: u32| format!(".upload-{pid}-0123456789abcdef-{n}.part");
+    let stale = [part(exited_pid, 0), part(exited_pid, 1)];
+    let mut kept = vec![
+        part(live_pid, 0),
+        format!("upload-{exited_pid}-0123456789abcdef-0"),
+        format!(".upload-{exited_pid}-not-a-run-0.part"),
+        "notes.txt".to_owned(),
+    ];
+    for name in stale.iter().chain(&kept) {
+        std::fs::write(opts.upload_dir.join(name), name).unwrap();
+    }
+    let app = c10k::app(&opts);
+    let _ = live.kill();
+    let _ = live.wait();
+    let app = app.unwrap();
+    kept.sort();
+    assert_eq!(common::entries(&opts.upload_dir), kept);
+
+    let up = Request::post("/upload")
+        .body(RequestBody::from("after the sweep"))
+        .unwrap();
+    assert_eq!(app.handle(up).await.status(), 200);
+    let new: Vec<String> = common::entries(&opts.upload_dir)
+        .into_iter()
+        .filter(|f| !kept.contains(f))
+        .collect();
+    assert_eq!(new.len(), 1, "{new:?}");
+    assert!(new[0].starts_with("upload-"), "{new:?}");
+    assert_eq!(
+        std::fs::read(opts.upload_dir.join(&new[0])).unwrap(),
+        b"after the sweep"
     );
 }
 
