@@ -19,7 +19,7 @@
 //!
 //! # Per-core recording
 //! The metrics touched on every request (request counts, durations, bytes in
-//! and out) are recorded per core in [`CoreStats`], which only that core's
+//! and out) are recorded per core in `CoreStats`, which only that core's
 //! thread writes (a plain load and store, no locked instruction, no cache
 //! line shared with the other cores), and summed over the cores at each
 //! scrape. A shared prometheus-client `Counter` or `Histogram` would make

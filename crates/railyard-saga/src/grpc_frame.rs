@@ -2,7 +2,7 @@
 //! a big-endian `u32` length before each protobuf message.
 //!
 //! Shared by the coordinator's hand-written `OnTxEvent` path
-//! ([`crate::unary`]) and the bench's Omega load client, which both write
+//! (the crate's `unary` module) and the bench's Omega load client, which both write
 //! and read the framing without tonic's codec. Neither negotiates
 //! compression, so a set flag is an error.
 

@@ -49,10 +49,10 @@ pub(crate) struct HttpArgs {
     /// Largest upload in bytes (POST /upload); larger gets 413.
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
     max_upload_bytes: u64,
-    /// Directory for the send file and uploads (default: <temp dir>/railyard-http).
+    /// Directory for the send file and uploads (default: railyard-http in the temp dir).
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// File served at /sendFile/test (default: <data dir>/test, created if missing).
+    /// File served at /sendFile/test (default: test in the data dir, created if missing).
     #[arg(long)]
     send_file: Option<PathBuf>,
     /// Keep hyper's state (about 10 KiB) on idle keep-alive connections

@@ -23,7 +23,7 @@ use serde::Deserialize;
 /// `--config`, flattened into `railyard node`'s options.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ConfigArgs {
-    /// TOML config file (sections: [bridge], [saga]); without it, embedded defaults.
+    /// TOML config file (sections: bridge, saga); without it, embedded defaults.
     #[arg(long, value_name = "FILE", env = "RAILYARD_CONFIG")]
     config: Option<PathBuf>,
 }
