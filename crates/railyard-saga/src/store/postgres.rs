@@ -280,35 +280,46 @@ impl PostgresStore {
     /// message names the address) or the string is invalid;
     /// [`StoreError::Corrupt`] if the database holds a newer schema.
     pub async fn connect(config: PostgresConfig) -> Result<Self, StoreError> {
-        let writer_conn = Connector::new(&config)?;
         let reader = Arc::new(Connector::new(&config)?);
-        ensure_schema(&writer_conn).await?;
-        reader.get().await?;
-        let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
-        let commits = Arc::new(AtomicU64::new(0));
         let mut writer = Writer {
-            conn: writer_conn,
+            conn: Connector::new(&config)?,
             statements: None,
             retention: config.retention.clone(),
             max_rows: config.max_batch_rows.max(1),
-            commits: commits.clone(),
+            commits: Arc::new(AtomicU64::new(0)),
             since_prune: 0,
         };
-        writer.prune().await?;
-        // Connected on the caller's runtime (schema, first prune), whose
-        // workers would then drive every commit's socket I/O: the writer
-        // connects again on its own thread.
-        writer.statements = None;
-        *writer.conn.client.lock() = None;
+        let commits = writer.commits.clone();
+        let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| StoreError::Engine(format!("cannot build the writer's runtime: {e}")))?;
-        // Ends when every sender of the queue is gone (the store dropped).
+        // The writer connects once, on its own thread, whose runtime then
+        // drives every commit's socket I/O (not the caller's workers): the
+        // schema and the first prune run there, and `connect` waits for them.
+        let (ready_tx, ready) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name("saga-pg-writer".into())
-            .spawn(move || runtime.block_on(writer.run(rx)))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let set_up = match ensure_schema(&writer.conn).await {
+                        Ok(()) => writer.prune().await,
+                        Err(e) => Err(e),
+                    };
+                    let ok = set_up.is_ok();
+                    if ready_tx.send(set_up).is_ok() && ok {
+                        // Ends when every sender of the queue is gone (the
+                        // store dropped).
+                        writer.run(rx).await;
+                    }
+                });
+            })
             .map_err(|e| StoreError::Engine(format!("cannot start the writer thread: {e}")))?;
+        ready.await.map_err(|_| {
+            StoreError::Engine("the store's writer thread stopped before it was ready".into())
+        })??;
+        reader.get().await?;
         Ok(Self {
             queue: tx,
             reader,
