@@ -50,4 +50,5 @@ pub use compress::{Encoding, FixedBody};
 pub use config::{ConfigError, HttpConfig};
 pub use metrics::{admin_router, HttpMetrics, MetricsRegistry};
 pub use router::{Handler, Router};
+pub use sendfile::cachestat_available;
 pub use server::{bind, HttpError, Server, ShutdownReport};

@@ -97,6 +97,38 @@ const REMEMBERED: usize = 64;
 /// did.
 static NO_CACHESTAT: AtomicBool = AtomicBool::new(false);
 
+/// `cachestat(2)`'s number: the same on every architecture (a syscall
+/// added after the tables were unified); the `libc` crate does not name it.
+#[cfg(target_os = "linux")]
+const SYS_CACHESTAT: libc::c_long = 451;
+
+/// Whether this kernel has `cachestat(2)` (Linux 6.5+, and no seccomp
+/// filter refusing it), so that cold file windows are read on the blocking
+/// pool before `sendfile` (without it they are sent as they are). Asked
+/// with no file: an existing call answers `EBADF` for the invalid
+/// descriptor, a missing one `ENOSYS`.
+pub fn cachestat_available() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: an invalid descriptor and null pointers: the kernel
+        // checks the descriptor first and touches no memory.
+        let r = unsafe {
+            libc::syscall(
+                SYS_CACHESTAT,
+                -1i32,
+                std::ptr::null::<u8>(),
+                std::ptr::null_mut::<u8>(),
+                0u32,
+            )
+        };
+        !(r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
 /// What `cachestat` says about a file range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Residency {
@@ -134,9 +166,6 @@ pub(crate) fn residency(file: &File, offset: u64, len: u64) -> Residency {
             nr_evicted: u64,
             nr_recently_evicted: u64,
         }
-        /// The same number on every architecture (a syscall added after
-        /// the tables were unified); the `libc` crate does not name it.
-        const SYS_CACHESTAT: libc::c_long = 451;
         let range = Range { off: offset, len };
         let mut stat = Stat::default();
         // SAFETY: the file descriptor is open for the call's duration (we

@@ -181,7 +181,7 @@ async fn a_file_evicted_from_the_page_cache_is_read_off_the_event_loop_first() {
     assert_eq!(r.status, 200);
     assert!(r.body == data, "the file's own bytes");
     let cold = scraped(&admin, "railyard_http_cold_file_reads_total").await;
-    if cachestat_missing(&path) {
+    if !railyard_http::cachestat_available() {
         // A kernel before 6.5 (or a seccomp filter) has no cachestat: the
         // server cannot tell, sends every file as it is and counts nothing.
         assert_eq!(cold, 0.0, "no cold reads without cachestat");
@@ -204,39 +204,4 @@ async fn a_file_evicted_from_the_page_cache_is_read_off_the_event_loop_first() {
     admin.stop().await;
     server.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Whether `cachestat(2)` (syscall 451, Linux 6.5+) fails with `ENOSYS`
-/// here, asked about `path` directly.
-fn cachestat_missing(path: &std::path::Path) -> bool {
-    use std::os::fd::AsRawFd;
-    #[repr(C)]
-    struct Range {
-        off: u64,
-        len: u64,
-    }
-    #[repr(C)]
-    #[derive(Default)]
-    struct Stat {
-        cache: u64,
-        dirty: u64,
-        writeback: u64,
-        evicted: u64,
-        recently_evicted: u64,
-    }
-    let f = std::fs::File::open(path).unwrap();
-    let range = Range { off: 0, len: 0 };
-    let mut stat = Stat::default();
-    // SAFETY: both pointers are to live values of the layouts the kernel
-    // expects; an older kernel only answers ENOSYS.
-    let r = unsafe {
-        libc::syscall(
-            451,
-            f.as_raw_fd(),
-            &range as *const Range,
-            &mut stat as *mut Stat,
-            0u32,
-        )
-    };
-    r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS)
 }

@@ -179,6 +179,9 @@ pub(crate) async fn start(
         admin = %admin_addr,
         threads,
         send_file = %opts.send_file.display(),
+        // Without cachestat (a kernel before 6.5), a cold file window is
+        // read by sendfile on the event loop.
+        cold_file_reads_off_loop = railyard_http::cachestat_available(),
         "http server listening"
     );
     Ok(Some(HttpHandle {
