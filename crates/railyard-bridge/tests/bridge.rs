@@ -171,9 +171,7 @@ async fn registered_client_receives_sends_publishes_and_requests() {
     let bus = EventBus::new();
     let bridge = start(&bus, open_config()).await;
     let mut c = Client::connect(bridge.local_addr()).await;
-    c.send(json!({"type":"register","address":"test.inbox"}))
-        .await;
-    eventually("registered", || bus.consumer_count("test.inbox") == 1).await;
+    c.register(&bus, "test.inbox").await;
 
     bus.send("test.inbox", json!({"hello": 1})).unwrap();
     assert_eq!(
@@ -618,9 +616,7 @@ async fn slow_client_pauses_and_loses_nothing() {
     };
     let bridge = start(&bus, config).await;
     let mut c = Client::connect(bridge.local_addr()).await;
-    c.send(json!({"type":"register","address":"test.flood"}))
-        .await;
-    eventually("registered", || bus.consumer_count("test.flood") == 1).await;
+    c.register(&bus, "test.flood").await;
 
     // The client reads nothing while the bus sends 4 KiB messages until it refuses.
     let payload = "x".repeat(4096);
@@ -868,9 +864,7 @@ async fn a_pause_stops_a_partial_frames_clock_without_restarting_it() {
     )
     .await;
     let mut c = Client::connect(bridge.local_addr()).await;
-    c.send(json!({"type":"register","address":"test.flood"}))
-        .await;
-    eventually("registered", || bus.consumer_count("test.flood") == 1).await;
+    c.register(&bus, "test.flood").await;
     let ping = wire(&json!({"type":"ping"}));
     c.send_raw(&ping[..3]).await;
     // Paused time: it jumps to the next timer whenever every task waits, so
@@ -970,9 +964,7 @@ async fn a_client_flooded_with_deliveries_is_still_read() {
     let bus = EventBus::new();
     let bridge = start(&bus, open_config()).await;
     let mut c = Client::connect(bridge.local_addr()).await;
-    c.send(json!({"type":"register","address":"test.flood"}))
-        .await;
-    eventually("registered", || bus.consumer_count("test.flood") == 1).await;
+    c.register(&bus, "test.flood").await;
 
     // Two threads publish without pause (bounded in count and time) until
     // told to stop, so the registration's buffer seldom runs dry.

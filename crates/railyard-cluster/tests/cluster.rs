@@ -323,15 +323,38 @@ async fn frames_sent_with_the_hello_are_not_lost() {
     assert_eq!(nz.counters().malformed.get(), 0);
 }
 
+/// Waits (bounded) until `bus` routes no address to another node.
+async fn unrouted(bus: &EventBus) {
+    for _ in 0..500 {
+        if bus.remote_addresses().is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("still routed to other nodes: {:?}", bus.remote_addresses());
+}
+
+/// Nodes `a` and `b`, with an echo consumer at `over-there` on `b` that
+/// `a` routes to; `b`'s side is returned to be kept for the test's length.
+async fn a_routing_to_b(
+    reg: &InProcessRegistry,
+) -> (
+    (EventBus, ClusterNode),
+    (EventBus, ClusterNode, railyard_bus::Consumer),
+) {
+    let (a, na) = start(reg, "a").await;
+    let (b, nb) = start(reg, "b").await;
+    let c = echo(&b, "over-there").await;
+    routed(&a, "over-there").await;
+    ((a, na), (b, nb, c))
+}
+
 /// `leave` clears the node's remote routes before it returns (the clearing
 /// runs on the blocking pool, and `leave` waits for it).
 #[tokio::test(flavor = "current_thread")]
 async fn leaving_clears_the_remote_routes_before_it_returns() {
     let reg = InProcessRegistry::new();
-    let (a, na) = start(&reg, "a").await;
-    let (b, _nb) = start(&reg, "b").await;
-    let _c = echo(&b, "over-there").await;
-    routed(&a, "over-there").await;
+    let ((a, na), _b) = a_routing_to_b(&reg).await;
     na.leave().await.expect("leaves");
     assert!(a.remote_addresses().is_empty());
     let r = a.request("over-there", String::from("x")).await;
@@ -343,18 +366,9 @@ async fn leaving_clears_the_remote_routes_before_it_returns() {
 #[tokio::test(flavor = "current_thread")]
 async fn dropping_a_node_clears_its_remote_routes() {
     let reg = InProcessRegistry::new();
-    let (a, na) = start(&reg, "a").await;
-    let (b, _nb) = start(&reg, "b").await;
-    let _c = echo(&b, "over-there").await;
-    routed(&a, "over-there").await;
+    let ((a, na), _b) = a_routing_to_b(&reg).await;
     drop(na);
-    for _ in 0..500 {
-        if a.remote_addresses().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(a.remote_addresses().is_empty());
+    unrouted(&a).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,13 +384,7 @@ async fn unregistering_withdraws_the_route_everywhere() {
         "local consumers are never advertised"
     );
     c.unregister().await;
-    for _ in 0..500 {
-        if a.remote_addresses().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(a.remote_addresses().is_empty());
+    unrouted(&a).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

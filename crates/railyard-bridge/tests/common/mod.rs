@@ -100,6 +100,13 @@ impl Client {
         while self.recv_or_eof().await.is_some() {}
     }
 
+    /// Registers at `address` and waits until `bus` has the consumer.
+    pub async fn register(&mut self, bus: &EventBus, address: &str) {
+        self.send(serde_json::json!({"type": "register", "address": address}))
+            .await;
+        eventually("registered", || bus.consumer_count(address) == 1).await;
+    }
+
     pub async fn ping_pong(&mut self) {
         self.send(serde_json::json!({"type": "ping"})).await;
         assert_eq!(self.recv().await, serde_json::json!({"type": "pong"}));
