@@ -187,7 +187,8 @@ impl ClusterClientBuilder {
     /// its connection closed and reopened; the other connections carry on.
     /// It is not a cap on a reply's total size: a reply made of many small
     /// elements that arrives complete within one read is decoded whatever
-    /// its length.
+    /// its length (on the blocking pool, like every reply with more than
+    /// 4 KiB for the decoder to read).
     /// Leave room for `CLUSTER NODES`, about 126 bytes per node.
     #[must_use]
     pub fn max_reply_size(self, bytes: usize) -> Self {

@@ -29,9 +29,35 @@
 //! 64 KiB reads) costs one pass over its headers and one decode, not one of
 //! each per read.
 //!
+//! # Where replies are decoded
+//! The task serves every caller of its node, so it must not block for long
+//! (the project allows an async task about 0.5 ms). The walk is cheap and
+//! incremental; decoding costs some 60 to 200 ns per value, so an `LRANGE`
+//! of 100,000 elements would hold the task for 6 to 20 ms. The task
+//! therefore decodes only replies whose decoder would read at most
+//! [`DECODE_ON_TASK_MAX`](crate::value::DECODE_ON_TASK_MAX) (4 KiB) bytes,
+//! bulk-string payloads excepted: the decoder slices those out without
+//! reading them, so a `GET` of a 50 MB value is still decoded here, in
+//! microseconds. That is nearly every reply: single values, error replies
+//! (so MOVED/ASK arrive decoded), and small aggregates keep the path they
+//! always had. A bigger reply is split off the read buffer as it is,
+//! without a copy, and sent to the caller undecoded; [`NodeConn::request`]
+//! decodes it on the runtime's blocking pool, within the command's timeout,
+//! because the caller's task is an async worker too. The caller then sees
+//! the same [`Value`] (and an error reply the same [`Value::Error`]) as when
+//! the task decoded it.
+//!
+//! A handed-off reply that the decoder refuses (something wrong inside a
+//! header the walk does not check, like an integer that is not a number)
+//! fails only its own request with [`RedisError::Protocol`]: the walk
+//! found where it ends, so the connection's framing is intact and the
+//! connection stays open. The same fault in a reply decoded on the task
+//! closes the connection, as before.
+//!
 //! # Failure
-//! A malformed reply or an I/O error closes the socket; every request in
-//! flight gets the error ([`RedisError::Protocol`] / [`RedisError::Io`]).
+//! A malformed reply (but for a handed-off one, above) or an I/O error
+//! closes the socket; every request in flight gets the error
+//! ([`RedisError::Protocol`] / [`RedisError::Io`]).
 //! The task then reconnects with exponential backoff, failing queued
 //! requests fast with [`RedisError::Disconnected`] meanwhile, and fires the
 //! adaptive refresh trigger after `reconnects_before_refresh` failed attempts.
@@ -49,7 +75,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::RedisError;
 use crate::refresh::{Reason, Trigger};
-use crate::value::{Cmd, Protocol, ReplyDecoder, Value};
+use crate::value::{Cmd, Framed, Protocol, Reply, ReplyDecoder, Value};
 
 /// Settings every node connection shares.
 #[derive(Debug, Clone)]
@@ -67,15 +93,19 @@ pub(crate) struct ConnConfig {
     pub(crate) max_reply: usize,
 }
 
+/// What a request's oneshot carries: a reply, decoded or not, or why there
+/// is none.
+type ReplyTx = oneshot::Sender<Result<Reply, RedisError>>;
+
 struct Request {
     bytes: Bytes,
     replies: usize,
-    tx: oneshot::Sender<Result<Value, RedisError>>,
+    tx: ReplyTx,
 }
 
 struct Pending {
     remaining: usize,
-    tx: oneshot::Sender<Result<Value, RedisError>>,
+    tx: ReplyTx,
 }
 
 #[derive(Debug, Default)]
@@ -135,12 +165,19 @@ impl NodeConn {
 
     /// Sends `cmds` back to back and returns the last reply.
     ///
+    /// A reply the connection's task left undecoded (too big to decode
+    /// there) is decoded on the blocking pool before it is returned; the
+    /// timeout covers that too.
+    ///
     /// # Errors
-    /// [`RedisError::QueueFull`], [`RedisError::Timeout`], and whatever the
-    /// connection reports.
+    /// [`RedisError::QueueFull`], [`RedisError::Timeout`], whatever the
+    /// connection reports, [`RedisError::Protocol`] for a handed-off reply
+    /// the decoder refuses, and [`RedisError::Shutdown`] when the runtime
+    /// shuts down before decoding it.
     ///
     /// # Cancel safety
-    /// Dropping the future abandons the reply; the command may still run.
+    /// Dropping the future abandons the reply; the command may still run,
+    /// and a decode already started finishes on its blocking thread.
     pub(crate) async fn request(
         &self,
         cmds: &[&Cmd],
@@ -169,16 +206,36 @@ impl NodeConn {
                 },
                 mpsc::error::TrySendError::Closed(_) => RedisError::Shutdown,
             })?;
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(RedisError::Disconnected {
-                node: self.addr.clone(),
-            }),
+        let reply = async {
+            match rx.await {
+                Ok(Ok(Reply::Value(v))) => Ok(v),
+                Ok(Ok(Reply::Framed(f))) => decode_framed(&self.addr, f).await,
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(RedisError::Disconnected {
+                    node: self.addr.clone(),
+                }),
+            }
+        };
+        match tokio::time::timeout(timeout, reply).await {
+            Ok(r) => r,
             Err(_) => Err(RedisError::Timeout {
                 node: self.addr.clone(),
                 timeout,
             }),
         }
+    }
+}
+
+/// Decodes a reply the connection's task handed off undecoded, on the
+/// blocking pool (see "Where replies are decoded" above).
+async fn decode_framed(node: &Arc<str>, f: Framed) -> Result<Value, RedisError> {
+    match f.decode_on_blocking_pool().await {
+        Some(Ok(v)) => Ok(v),
+        Some(Err(detail)) => Err(RedisError::Protocol {
+            node: node.clone(),
+            detail,
+        }),
+        None => Err(RedisError::Shutdown),
     }
 }
 
@@ -263,20 +320,24 @@ async fn connect(addr: &Arc<str>, cfg: &ConnConfig) -> Result<TcpStream, RedisEr
         let mut replies = ReplyDecoder::new(cfg.protocol, cfg.max_reply);
         for c in &hello {
             s.write_all(&c.encode()).await.map_err(io)?;
-            let v = loop {
-                if let Some(v) =
+            let reply = loop {
+                if let Some(r) =
                     replies
-                        .decode(&mut rbuf)
+                        .next_reply(&mut rbuf)
                         .map_err(|detail| RedisError::Protocol {
                             node: addr.clone(),
                             detail,
                         })?
                 {
-                    break v;
+                    break r;
                 }
                 if s.read_buf(&mut rbuf).await.map_err(io)? == 0 {
                     return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
                 }
+            };
+            let v = match reply {
+                Reply::Value(v) => v,
+                Reply::Framed(f) => decode_framed(addr, f).await?,
             };
             if let Value::Error(e) = v {
                 return Err(RedisError::Server {
@@ -387,8 +448,9 @@ fn dispatch(
     pending: &mut VecDeque<Pending>,
 ) -> Result<(), RedisError> {
     loop {
-        let v = match replies.decode(rbuf) {
-            Ok(Some(v)) => v,
+        // Decoded here if cheap, else framed for the caller to decode.
+        let r = match replies.next_reply(rbuf) {
+            Ok(Some(r)) => r,
             Ok(None) => return Ok(()),
             Err(detail) => {
                 return Err(RedisError::Protocol {
@@ -400,13 +462,15 @@ fn dispatch(
         let Some(front) = pending.front_mut() else {
             return Err(RedisError::Protocol {
                 node: addr.clone(),
-                detail: format!("a reply ({}) arrived with no request waiting", v.describe()),
+                detail: format!("a reply ({}) arrived with no request waiting", r.describe()),
             });
         };
         front.remaining -= 1;
+        // An earlier reply of the request (`ASKING`'s) is dropped, even
+        // one left undecoded: only the last is the caller's.
         if front.remaining == 0 {
             if let Some(p) = pending.pop_front() {
-                let _ = p.tx.send(Ok(v));
+                let _ = p.tx.send(Ok(r));
             }
         }
     }

@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::slot::{key_slot, SLOTS};
-use crate::value::{Protocol, ReplyDecoder, Value, DEFAULT_MAX_REPLY_SIZE};
+use crate::value::{Protocol, Reply, ReplyDecoder, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// One node of the double's topology.
 #[derive(Debug, Clone)]
@@ -307,9 +307,19 @@ async fn serve(mut sock: TcpStream, me: usize, state: Arc<State>) {
             Ok(_) => {}
         }
         loop {
-            let args = match requests.decode(&mut rbuf) {
-                Ok(Some(Value::Array(a))) => a,
+            let request = match requests.next_reply(&mut rbuf) {
+                Ok(Some(Reply::Value(v))) => Ok(v),
+                // A command of hundreds of arguments, too long to decode
+                // on this task.
+                Ok(Some(Reply::Framed(f))) => f
+                    .decode_on_blocking_pool()
+                    .await
+                    .unwrap_or_else(|| Err("shutting down".to_owned())),
                 Ok(None) => break,
+                Err(e) => Err(e),
+            };
+            let args = match request {
+                Ok(Value::Array(a)) => a,
                 _ => {
                     let _ = sock.write_all(b"-ERR protocol error\r\n").await;
                     return;

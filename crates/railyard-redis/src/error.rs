@@ -21,9 +21,17 @@ pub enum RedisError {
         /// The rest of the reply.
         message: String,
     },
-    /// A reply could not be decoded; the connection it came on was closed and
-    /// will be reopened. Usually not Redis on the other end, or a proxy in the way.
-    #[error("malformed reply from {node}: {detail}; the connection was closed")]
+    /// A reply could not be decoded. Usually not Redis on the other end, or a
+    /// proxy in the way.
+    ///
+    /// When the bytes could not be framed (not RESP, nested too deep, over
+    /// `max_reply_size`), or a reply decoded on the connection's task was
+    /// refused, the connection was closed and will be reopened, and every
+    /// request in flight on it gets this error. A large reply decoded off
+    /// that task (see "How data moves" in the crate documentation) whose end
+    /// was found but whose contents the decoder refuses fails only its own
+    /// request: the connection stays open.
+    #[error("malformed reply from {node}: {detail}")]
     Protocol {
         /// The node the bytes came from.
         node: Arc<str>,

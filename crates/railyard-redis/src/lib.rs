@@ -6,7 +6,7 @@
 //!   routing by key slot, MOVED/ASK, retries, the typed commands and [`Cmd`].
 //! - `conn`: one task per node owns its socket; handles send it commands over
 //!   a bounded channel and get replies on a oneshot; pipelining, reconnects
-//!   with backoff.
+//!   with backoff; big replies decoded by the caller, off the task.
 //! - [`slot`]: CRC16 key slots and hash tags.
 //! - [`topology`]: `CLUSTER NODES` views, their fingerprints, the consensus
 //!   rule and the [`SlotTable`].
@@ -26,6 +26,17 @@
 //! The refresher, on its own thread, fetches views over its own connections,
 //! hashes, parses and builds on a blocking thread, then stores the new table
 //! with one atomic pointer swap. Command tasks only ever read the table.
+//!
+//! A node's connection task frames every reply (a resumable walk over its
+//! headers finds where it ends) and decodes it only when that is cheap:
+//! when the decoder has at most 4 KiB to read, bulk-string payloads not
+//! counted since they are sliced, not read. So single values of any size,
+//! error replies (MOVED/ASK included) and small aggregates are decoded there.
+//! A bigger reply (an `LRANGE` of thousands of elements, which takes
+//! milliseconds to decode) reaches its caller as bytes and is decoded on the
+//! runtime's blocking pool before the call returns, so that neither the
+//! connection's task, which serves every caller of that node, nor the
+//! caller's task holds an async worker for it.
 //!
 //! The RESP decoder is the `redis-protocol` crate; the command encoder, the
 //! CRC16 and the topology code are Railyard's own, because they are either

@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::topology::fingerprint;
-use crate::value::{Cmd, Protocol, ReplyDecoder, Value, DEFAULT_MAX_REPLY_SIZE};
+use crate::value::{Cmd, Protocol, Reply, ReplyDecoder, Value, DEFAULT_MAX_REPLY_SIZE};
 
 /// Why a local cluster could not be started or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -68,8 +68,15 @@ pub async fn query(addr: &str, cmd: &Cmd) -> Result<Value, String> {
         let mut buf = BytesMut::with_capacity(4096);
         let mut reply = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
         loop {
-            if let Some(v) = reply.decode(&mut buf)? {
-                return Ok(v);
+            match reply.next_reply(&mut buf)? {
+                Some(Reply::Value(v)) => return Ok(v),
+                Some(Reply::Framed(f)) => {
+                    return f
+                        .decode_on_blocking_pool()
+                        .await
+                        .unwrap_or_else(|| Err("the runtime is shutting down".to_owned()));
+                }
+                None => {}
             }
             if s.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
                 return Err("connection closed".to_owned());

@@ -1,4 +1,6 @@
-//! Replies ([`Value`]), commands ([`Cmd`]) and the RESP codec glue.
+//! Replies ([`Value`]), commands ([`Cmd`]) and the RESP codec glue:
+//! [`ReplyDecoder`] frames the replies arriving on a connection and decodes
+//! the cheap ones; [`Framed`] holds one it left for the caller to decode.
 //!
 //! Decoding uses the `redis-protocol` crate (RESP2 and RESP3, zero-copy
 //! `Bytes` frames). Encoding a command is a flat array of bulk strings, which
@@ -120,8 +122,9 @@ pub enum Protocol {
 /// aborts the whole process. Real replies nest a few levels (`CLUSTER SLOTS`
 /// is 3, `XREAD` 4). The bound is the stack: the RESP3 decoder takes about
 /// 19 KB per level of nested maps in a debug build (2.6 KB optimised), so a
-/// 2 MiB tokio worker overflows near 108 levels; 64 keeps a debug build's
-/// decoding under 1.3 MB of that stack.
+/// 2 MiB tokio worker or blocking-pool thread (where large replies are
+/// decoded, see [`DECODE_ON_TASK_MAX`]) overflows near 108 levels; 64 keeps
+/// a debug build's decoding under 1.3 MB of that stack.
 pub(crate) const MAX_DEPTH: usize = 64;
 
 /// Default largest reply, in bytes (see `ClusterClientBuilder::max_reply_size`).
@@ -132,8 +135,110 @@ pub(crate) const MAX_DEPTH: usize = 64;
 /// `proto-max-bulk-len`, the largest bulk string a server stores.
 pub(crate) const DEFAULT_MAX_REPLY_SIZE: usize = 512 << 20;
 
-/// Decodes the replies arriving on one connection, one at a time, from the
-/// front of its read buffer.
+/// Most bytes the decoder may have to read in a reply for the reply to be
+/// decoded where it was framed, on its connection's task; a larger one is
+/// handed to its caller undecoded ([`Reply::Framed`]), and decoded on the
+/// blocking pool.
+///
+/// The bytes counted are the reply's size less its bulk strings' payloads:
+/// the decoder slices a payload out of the buffer without reading it, so a
+/// `GET` of 4 MiB decodes in under 2 µs, like one of 4 bytes. What costs is
+/// the values: each is a header line to parse and a place in three vectors
+/// (the decoder's ranges, its frames, then [`Value`]s). Measured on an
+/// optimised build, on a 2-core machine shared with other work, median of
+/// many runs: 8 to 22 ns per byte counted with RESP2, 26 to 66 ns with RESP3,
+/// whose arrays of one-element arrays, empty arrays and nulls are the worst
+/// (4 KiB of them took 210 µs, 16 KiB 1.1 ms, 64 KiB 3.8 ms); a single simple
+/// string, error line or RESP3 blob error costs under 1 ns per byte. 4 KiB
+/// keeps the worst shape near 200 µs, under the project's 0.5 ms for a task
+/// with room for a slower machine, and still decodes on the connection's
+/// task any single value, an `MGET` of a few hundred keys, and every error
+/// reply Redis sends (MOVED and ASK are under 100 bytes).
+pub(crate) const DECODE_ON_TASK_MAX: usize = 4 << 10;
+
+/// A complete reply taken off the front of a connection's read buffer.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    /// Decoded where it was framed: the decoder had at most
+    /// [`DECODE_ON_TASK_MAX`] bytes to read.
+    Value(Value),
+    /// Framed only: decoding it could hold the connection's task past the
+    /// project's 0.5 ms, so whoever waits for it decodes it.
+    Framed(Framed),
+}
+
+impl Reply {
+    /// A short description for error messages (never the payload itself).
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Reply::Value(v) => v.describe(),
+            Reply::Framed(f) => format!("undecoded reply of {} bytes", f.bytes.len()),
+        }
+    }
+}
+
+/// The bytes of one complete reply, its end found by the walk, not yet
+/// decoded.
+#[derive(Debug)]
+pub(crate) struct Framed {
+    /// Exactly one reply: the walk found its last byte.
+    bytes: Bytes,
+    proto: Protocol,
+}
+
+impl Framed {
+    /// Runs the decoder over the reply: tens of nanoseconds per byte (see
+    /// [`DECODE_ON_TASK_MAX`]), so not on an async task; see
+    /// [`Framed::decode_on_blocking_pool`].
+    ///
+    /// # Errors
+    /// What the decoder refused, in its words, as
+    /// [`ReplyDecoder::next_reply`] would have reported it had the reply
+    /// been decoded there: something wrong inside a header or payload that
+    /// the walk does not check (an integer that is not a number, a set of
+    /// arrays). Also, should the decoder not end the reply where the walk
+    /// did, a message saying so; the walk is designed to agree with it.
+    pub(crate) fn decode(self) -> Result<Value, String> {
+        let len = self.bytes.len();
+        let decoded = match self.proto {
+            Protocol::Resp2 => redis_protocol::resp2::decode::decode_bytes(&self.bytes)
+                .map(|r| r.map(|(f, n)| (Value::from_resp2(f), n))),
+            Protocol::Resp3 => redis_protocol::resp3::decode::complete::decode_bytes(&self.bytes)
+                .map(|r| r.map(|(f, n)| (Value::from_resp3(f), n))),
+        }
+        .map_err(|e| e.details().to_owned())?;
+        match decoded {
+            Some((v, n)) if n == len => Ok(v),
+            Some((_, n)) => Err(format!(
+                "the decoder ended a {len}-byte reply after {n} bytes"
+            )),
+            None => Err(format!("the decoder found a {len}-byte reply incomplete")),
+        }
+    }
+
+    /// [`Framed::decode`] on the runtime's blocking pool, so that neither
+    /// the connection's task nor the caller's holds an async worker for it.
+    ///
+    /// `None` when the runtime is shutting down and did not run it. A panic
+    /// in the decoder is resumed here.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime.
+    ///
+    /// # Cancel safety
+    /// Dropping the future leaves the decode to finish on its thread, which
+    /// also drops the value.
+    pub(crate) async fn decode_on_blocking_pool(self) -> Option<Result<Value, String>> {
+        match tokio::task::spawn_blocking(move || self.decode()).await {
+            Ok(r) => Some(r),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => None,
+        }
+    }
+}
+
+/// Frames the replies arriving on one connection, one at a time, from the
+/// front of its read buffer, and decodes those that are cheap to decode.
 ///
 /// A reply can take many reads to arrive (`LRANGE` of a million elements is
 /// about 10 MB, some 150 reads of 64 KiB). The recursive decoder cannot pick
@@ -141,20 +246,26 @@ pub(crate) const DEFAULT_MAX_REPLY_SIZE: usize = 512 << 20;
 /// whole reply so far each time: work quadratic in the reply's size, on the
 /// connection's I/O task. Instead a walk over the reply's type headers
 /// ([`Walk`]) resumes after every read where the previous one left it, and
-/// the decoder runs once, when the walk has found the reply's last byte.
+/// finds the reply's last byte. Then the decoder runs once, here, if it has
+/// at most [`DECODE_ON_TASK_MAX`] bytes to read; otherwise the reply's bytes
+/// are split off the buffer as they are ([`Reply::Framed`]) for the waiting
+/// caller to decode off the connection's task.
 ///
 /// The walk's position counts from the front of the buffer, so the caller
 /// must pass the same buffer every time, only ever grown at its end; what
-/// [`ReplyDecoder::decode`] takes off its front restarts the walk.
+/// [`ReplyDecoder::next_reply`] takes off its front restarts the walk.
 #[derive(Debug)]
 pub(crate) struct ReplyDecoder {
     proto: Protocol,
     max_reply: usize,
     walk: Walk,
-    /// How many times the recursive decoder ran, for the tests that prove
-    /// it runs once per reply however many reads the reply took.
+    /// How many times the recursive decoder ran here, for the tests that
+    /// prove it runs once per reply however many reads the reply took.
     #[cfg(test)]
     decoder_runs: usize,
+    /// How many replies were handed out framed, undecoded.
+    #[cfg(test)]
+    framed: usize,
 }
 
 impl ReplyDecoder {
@@ -167,20 +278,22 @@ impl ReplyDecoder {
             walk: Walk::new(),
             #[cfg(test)]
             decoder_runs: 0,
+            #[cfg(test)]
+            framed: 0,
         }
     }
 
-    /// Decodes one complete reply from the front of `buf`, or `Ok(None)`
-    /// when more bytes are needed.
+    /// Takes one complete reply off the front of `buf`, decoded if that is
+    /// cheap, or `Ok(None)` when more bytes are needed.
     ///
     /// # Errors
     /// What was wrong, for [`crate::RedisError::Protocol`]: bytes that are
     /// not RESP, a reply nested deeper than [`MAX_DEPTH`], a declared length
-    /// above `max_reply`, or an incomplete reply that already holds more
-    /// than `max_reply` bytes. Callers close the connection the bytes came
-    /// from.
-    pub(crate) fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Value>, String> {
-        let r = self.decode_front(buf);
+    /// above `max_reply`, an incomplete reply that already holds more than
+    /// `max_reply` bytes, or (for a reply decoded here) anything else the
+    /// decoder refuses. Callers close the connection the bytes came from.
+    pub(crate) fn next_reply(&mut self, buf: &mut BytesMut) -> Result<Option<Reply>, String> {
+        let r = self.take_front(buf);
         // A reply was taken off the front (or the buffer is refused): the
         // next reply starts at byte 0.
         if !matches!(r, Ok(None)) {
@@ -189,14 +302,20 @@ impl ReplyDecoder {
         r
     }
 
-    fn decode_front(&mut self, buf: &mut BytesMut) -> Result<Option<Value>, String> {
+    fn take_front(&mut self, buf: &mut BytesMut) -> Result<Option<Reply>, String> {
         let max_reply = self.max_reply;
         // Before the recursive decoder sees the bytes: it is what would
         // overflow. While the walk has not found the reply's end, the
         // decoder would only say "incomplete" after going over every byte
         // received so far, so it does not run.
-        let v = match self.walk.advance(buf, self.proto, max_reply)? {
+        let r = match self.walk.advance(buf, self.proto, max_reply)? {
             Walked::Incomplete => None,
+            // The walk found the reply's end (not a header it refuses),
+            // and the decoder would have much to read: split the reply
+            // off, without a copy, for the caller to decode.
+            Walked::Ready if !self.walk.stopped && self.walk.read() > DECODE_ON_TASK_MAX => {
+                Some(self.split_framed(buf))
+            }
             Walked::Ready => {
                 #[cfg(test)]
                 {
@@ -205,23 +324,39 @@ impl ReplyDecoder {
                 // Should it still find the reply incomplete (reading some
                 // header differently from the walk), it runs again after
                 // the next read, as it did after every read before.
-                decode_first(buf, self.proto)?
+                decode_first(buf, self.proto)?.map(Reply::Value)
             }
         };
         // Incomplete: `buf` holds only the start of this one reply, so its
         // length is the reply's size so far.
-        if v.is_none() && buf.len() > max_reply {
+        if r.is_none() && buf.len() > max_reply {
             return Err(format!(
                 "an incomplete reply already holds {} bytes, over the {max_reply}-byte reply limit (max_reply_size)",
                 buf.len()
             ));
         }
-        Ok(v)
+        Ok(r)
+    }
+
+    /// Splits the reply the walk has found the end of off `buf`, without a
+    /// copy. Out of line: it is the rare case.
+    #[cold]
+    #[inline(never)]
+    fn split_framed(&mut self, buf: &mut BytesMut) -> Reply {
+        #[cfg(test)]
+        {
+            self.framed += 1;
+        }
+        Reply::Framed(Framed {
+            bytes: buf.split_to(self.walk.pos).freeze(),
+            proto: self.proto,
+        })
     }
 }
 
 /// The `redis-protocol` decoder: takes the first reply off the front of
 /// `buf`, if it is all there.
+#[inline]
 fn decode_first(buf: &mut BytesMut, proto: Protocol) -> Result<Option<Value>, String> {
     match proto {
         Protocol::Resp2 => match redis_protocol::resp2::decode::decode_bytes_mut(buf) {
@@ -286,6 +421,9 @@ struct Walk {
     searched: usize,
     /// The walk stopped at a header the decoder refuses.
     stopped: bool,
+    /// Bytes of bulk-string payloads (`$`) so far in this reply, which
+    /// the decoder slices out without reading.
+    payloads: usize,
     /// Type bytes and header bytes examined, over every reply so far, for
     /// the tests that prove the walk is linear in the replies' size.
     #[cfg(test)]
@@ -300,6 +438,7 @@ impl Walk {
             pos: 0,
             searched: 0,
             stopped: false,
+            payloads: 0,
             #[cfg(test)]
             examined: 0,
         };
@@ -314,6 +453,15 @@ impl Walk {
         self.pos = 0;
         self.searched = 0;
         self.stopped = false;
+        self.payloads = 0;
+    }
+
+    /// Bytes the decoder has to read in the reply walked so far: all but
+    /// its bulk strings' payloads. Once the walk has found the reply's
+    /// end, what the decoding costs is about proportional to it (see
+    /// [`DECODE_ON_TASK_MAX`]).
+    fn read(&self) -> usize {
+        self.pos.saturating_sub(self.payloads)
     }
 
     /// Walks on from where the last call stopped, to the reply's end or the
@@ -419,6 +567,12 @@ impl Walk {
                             // `n <= limit`, which came from a `usize`.
                             let n = usize::try_from(n).unwrap_or(usize::MAX);
                             self.pos = self.pos.saturating_add(n).saturating_add(2);
+                            // Only a bulk string becomes a slice of the
+                            // buffer; a blob error is copied into a
+                            // `String`, a verbatim string's format parsed.
+                            if kind == b'$' {
+                                self.payloads = self.payloads.saturating_add(n);
+                            }
                         }
                         Declared::Null => {}
                         Declared::Refused => return Ok(self.stop()),
@@ -687,6 +841,17 @@ mod tests {
     }
 
     const BOTH: [Protocol; 2] = [Protocol::Resp2, Protocol::Resp3];
+
+    impl ReplyDecoder {
+        /// The next reply, decoded: a framed one here, as its caller would.
+        fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Value>, String> {
+            match self.next_reply(buf)? {
+                Some(Reply::Value(v)) => Ok(Some(v)),
+                Some(Reply::Framed(f)) => f.decode().map(Some),
+                None => Ok(None),
+            }
+        }
+    }
 
     /// The first reply in `bytes`, decoded by a fresh decoder.
     fn dec(bytes: &[u8], proto: Protocol, max: usize) -> Result<Option<Value>, String> {
@@ -985,7 +1150,11 @@ mod tests {
             for piece in [7, 4096, all.len()] {
                 let (r, got) = fed_in_pieces(&all, proto, DEFAULT_MAX_REPLY_SIZE, piece);
                 assert_eq!(got.as_ref(), Ok(&want), "{proto:?}, pieces of {piece}");
-                assert_eq!(r.decoder_runs, want.len(), "{proto:?}, pieces of {piece}");
+                assert_eq!(
+                    (r.decoder_runs, r.framed),
+                    (4, 2),
+                    "{proto:?}, pieces of {piece}"
+                );
             }
         }
         // RESP3's own types, a byte at a time: a map holding a set, a push,
@@ -1014,7 +1183,7 @@ mod tests {
         for piece in [1, 2, b.len()] {
             let (r, got) = fed_in_pieces(b, Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE, piece);
             assert_eq!(got.as_ref(), Ok(&want), "pieces of {piece}");
-            assert_eq!(r.decoder_runs, 2, "pieces of {piece}");
+            assert_eq!((r.decoder_runs, r.framed), (2, 0), "pieces of {piece}");
         }
     }
 
@@ -1022,7 +1191,9 @@ mod tests {
     fn a_reply_in_a_thousand_pieces_is_walked_once_and_decoded_once() {
         // Starting over on every piece would examine the headers received
         // so far each time, about 500 times the reply's size here, and run
-        // the decoder 1,000 times.
+        // the decoder 1,000 times. Both replies are too long to decode on
+        // the connection's task: they are framed once, and decoded once by
+        // `fed_in_pieces` as their caller would.
         let (array, _) = bulk_array(10_000);
         let (line, _) = long_line(200_000);
         for proto in BOTH {
@@ -1030,7 +1201,7 @@ mod tests {
                 let piece = bytes.len().div_ceil(1000);
                 let (r, got) = fed_in_pieces(bytes, proto, DEFAULT_MAX_REPLY_SIZE, piece);
                 assert_eq!(got.map(|v| v.len()), Ok(1));
-                assert_eq!(r.decoder_runs, 1, "{proto:?}");
+                assert_eq!((r.decoder_runs, r.framed), (0, 1), "{proto:?}");
                 // Each byte once, plus at most the type byte and one byte
                 // back (a CR that may end the line) again per piece.
                 assert!(
@@ -1138,5 +1309,168 @@ mod tests {
             ),
             Ok(Some(Value::Array(vec![Value::Nil, Value::Nil])))
         );
+    }
+
+    /// `n` values made by `one`, in an array (`*`) or another aggregate.
+    fn aggregate(kind: u8, n: usize, one: impl Fn(usize) -> String) -> Vec<u8> {
+        let mut b = format!("{}{n}\r\n", kind as char).into_bytes();
+        for i in 0..n {
+            b.extend(one(i).bytes());
+        }
+        b
+    }
+
+    /// `bytes` then `:7`, fed to a fresh decoder: its first reply, once
+    /// `:7` has come out next as a value (so the first one's end was found
+    /// exactly).
+    fn first_then_seven(bytes: &[u8], proto: Protocol) -> Reply {
+        let mut buf = BytesMut::from(bytes);
+        buf.extend_from_slice(b":7\r\n");
+        let mut r = ReplyDecoder::new(proto, DEFAULT_MAX_REPLY_SIZE);
+        let first = r.next_reply(&mut buf).unwrap().expect("a complete reply");
+        assert!(
+            matches!(
+                r.next_reply(&mut buf),
+                Ok(Some(Reply::Value(Value::Int(7))))
+            ),
+            "{proto:?}: the reply after it"
+        );
+        assert!(buf.is_empty());
+        first
+    }
+
+    #[test]
+    fn a_reply_with_much_to_decode_is_framed_and_decodes_as_on_the_task() {
+        let ints = aggregate(b'*', 2_000, |i| format!(":{i}\r\n"));
+        let (array, _) = bulk_array(10_000);
+        let (line, _) = long_line(200_000);
+        let nested = aggregate(b'*', 1_000, |i| format!("*2\r\n:{i}\r\n$1\r\nx\r\n"));
+        let map = aggregate(b'%', 1_000, |i| format!("+k{i}\r\n:{i}\r\n"));
+        let set = aggregate(b'~', 1_000, |i| format!(":{i}\r\n"));
+        let mut cases: Vec<(&[u8], Protocol)> = Vec::new();
+        for proto in BOTH {
+            cases.extend([
+                (&ints[..], proto),
+                (&array[..], proto),
+                (&line[..], proto),
+                (&nested[..], proto),
+            ]);
+        }
+        cases.extend([(&map[..], Protocol::Resp3), (&set[..], Protocol::Resp3)]);
+        for (bytes, proto) in cases {
+            let shown = String::from_utf8_lossy(&bytes[..12]).into_owned();
+            let Reply::Framed(f) = first_then_seven(bytes, proto) else {
+                panic!("{proto:?} {shown:?}: decoded on the task");
+            };
+            assert_eq!(&f.bytes[..], bytes, "{proto:?} {shown:?}");
+            // The decoder run directly over the same bytes, as the task
+            // ran it before hand-offs.
+            let direct = decode_first(&mut BytesMut::from(bytes), proto);
+            let (Ok(Some(direct)), Ok(framed)) = (direct, f.decode()) else {
+                panic!("{proto:?} {shown:?}: not decoded");
+            };
+            // (Sets and maps come out in hash order.)
+            assert!(in_order(framed) == in_order(direct), "{proto:?} {shown:?}");
+        }
+    }
+
+    /// `v` with the elements of its arrays and maps sorted.
+    fn in_order(v: Value) -> Value {
+        let key = |v: &Value| format!("{v:?}");
+        match v {
+            Value::Array(a) => {
+                let mut a: Vec<Value> = a.into_iter().map(in_order).collect();
+                a.sort_by_cached_key(key);
+                Value::Array(a)
+            }
+            Value::Map(m) => {
+                let mut m: Vec<(Value, Value)> = m
+                    .into_iter()
+                    .map(|(k, v)| (in_order(k), in_order(v)))
+                    .collect();
+                m.sort_by_cached_key(|(k, _)| key(k));
+                Value::Map(m)
+            }
+            v => v,
+        }
+    }
+
+    #[test]
+    fn what_is_framed_is_what_the_decoder_would_read_not_the_reply_size() {
+        for proto in BOTH {
+            // A simple string's bytes all count: 3 of the header and CRLF.
+            for (len, framed) in [
+                (DECODE_ON_TASK_MAX - 3, false),
+                (DECODE_ON_TASK_MAX - 2, true),
+            ] {
+                let mut b = b"+".to_vec();
+                b.extend(b"a".repeat(len));
+                b.extend(b"\r\n");
+                let r = first_then_seven(&b, proto);
+                assert_eq!(matches!(r, Reply::Framed(_)), framed, "{proto:?}, {len}");
+            }
+            // A bulk string's payload is sliced, not read: a value of 1 MiB
+            // (a `GET` of it), or a hundred of 10 KiB, decode on the task.
+            let mut one = b"$1048576\r\n".to_vec();
+            one.extend(vec![b'v'; 1 << 20]);
+            one.extend(b"\r\n");
+            let hundred = aggregate(b'*', 100, |_| {
+                format!("${0}\r\n{1}\r\n", 10 << 10, "v".repeat(10 << 10))
+            });
+            for b in [&one, &hundred] {
+                let Reply::Value(v) = first_then_seven(b, proto) else {
+                    panic!("{proto:?}: a reply of {} bytes was framed", b.len());
+                };
+                assert_eq!(
+                    Ok(Some(v)),
+                    decode_first(&mut BytesMut::from(&b[..]), proto)
+                );
+            }
+            // Error replies are lines: MOVED and ASK decode on the task, for
+            // the client's redirect handling. An error line too long to
+            // decode there still reaches the caller as the same error.
+            let moved = b"-MOVED 3999 127.0.0.1:6381\r\n";
+            assert!(matches!(
+                first_then_seven(moved, proto),
+                Reply::Value(Value::Error(e)) if e == "MOVED 3999 127.0.0.1:6381"
+            ));
+            let mut long = b"-ERR ".to_vec();
+            long.extend(b"x".repeat(DECODE_ON_TASK_MAX));
+            long.extend(b"\r\n");
+            let Reply::Framed(f) = first_then_seven(&long, proto) else {
+                panic!("{proto:?}: a long error line decoded on the task");
+            };
+            assert!(matches!(f.decode(), Ok(Value::Error(e)) if e.len() == 4 + DECODE_ON_TASK_MAX));
+        }
+        // A RESP3 blob error is copied into a `String`: its payload counts.
+        let mut blob = format!("!{}\r\n", DECODE_ON_TASK_MAX).into_bytes();
+        blob.extend(b"e".repeat(DECODE_ON_TASK_MAX));
+        blob.extend(b"\r\n");
+        assert!(matches!(
+            first_then_seven(&blob, Protocol::Resp3),
+            Reply::Framed(_)
+        ));
+    }
+
+    #[test]
+    fn a_framed_reply_the_decoder_refuses_fails_alone_with_the_decoders_words() {
+        // The walk checks headers, not what is inside them: this integer
+        // is the decoder's to refuse, after the walk has found the end.
+        let mut bad = aggregate(b'*', 2_000, |i| format!(":{i}\r\n"));
+        bad.extend_from_slice(b"*1\r\n:x\r\n");
+        bad[1..5].copy_from_slice(b"2001");
+        for proto in BOTH {
+            let direct = decode_first(&mut BytesMut::from(&bad[..]), proto).unwrap_err();
+            // Framed, not refused: the reply after it still comes out.
+            let Reply::Framed(f) = first_then_seven(&bad, proto) else {
+                panic!("{proto:?}: decoded on the task");
+            };
+            assert_eq!(f.decode(), Err(direct.clone()), "{proto:?}");
+            // The same fault in a short reply is refused on the task, with
+            // the same words, as before.
+            let mut r = ReplyDecoder::new(proto, DEFAULT_MAX_REPLY_SIZE);
+            let short = r.next_reply(&mut BytesMut::from(&b"*2\r\n:1\r\n:x\r\n"[..]));
+            assert_eq!(short.map(|_| ()), Err(direct), "{proto:?}");
+        }
     }
 }

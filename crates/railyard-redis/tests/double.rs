@@ -374,6 +374,55 @@ async fn a_reply_nested_to_the_limit_still_arrives() {
 }
 
 #[tokio::test]
+async fn a_big_reply_is_decoded_off_the_connection_and_a_bad_one_fails_alone() {
+    // 3,000 integers: too much to decode on the connection's task, so the
+    // caller decodes it on the blocking pool.
+    let mut many = b"*3000\r\n".to_vec();
+    for i in 0..3_000 {
+        many.extend(format!(":{i}\r\n").bytes());
+    }
+    for proto in [Protocol::Resp2, Protocol::Resp3] {
+        let (addr, _, server) = fake_node(many.clone()).await;
+        let c = client_of(&addr).protocol(proto).build().await.unwrap();
+        let v = c.cmd(&Cmd::new("GET").key("k")).await.unwrap();
+        let want: Vec<Value> = (0..3_000).map(Value::Int).collect();
+        assert_eq!(v, Value::Array(want), "{proto:?}");
+        server.abort();
+    }
+    // An error reply that long reaches the caller as the same typed error.
+    let mut long = b"-WRONGTYPE ".to_vec();
+    long.extend(b"x".repeat(10_000));
+    long.extend(b"\r\n");
+    let (addr, _, server) = fake_node(long).await;
+    let c = client_of(&addr).build().await.unwrap();
+    let err = c.get("k").await.unwrap_err();
+    assert!(
+        matches!(&err, RedisError::Server { kind, message, .. } if kind == "WRONGTYPE" && message.len() == 10_000),
+        "{err:?}"
+    );
+    server.abort();
+    // The last integer is not one: the walk found where the reply ends, the
+    // decoder refuses it off the connection's task. The caller gets the
+    // protocol error; the connection keeps its framing and stays open.
+    let mut bad = many.clone();
+    bad.truncate(bad.len() - b":2999\r\n".len());
+    bad.extend(b":x\r\n");
+    let (addr, accepted, server) = fake_node(bad).await;
+    let c = client_of(&addr).build().await.unwrap();
+    let get = Cmd::new("GET").key("k");
+    let first = protocol_detail(c.cmd(&get).await);
+    let before = accepted.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(protocol_detail(c.cmd(&get).await), first);
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        before,
+        "the connection was reopened"
+    );
+    server.abort();
+}
+
+#[tokio::test]
 async fn a_reply_over_max_reply_size_closes_the_connection() {
     // A declared length over the limit is refused at its header, before
     // any of the payload is buffered.

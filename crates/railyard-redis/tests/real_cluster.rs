@@ -318,3 +318,94 @@ async fn the_periodic_refresh_sees_a_slot_moved_behind_its_back() {
     assert_eq!(s.checks, 1, "only the first round's deep check: {s:?}");
     assert_eq!(s.adaptive, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_replies_arrive_whole_while_small_commands_on_the_node_carry_on() {
+    let cl = cluster(3, 0).await;
+    let c = ClusterClient::builder(cl.addrs())
+        .command_timeout(Duration::from_secs(10))
+        .build()
+        .await
+        .unwrap();
+    let c3 = ClusterClient::builder(cl.addrs())
+        .protocol(railyard_redis::Protocol::Resp3)
+        .command_timeout(Duration::from_secs(10))
+        .build()
+        .await
+        .unwrap();
+    // Every key shares the hash tag, so every command below goes to one
+    // node, over one connection per client.
+    // A 4 MiB value: one bulk string, decoded on the connection's task (the
+    // decoder slices the payload out of the read buffer).
+    let big: Bytes = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
+    c.set("{big}v", big.clone()).await.unwrap();
+    // A list of 40,000 elements: its LRANGE has far more than 4 KiB of
+    // headers to decode, so it is framed and decoded on the blocking pool.
+    let n = 40_000;
+    for chunk in (0..n).collect::<Vec<u32>>().chunks(10_000) {
+        let mut push = Cmd::new("RPUSH").key("{big}list");
+        for i in chunk {
+            push = push.arg(format!("e{i}"));
+        }
+        c.cmd(&push).await.unwrap();
+    }
+    // And a hash of 5,000 fields, a map under RESP3.
+    let mut hset = Cmd::new("HSET").key("{big}hash");
+    for i in 0..5_000 {
+        hset = hset.arg(format!("f{i}")).arg(i);
+    }
+    c.cmd(&hset).await.unwrap();
+
+    for round in 0..3 {
+        let get = {
+            let c = c.clone();
+            tokio::spawn(async move { c.get("{big}v").await })
+        };
+        let lrange = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.cmd_read(&Cmd::new("LRANGE").key("{big}list").arg(0).arg(-1))
+                    .await
+            })
+        };
+        let hgetall = {
+            let c3 = c3.clone();
+            tokio::spawn(async move { c3.cmd_read(&Cmd::new("HGETALL").key("{big}hash")).await })
+        };
+        // Small commands on the same node and connections meanwhile.
+        let small = (0..200).map(|i| {
+            let (c, c3) = (c.clone(), c3.clone());
+            tokio::spawn(async move {
+                let a = c.incr("{big}n").await;
+                let b = c3.get("{big}v-missing").await;
+                (i, a, b)
+            })
+        });
+        let small: Vec<_> = futures::future::join_all(small).await;
+        for r in small {
+            let (i, a, b) = r.unwrap();
+            assert!(a.is_ok(), "round {round}, small command {i}: {a:?}");
+            assert_eq!(b.unwrap(), None, "round {round}, small command {i}");
+        }
+        assert_eq!(get.await.unwrap().unwrap().as_ref(), Some(&big));
+        let Value::Array(list) = lrange.await.unwrap().unwrap() else {
+            panic!("LRANGE is not an array");
+        };
+        assert_eq!(list.len(), n as usize);
+        for (i, e) in list.iter().enumerate() {
+            assert_eq!(
+                e.as_bytes().map(|b| &b[..]),
+                Some(format!("e{i}").as_bytes())
+            );
+        }
+        let Value::Map(hash) = hgetall.await.unwrap().unwrap() else {
+            panic!("HGETALL under RESP3 is not a map");
+        };
+        assert_eq!(hash.len(), 5_000);
+        for (k, v) in &hash {
+            let k = text(k);
+            assert_eq!(format!("f{}", text(v)), k);
+        }
+    }
+    assert_eq!(c.incr("{big}n").await.unwrap(), 3 * 200 + 1);
+}
