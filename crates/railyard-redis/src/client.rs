@@ -103,7 +103,8 @@ impl ClusterClientBuilder {
     /// rounds between compare only `CLUSTER INFO` summaries (epoch, known
     /// nodes, state, slot counts), a few hundred bytes instead of about
     /// 126 bytes per node per sampled node (default 10; 1 compares views
-    /// every round). See [`crate::refresh`] for what each kind of round sees.
+    /// every round). docs/redis.md ("Topology refresh") says what each kind
+    /// of round sees.
     #[must_use]
     pub fn deep_check_every(self, n: u32) -> Self {
         self.set(n >= 1, "deep_check_every must be at least 1", |c| {
