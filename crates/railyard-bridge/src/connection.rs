@@ -216,11 +216,14 @@ impl<'a> Conn<'a> {
             }
             // Answers and deliveries are drained before more is read, so a
             // client that floods requests still gets its replies; but after
-            // OUTPUT_TURNS turns in a row that drained them, the next turn is
-            // input's (reads and the timer first), so a constant stream of
-            // deliveries cannot keep the client's own frames unread or its
-            // timeouts from firing.
-            let input_turn = output_turns >= OUTPUT_TURNS;
+            // OUTPUT_TURNS turns that drained them since the last read, the
+            // next turn with room is input's (reads and the timer first), so
+            // a constant stream of deliveries cannot keep the client's own
+            // frames unread or its timeouts from firing.
+            // Only with room: without it the read is off, and the turn would
+            // be spent on nothing (a client reading slowly would then never
+            // be read).
+            let input_turn = room && output_turns >= OUTPUT_TURNS;
             if input_turn {
                 output_turns = 0;
             }

@@ -959,10 +959,25 @@ async fn a_connection_that_never_authenticates_is_closed_after_the_frame_timeout
 /// existed, two of three runs of this test saw no pong within the wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_flooded_with_deliveries_is_still_read() {
+    flooded_client_is_read(false).await;
+}
+
+/// The same with a client that reads slowly, so the connection's outbound
+/// buffer (small here) is full at most turns: input still gets its turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_flooded_with_deliveries_is_still_read() {
+    flooded_client_is_read(true).await;
+}
+
+async fn flooded_client_is_read(slow: bool) {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let bus = EventBus::new();
-    let bridge = start(&bus, open_config()).await;
+    let config = BridgeConfig {
+        outbound_queue_bytes: if slow { 16 * 1024 } else { 1 << 20 },
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
     let mut c = Client::connect(bridge.local_addr()).await;
     c.register(&bus, "test.flood").await;
 
@@ -1003,6 +1018,9 @@ async fn a_client_flooded_with_deliveries_is_still_read() {
             }
             assert_eq!(f["type"], "message");
             after += 1;
+            if slow && after % 100 == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
         }
     })
     .await;
