@@ -924,6 +924,21 @@ impl EventBus {
             .collect()
     }
 
+    /// Removes the cluster hook if it is `hook` (the same `Arc`), and
+    /// leaves another one in place: a stopping cluster node then never
+    /// removes the hook of a node started on the same bus after it.
+    /// Returns whether it was removed.
+    pub fn remove_cluster_hook(&self, hook: &Arc<dyn ClusterHook>) -> bool {
+        let _w = self.inner.write.lock();
+        let mut current = self.inner.hook.write();
+        if current.as_ref().is_some_and(|h| Arc::ptr_eq(h, hook)) {
+            *current = None;
+            true
+        } else {
+            false
+        }
+    }
+
     /// Replaces the remote nodes that have consumers at `address` (an empty
     /// list removes them). The send path sees the change at once; it never
     /// calls back into the cluster. Several addresses at once: use
@@ -979,6 +994,48 @@ impl EventBus {
                         table.insert(address.into(), entry);
                     }
                 }
+            }
+            changed += 1;
+        }
+        if let Some(table) = next {
+            self.store_table(table);
+        }
+        changed
+    }
+
+    /// Removes, from the remote nodes of each of `addresses`, those for
+    /// which `keep` is false, leaving the others (and the local consumers)
+    /// as they are; like [`set_remote_nodes_many`](Self::set_remote_nodes_many),
+    /// one registry copy and one store for the whole batch, none if nothing
+    /// changed. Read and changed under the registry's write lock, so a
+    /// concurrent `set_remote_nodes_many` is never undone: a stopping cluster
+    /// node removes only its own links while a successor on the same bus
+    /// sets its routes. Returns how many addresses changed.
+    pub fn retain_remote_nodes_many<A: AsRef<str>>(
+        &self,
+        addresses: impl IntoIterator<Item = A>,
+        keep: impl Fn(&Arc<dyn RemoteNode>) -> bool,
+    ) -> usize {
+        let _w = self.inner.write.lock();
+        let current = self.inner.table.load_full();
+        let mut next: Option<Table> = None;
+        let mut changed = 0;
+        for address in addresses {
+            let address = address.as_ref();
+            let Some(e) = next.as_ref().unwrap_or(&current).get(address) else {
+                continue;
+            };
+            if e.remotes.iter().all(&keep) {
+                continue;
+            }
+            let remotes: Box<[Arc<dyn RemoteNode>]> =
+                e.remotes.iter().filter(|n| keep(n)).cloned().collect();
+            let consumers = e.consumers.clone();
+            let table = next.get_or_insert_with(|| Table::clone(&current));
+            if consumers.is_empty() && remotes.is_empty() {
+                table.remove(address);
+            } else if let Some(slot) = table.get_mut(address) {
+                *slot = Arc::new(AddressEntry::new(consumers, remotes));
             }
             changed += 1;
         }

@@ -127,6 +127,9 @@ pub enum ClusterError {
 pub struct ClusterNode {
     inner: Arc<NodeInner>,
     tasks: Vec<JoinHandle<()>>,
+    /// The hook this node installed on the bus (removed at stop only if
+    /// still the bus's).
+    hook: Arc<dyn ClusterHook>,
 }
 
 struct NodeInner {
@@ -250,13 +253,15 @@ impl ClusterNode {
         // Owned from here on: should `start` fail or be dropped at one of
         // its awaits below, dropping this removes the hook, and the links
         // and routes an apply under way made.
+        let hook: Arc<dyn ClusterHook> = Arc::new(Hook {
+            manager: manager.clone(),
+        });
         let mut node = ClusterNode {
             inner: inner.clone(),
             tasks: Vec::new(),
+            hook: hook.clone(),
         };
-        let existing = bus.set_cluster_hook(Some(Arc::new(Hook {
-            manager: manager.clone(),
-        })));
+        let existing = bus.set_cluster_hook(Some(hook));
         for address in existing {
             manager.subscribe(&address).await?;
         }
@@ -313,7 +318,7 @@ impl ClusterNode {
     /// [`ManagerError`] if the store could not be told (the lease then
     /// removes the node).
     pub async fn leave(self) -> Result<(), ManagerError> {
-        self.inner.bus.set_cluster_hook(None);
+        self.inner.bus.remove_cluster_hook(&self.hook);
         let r = self.inner.manager.leave().await;
         if let Some(clearing) = self.shut_down() {
             if let Err(e) = clearing.await {
@@ -325,12 +330,15 @@ impl ClusterNode {
         r
     }
 
-    /// Stops the node's tasks, marks it closed and closes its links, then
-    /// clears its remote routes from the bus. That second part waits
-    /// for an `apply` under way and copies the bus's registry once (work
-    /// that grows with the subscriptions), so on a runtime it runs on the
-    /// blocking pool and the handle returned finishes it; without a runtime
-    /// it runs here. `None` once done or if another call did it.
+    /// Stops the node's tasks and marks it closed, then closes its links and
+    /// clears its remote routes from the bus. That second part fails every
+    /// request waiting on a link, waits for an `apply` under way and copies
+    /// the bus's registry once (work that grows with the requests and the
+    /// subscriptions), so on a runtime it runs on the blocking pool and the
+    /// handle returned finishes it; without a runtime it runs here. Should
+    /// the runtime drop the job unrun (its blocking pool shutting down), the
+    /// job does its work as it is dropped. `None` once done or if another
+    /// call did it.
     fn shut_down(&self) -> Option<tokio::task::JoinHandle<()>> {
         for t in &self.tasks {
             t.abort();
@@ -344,24 +352,40 @@ impl ClusterNode {
         {
             return None;
         }
-        // Links close now, so requests waiting on them fail at once; `close`
-        // takes any that an `apply` under way adds.
-        self.inner.close_links();
-        let inner = self.inner.clone();
-        let close = move || inner.close();
+        let job = CloseJob(Some(self.inner.clone()));
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => Some(rt.spawn_blocking(close)),
+            Ok(rt) => Some(rt.spawn_blocking(move || job.run())),
             Err(_) => {
-                close();
+                job.run();
                 None
             }
         }
     }
 }
 
+/// [`NodeInner::close`] as a job for the blocking pool: run, or else done
+/// when dropped (tokio drops a blocking job it never starts).
+struct CloseJob(Option<Arc<NodeInner>>);
+
+impl CloseJob {
+    fn run(mut self) {
+        if let Some(inner) = self.0.take() {
+            inner.close();
+        }
+    }
+}
+
+impl Drop for CloseJob {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.take() {
+            inner.close();
+        }
+    }
+}
+
 impl Drop for ClusterNode {
     fn drop(&mut self) {
-        self.inner.bus.set_cluster_hook(None);
+        self.inner.bus.remove_cluster_hook(&self.hook);
         // Finishes on its own; nobody is left to wait for it.
         drop(self.shut_down());
     }
@@ -552,17 +576,28 @@ impl NodeInner {
         }
     }
 
-    /// Closes every link and clears the routes of the last `apply` from
-    /// the bus, after any `apply` under way (which holds the routes lock).
-    /// Called once `closed` is set, so no `apply` or handshake adds either
-    /// afterwards.
+    /// Closes every link and removes them from the bus's remote routes,
+    /// after any `apply` under way (which holds the routes lock). Called
+    /// once `closed` is set, so no `apply` or handshake adds either
+    /// afterwards. Only this node's links are removed: a node started on
+    /// the same bus meanwhile keeps the routes it set.
     fn close(&self) {
+        // Requests waiting on the links fail before the wait for the lock.
+        self.close_links();
         let mut routes = self.routes.lock();
         let basis = routes.take();
+        // Links an `apply` under way made.
         self.close_links();
         if let Some(basis) = basis {
-            let cleared = basis.view.subscriptions.keys().map(|a| (a, Vec::new()));
-            self.bus.set_remote_nodes_many(cleared);
+            let mine: std::collections::HashSet<*const ()> = basis
+                .links
+                .values()
+                .map(|l| Arc::as_ptr(l).cast::<()>())
+                .collect();
+            self.bus
+                .retain_remote_nodes_many(basis.view.subscriptions.keys(), |n| {
+                    !mine.contains(&Arc::as_ptr(n).cast::<()>())
+                });
         }
     }
 
@@ -872,6 +907,54 @@ mod tests {
         assert_eq!(node.link_ids(), vec!["a-joiner".to_string()]);
     }
 
+    /// A stopping node's clean-up, which may run late on the blocking pool,
+    /// removes only its own links and hook: a node started on the same bus
+    /// meanwhile keeps its routes and its hook.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_late_clean_up_leaves_a_successors_routes_and_hook() {
+        let reg = InProcessRegistry::new();
+        let (b_bus, _b) = start_node(Arc::new(reg.manager()), "b", |_| {}).await;
+        let _sub = b_bus.consumer("over-there").stream().await.unwrap();
+        let bus = EventBus::new();
+        let config = |id: &str| {
+            let mut c = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+            c.ping_interval = Duration::from_millis(100);
+            c.ping_timeout = Duration::from_millis(1500);
+            c
+        };
+        let routed = |bus: &EventBus| bus.remote_addresses().iter().any(|a| a == "over-there");
+        let old = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), config("c"))
+            .await
+            .unwrap();
+        assert!(
+            routed(&bus),
+            "the known view is applied before start returns"
+        );
+        // Stopped, its clean-up not run yet.
+        let old_inner = old.inner.clone();
+        old_inner
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        let new = ClusterNode::start(bus.clone(), Arc::new(reg.manager()), config("d"))
+            .await
+            .unwrap();
+        // The clean-up runs now, and the old node goes.
+        old_inner.close();
+        drop(old);
+        assert!(routed(&bus), "the successor's route survives");
+        let _local = bus.consumer("advertised").stream().await.unwrap();
+        let mut seen = false;
+        for _ in 0..500 {
+            if reg.snapshot().subscriptions.contains_key("advertised") {
+                seen = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(seen, "the successor's hook still advertises registrations");
+        drop(new);
+    }
+
     /// A handshake that completes after the node shut down (its task is not
     /// aborted) makes no link.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -882,6 +965,13 @@ mod tests {
         assert_eq!(node.link_ids(), vec!["a-member".to_string()]);
         let inner = node.inner.clone();
         drop(node);
+        // Closed on the blocking pool.
+        for _ in 0..500 {
+            if inner.links.lock().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert!(inner.links.lock().is_empty());
         let view = inner.manager.view();
         assert!(inner.link_if_member("a-member", &view).is_none());
