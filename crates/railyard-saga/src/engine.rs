@@ -487,8 +487,12 @@ impl Engine {
             if let Some((t, _)) = after {
                 shard.timers.remove(&(t, id.clone()));
             }
-            // Kept exact above: a terminal saga has nothing in flight.
+            // Kept exact above: a terminal saga has nothing in flight. Should
+            // that ever change, the index and its gauge still do not drift.
             debug_assert!(!shard.waiting.contains(id));
+            if !shard.waiting.is_empty() && shard.waiting.remove(id) {
+                self.metrics.waiting_for_instance.dec();
+            }
             if let Some(saga) = shard.live.remove(id) {
                 let summary = saga.summary(wall_ms());
                 shard.finished.insert(

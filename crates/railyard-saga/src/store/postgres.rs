@@ -298,14 +298,21 @@ impl PostgresStore {
         // The writer connects once, on its own thread, whose runtime then
         // drives every commit's socket I/O (not the caller's workers): the
         // schema and the first prune run there, and `connect` waits for them.
-        let (ready_tx, ready) = tokio::sync::oneshot::channel();
+        let (mut ready_tx, ready) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name("saga-pg-writer".into())
             .spawn(move || {
                 runtime.block_on(async move {
-                    let set_up = match ensure_schema(&writer.conn).await {
-                        Ok(()) => writer.prune().await,
-                        Err(e) => Err(e),
+                    let set_up = async {
+                        ensure_schema(&writer.conn).await?;
+                        writer.prune().await
+                    };
+                    // A caller that gave up on `connect` (dropped or timed
+                    // out) stops the set-up too: no thread or connection is
+                    // left waiting on the schema lock for it.
+                    let set_up = tokio::select! {
+                        r = set_up => r,
+                        () = ready_tx.closed() => return,
                     };
                     let ok = set_up.is_ok();
                     if ready_tx.send(set_up).is_ok() && ok {
