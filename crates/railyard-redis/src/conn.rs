@@ -75,7 +75,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::RedisError;
 use crate::refresh::{Reason, Trigger};
-use crate::value::{Cmd, Framed, Protocol, Reply, ReplyDecoder, Value};
+use crate::value::{Cmd, Framed, Protocol, Reply, ReplyDecoder, Value, DECODE_ON_TASK_MAX};
 
 /// Settings every node connection shares.
 #[derive(Debug, Clone)]
@@ -402,7 +402,20 @@ async fn serve(
                     Ok(_) => {}
                     Err(e) => break End::Failed(io(e)),
                 }
-                if let Err(e) = dispatch(addr, &mut rbuf, &mut replies, &mut pending) {
+                // Many small replies in one read add up: the task yields
+                // between turns of at most DECODE_ON_TASK_MAX decoded bytes.
+                let mut failed = None;
+                loop {
+                    match dispatch(addr, &mut rbuf, &mut replies, &mut pending) {
+                        Ok(Turn::Done) => break,
+                        Ok(Turn::More) => tokio::task::yield_now().await,
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if let Some(e) = failed {
                     break End::Failed(e);
                 }
             }
@@ -441,17 +454,32 @@ fn take(req: Request, wbuf: &mut BytesMut, pending: &mut VecDeque<Pending>) {
     });
 }
 
+/// Whether [`dispatch`] took every complete reply in the buffer.
+enum Turn {
+    Done,
+    /// It stopped after decoding [`DECODE_ON_TASK_MAX`] bytes: yield, then
+    /// call it again.
+    More,
+}
+
+/// Hands the complete replies at the front of `rbuf` to their requests, in
+/// order, until the buffer holds no complete reply or the replies decoded
+/// here have cost [`DECODE_ON_TASK_MAX`] bytes of decoding in this turn.
 fn dispatch(
     addr: &Arc<str>,
     rbuf: &mut BytesMut,
     replies: &mut ReplyDecoder,
     pending: &mut VecDeque<Pending>,
-) -> Result<(), RedisError> {
+) -> Result<Turn, RedisError> {
+    let mut decoded = 0usize;
     loop {
+        if decoded >= DECODE_ON_TASK_MAX {
+            return Ok(Turn::More);
+        }
         // Decoded here if cheap, else framed for the caller to decode.
         let r = match replies.next_reply(rbuf) {
             Ok(Some(r)) => r,
-            Ok(None) => return Ok(()),
+            Ok(None) => return Ok(Turn::Done),
             Err(detail) => {
                 return Err(RedisError::Protocol {
                     node: addr.clone(),
@@ -459,6 +487,7 @@ fn dispatch(
                 })
             }
         };
+        decoded += replies.last_read();
         let Some(front) = pending.front_mut() else {
             return Err(RedisError::Protocol {
                 node: addr.clone(),
@@ -472,6 +501,41 @@ fn dispatch(
             if let Some(p) = pending.pop_front() {
                 let _ = p.tx.send(Ok(r));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Many small replies in one read are handed out in turns of at most
+    /// DECODE_ON_TASK_MAX decoded bytes, so the task yields between them.
+    #[test]
+    fn dispatch_stops_after_a_turns_worth_of_decoding() {
+        let addr: Arc<str> = "node".into();
+        let n = 2_000;
+        let mut rbuf = BytesMut::new();
+        let mut pending = VecDeque::new();
+        let mut answers = Vec::new();
+        for _ in 0..n {
+            rbuf.extend_from_slice(b"+OK\r\n");
+            let (tx, rx) = oneshot::channel();
+            pending.push_back(Pending { remaining: 1, tx });
+            answers.push(rx);
+        }
+        let mut replies = ReplyDecoder::new(Protocol::Resp2, 1 << 20);
+        let mut turns = 0;
+        while let Turn::More = dispatch(&addr, &mut rbuf, &mut replies, &mut pending).unwrap() {
+            turns += 1;
+            assert!(turns < 100, "dispatch never finished");
+        }
+        // 5 bytes read per reply: about 820 replies a turn, so two full
+        // turns and a last one.
+        assert_eq!(turns + 1, n * 5 / DECODE_ON_TASK_MAX + 1);
+        assert!(pending.is_empty() && rbuf.is_empty());
+        for mut rx in answers {
+            assert!(matches!(rx.try_recv(), Ok(Ok(Reply::Value(_)))));
         }
     }
 }

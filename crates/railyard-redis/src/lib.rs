@@ -30,13 +30,15 @@
 //! A node's connection task frames every reply (a resumable walk over its
 //! headers finds where it ends) and decodes it only when that is cheap:
 //! when the decoder has at most 4 KiB to read, bulk-string payloads not
-//! counted since they are sliced, not read. So single values of any size,
-//! error replies (MOVED/ASK included) and small aggregates are decoded there.
-//! A bigger reply (an `LRANGE` of thousands of elements, which takes
-//! milliseconds to decode) reaches its caller as bytes and is decoded on the
-//! runtime's blocking pool before the call returns, so that neither the
-//! connection's task, which serves every caller of that node, nor the
-//! caller's task holds an async worker for it.
+//! counted since they are sliced, not read. So bulk strings of any size,
+//! short error replies (MOVED/ASK included) and small aggregates are decoded
+//! there, in turns of at most 4 KiB decoded between yields. A bigger reply
+//! (an `LRANGE` of thousands of elements, which takes milliseconds to
+//! decode) reaches its caller as bytes and is decoded on the runtime's
+//! blocking pool before the call returns, so that the connection's task,
+//! which serves every caller of that node, never holds an async worker for
+//! it and the caller's task does not either while decoding (what the caller
+//! then does with a big value, iterating or dropping it, is its own work).
 //!
 //! The RESP decoder is the `redis-protocol` crate; the command encoder, the
 //! CRC16 and the topology code are Railyard's own, because they are either

@@ -259,6 +259,10 @@ pub(crate) struct ReplyDecoder {
     proto: Protocol,
     max_reply: usize,
     walk: Walk,
+    /// Bytes the decoder read for the last reply decoded here (0 for a
+    /// framed one): the connection's task sums them to yield after
+    /// [`DECODE_ON_TASK_MAX`] of them in one turn.
+    last_read: usize,
     /// How many times the recursive decoder ran here, for the tests that
     /// prove it runs once per reply however many reads the reply took.
     #[cfg(test)]
@@ -276,6 +280,7 @@ impl ReplyDecoder {
             proto,
             max_reply,
             walk: Walk::new(),
+            last_read: 0,
             #[cfg(test)]
             decoder_runs: 0,
             #[cfg(test)]
@@ -293,6 +298,7 @@ impl ReplyDecoder {
     /// `max_reply` bytes, or (for a reply decoded here) anything else the
     /// decoder refuses. Callers close the connection the bytes came from.
     pub(crate) fn next_reply(&mut self, buf: &mut BytesMut) -> Result<Option<Reply>, String> {
+        self.last_read = 0;
         let r = self.take_front(buf);
         // A reply was taken off the front (or the buffer is refused): the
         // next reply starts at byte 0.
@@ -300,6 +306,12 @@ impl ReplyDecoder {
             self.walk.reset();
         }
         r
+    }
+
+    /// Bytes the decoder read for the reply [`Self::next_reply`] last
+    /// returned, if it decoded it here (0 otherwise).
+    pub(crate) fn last_read(&self) -> usize {
+        self.last_read
     }
 
     fn take_front(&mut self, buf: &mut BytesMut) -> Result<Option<Reply>, String> {
@@ -316,11 +328,23 @@ impl ReplyDecoder {
             Walked::Ready if !self.walk.stopped && self.walk.read() > DECODE_ON_TASK_MAX => {
                 Some(self.split_framed(buf))
             }
+            // A header the decoder refuses, after much it would read first
+            // only to refuse it: refused here from the walk's facts, so bad
+            // input never holds the task for long.
+            Walked::Ready if self.walk.stopped && self.walk.read() > DECODE_ON_TASK_MAX => {
+                let at = self.walk.pos;
+                let kind = buf.get(at).map_or(0, |b| *b);
+                return Err(format!(
+                    "a reply has a header the decoder refuses at byte {at} (type byte {:?})",
+                    char::from(kind)
+                ));
+            }
             Walked::Ready => {
                 #[cfg(test)]
                 {
                     self.decoder_runs += 1;
                 }
+                self.last_read = self.walk.read();
                 // Should it still find the reply incomplete (reading some
                 // header differently from the walk), it runs again after
                 // the next read, as it did after every read before.
@@ -567,9 +591,13 @@ impl Walk {
                             // `n <= limit`, which came from a `usize`.
                             let n = usize::try_from(n).unwrap_or(usize::MAX);
                             self.pos = self.pos.saturating_add(n).saturating_add(2);
-                            // Only a bulk string becomes a slice of the
-                            // buffer; a blob error is copied into a
-                            // `String`, a verbatim string's format parsed.
+                            // A bulk string becomes a slice of the buffer,
+                            // and so does a verbatim string after its
+                            // 4-byte format, which is read; a blob error is
+                            // copied into a `String`.
+                            if kind == b'=' {
+                                self.payloads = self.payloads.saturating_add(n - 4);
+                            }
                             if kind == b'$' {
                                 self.payloads = self.payloads.saturating_add(n);
                             }
@@ -1472,5 +1500,44 @@ mod tests {
             let short = r.next_reply(&mut BytesMut::from(&b"*2\r\n:1\r\n:x\r\n"[..]));
             assert_eq!(short.map(|_| ()), Err(direct), "{proto:?}");
         }
+    }
+
+    #[test]
+    fn a_refused_header_after_much_to_read_is_refused_without_the_decoder() {
+        // 2,000 integers, then an array length that is not a number: the
+        // walk stops there, past DECODE_ON_TASK_MAX bytes to read.
+        let mut bad = aggregate(b'*', 2_000, |i| format!(":{i}\r\n"));
+        bad.extend_from_slice(b"*x\r\n");
+        bad[1..5].copy_from_slice(b"2001");
+        for proto in BOTH {
+            let mut r = ReplyDecoder::new(proto, DEFAULT_MAX_REPLY_SIZE);
+            let e = r
+                .next_reply(&mut BytesMut::from(&bad[..]))
+                .map(|_| ())
+                .unwrap_err();
+            assert!(e.contains("refuses at byte"), "{proto:?}: {e}");
+            assert_eq!(r.decoder_runs, 0, "{proto:?}: the decoder did not run");
+            // Short, the decoder still reports it in its own words.
+            let mut r = ReplyDecoder::new(proto, DEFAULT_MAX_REPLY_SIZE);
+            let short = r.next_reply(&mut BytesMut::from(&b"*2\r\n:1\r\n*x\r\n"[..]));
+            assert!(short.is_err(), "{proto:?}");
+            assert_eq!(r.decoder_runs, 1, "{proto:?}");
+        }
+    }
+
+    #[test]
+    fn last_read_counts_what_the_decoder_read_here() {
+        let mut r = ReplyDecoder::new(Protocol::Resp2, DEFAULT_MAX_REPLY_SIZE);
+        let mut buf = BytesMut::from(&b"$2\r\nok\r\n"[..]);
+        assert!(r.next_reply(&mut buf).unwrap().is_some());
+        assert_eq!(
+            r.last_read(),
+            6,
+            "the header and the CRLFs, not the payload"
+        );
+        let big = aggregate(b'*', 2_000, |i| format!(":{i}\r\n"));
+        let mut buf = BytesMut::from(&big[..]);
+        assert!(matches!(r.next_reply(&mut buf), Ok(Some(Reply::Framed(_)))));
+        assert_eq!(r.last_read(), 0, "framed: nothing decoded here");
     }
 }
