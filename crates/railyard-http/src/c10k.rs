@@ -545,7 +545,7 @@ where
 ///
 /// # Durability
 /// The 200 goes out only once what it acknowledges survives a crash: every
-/// file's data is synced (`sync_all`) before its rename, and the upload
+/// file's data is synced (`sync_data`, which covers its size) before its rename, and the upload
 /// directory is synced once after the renames, so the new names are durable
 /// too. This adds no blocking-pool hop: a finished part is synced and closed
 /// in the step that creates the next one, and the commit's one step syncs the
@@ -618,10 +618,22 @@ fn partial_name(dir: &Path, id: u64) -> PathBuf {
 ///
 /// Liveness is `kill(pid, 0)` in this process's pid namespace. A server
 /// writing to the same directory from another namespace (another container
-/// sharing the volume) can look exited, or have this process's id; its open
-/// part is then removed, and the upload it belongs to fails at its rename
-/// (500) instead of being acknowledged: nothing acknowledged is lost.
+/// sharing the volume) can look exited, or have this process's id. So a
+/// part is removed only if, besides, it was last written more than
+/// [`STALE_PART_AGE`] ago: an upload under way writes its part as its body
+/// arrives, and the default timeouts end one that stalls far sooner.
+/// Younger leftovers wait for a later start. Were a live peer's part still
+/// removed, its upload would fail at its rename (500) instead of being
+/// acknowledged: nothing acknowledged is lost.
 fn remove_stale_parts(dir: &Path) -> usize {
+    remove_stale_parts_older_than(dir, STALE_PART_AGE)
+}
+
+/// How long a leftover part must have gone unwritten before the start
+/// sweep removes it (see [`remove_stale_parts`]).
+const STALE_PART_AGE: Duration = Duration::from_secs(10 * 60);
+
+fn remove_stale_parts_older_than(dir: &Path, age: Duration) -> usize {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) => {
@@ -645,7 +657,12 @@ fn remove_stale_parts(dir: &Path) -> usize {
         if !entry.file_type().is_ok_and(|t| t.is_file()) {
             continue;
         }
-        if !is_stale(pid, tag) {
+        let idle = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok());
+        if !is_stale(pid, tag) || idle.is_none_or(|d| d < age) {
             kept += 1;
             continue;
         }
@@ -672,11 +689,19 @@ fn part_owner(name: &str) -> Option<(libc::pid_t, &str)> {
     let rest = name.strip_prefix(".upload-")?.strip_suffix(".part")?;
     let (tag, id) = rest.rsplit_once('-')?;
     let (pid, random) = tag.split_once('-')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(id) || !digits(pid) {
+    // Exactly as `run_tag` and `partial_name` write them: decimal numbers
+    // without leading zeros, 16 lowercase hex digits.
+    let number = |s: &str| {
+        s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.is_empty() && !s.starts_with('0'))
+    };
+    if !number(id) || !number(pid) {
         return None;
     }
-    if random.len() != 16 || !random.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if random.len() != 16
+        || !random
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    {
         return None;
     }
     // A process id is positive and fits a pid_t; anything else is not a
@@ -712,7 +737,9 @@ fn process_exists(pid: libc::pid_t) -> bool {
 fn sync_and_close(part: Option<File>) -> io::Result<()> {
     // Closing after a successful sync loses nothing, so drop's silent close
     // is enough.
-    part.map_or(Ok(()), |f| f.sync_all())
+    // `fdatasync`: the data and what reading it needs (the size), not
+    // the times.
+    part.map_or(Ok(()), |f| f.sync_data())
 }
 
 impl UploadFiles {
@@ -1123,6 +1150,9 @@ mod tests {
             ".upload-+7-0123456789abcdef-1.part",
             ".upload-99999999999-0123456789abcdef-1.part",
             ".upload-7-1.part",
+            ".upload-07-0123456789abcdef-1.part",
+            ".upload-7-0123456789ABCDEF-1.part",
+            ".upload-7-0123456789abcdef-01.part",
         ] {
             assert_eq!(part_owner(other), None, "{other}");
         }
@@ -1143,7 +1173,9 @@ mod tests {
         for f in [&this_run, &earlier_run] {
             std::fs::write(f, b"x").unwrap();
         }
-        assert_eq!(remove_stale_parts(&dir), 1);
+        // Both just written: too young for the start sweep.
+        assert_eq!(remove_stale_parts(&dir), 0);
+        assert_eq!(remove_stale_parts_older_than(&dir, Duration::ZERO), 1);
         assert!(this_run.exists());
         assert!(!earlier_run.exists());
     }

@@ -211,11 +211,22 @@ async fn the_app_removes_stale_upload_parts_at_start() {
         part(live_pid, 0),
         format!("upload-{exited_pid}-0123456789abcdef-0"),
         format!(".upload-{exited_pid}-not-a-run-0.part"),
+        format!(".upload-{exited_pid}-0123456789ABCDEF-0.part"),
+        format!(".upload-0{exited_pid}-0123456789abcdef-0.part"),
         "notes.txt".to_owned(),
     ];
+    // Every file last written an hour ago (the sweep leaves younger parts),
+    // but one more part of the exited process written just now.
+    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
     for name in stale.iter().chain(&kept) {
-        std::fs::write(opts.upload_dir.join(name), name).unwrap();
+        let path = opts.upload_dir.join(name);
+        std::fs::write(&path, name).unwrap();
+        let f = std::fs::File::options().write(true).open(&path).unwrap();
+        f.set_modified(an_hour_ago).unwrap();
     }
+    let young = part(exited_pid, 2);
+    std::fs::write(opts.upload_dir.join(&young), "young").unwrap();
+    kept.push(young);
     let app = c10k::app(&opts);
     let _ = live.kill();
     let _ = live.wait();
