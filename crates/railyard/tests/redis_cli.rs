@@ -108,6 +108,41 @@ fn dev_cluster_starts_and_down_removes_it() {
 
 #[test]
 fn node_serves_the_seed_service_over_the_double() {
+    serves_the_seed_service(&[]);
+}
+
+/// The same with the service on a work-stealing runtime of two workers
+/// instead of its default single thread.
+#[test]
+fn node_serves_the_seed_service_on_two_threads() {
+    serves_the_seed_service(&["--redis-threads", "2"]);
+}
+
+/// A cluster that cannot be reached stops the node with the client's
+/// reason (the service's thread reports it before the node goes on).
+#[test]
+fn node_without_a_reachable_cluster_exits_with_the_reason() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let out = railyard()
+        .args(["node", "--no-saga", "--no-bridge", "--no-http"])
+        .args([
+            "--redis-cluster",
+            &closed.to_string(),
+            "--redis-test-port",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("connecting to the Redis Cluster"), "{err}");
+    assert!(err.contains(&closed.to_string()), "{err}");
+}
+
+fn serves_the_seed_service(extra: &[&str]) {
     let mut double = railyard()
         .args(["dev", "redis-double", "--masters", "3", "--replicas", "1"])
         .stdout(Stdio::piped())
@@ -146,6 +181,7 @@ fn node_serves_the_seed_service_over_the_double() {
             "--redis-refresh",
             "100ms",
         ])
+        .args(extra)
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
