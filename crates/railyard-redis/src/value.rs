@@ -450,6 +450,11 @@ struct Walk {
     /// Bytes of bulk-string payloads (`$`) so far in this reply, which
     /// the decoder slices out without reading.
     payloads: usize,
+    /// The depth of the values of the outermost set, map or attribute the
+    /// walk is inside (0: none). The decoder hashes what those hold (set
+    /// members and map keys go into hash sets and maps), so a payload in
+    /// one is read, not sliced.
+    hashed: usize,
     /// Type bytes and header bytes examined, over every reply so far, for
     /// the tests that prove the walk is linear in the replies' size.
     #[cfg(test)]
@@ -465,6 +470,7 @@ impl Walk {
             searched: 0,
             stopped: false,
             payloads: 0,
+            hashed: 0,
             #[cfg(test)]
             examined: 0,
         };
@@ -480,10 +486,12 @@ impl Walk {
         self.searched = 0;
         self.stopped = false;
         self.payloads = 0;
+        self.hashed = 0;
     }
 
     /// Bytes the decoder has to read in the reply walked so far: all but
-    /// its bulk strings' payloads. Once the walk has found the reply's
+    /// its bulk strings' payloads (those in sets, maps and attributes are
+    /// read: hashed). Once the walk has found the reply's
     /// end, what the decoding costs is about proportional to it (see
     /// [`DECODE_ON_TASK_MAX`]).
     fn read(&self) -> usize {
@@ -509,6 +517,9 @@ impl Walk {
                     });
                 }
                 self.depth -= 1;
+                if self.depth < self.hashed {
+                    self.hashed = 0;
+                }
             }
             let start = self.pos;
             let Some(&kind) = buf.get(start) else {
@@ -596,11 +607,12 @@ impl Walk {
                             // A bulk string becomes a slice of the buffer,
                             // and so does a verbatim string after its
                             // 4-byte format, which is read; a blob error is
-                            // copied into a `String`.
-                            if kind == b'=' {
+                            // copied into a `String`. Inside a set, map or
+                            // attribute the decoder hashes it: read.
+                            if kind == b'=' && self.hashed == 0 {
                                 self.payloads = self.payloads.saturating_add(n - 4);
                             }
-                            if kind == b'$' {
+                            if kind == b'$' && self.hashed == 0 {
                                 self.payloads = self.payloads.saturating_add(n);
                             }
                         }
@@ -643,6 +655,9 @@ impl Walk {
                         }
                         self.depth += 1;
                         self.left[self.depth] = children;
+                        if self.hashed == 0 && matches!(kind, b'~' | b'%' | b'|') {
+                            self.hashed = self.depth;
+                        }
                     }
                 }
                 // `known` above admits only the types matched here.
@@ -1541,6 +1556,57 @@ mod tests {
         let mut buf = BytesMut::from(&big[..]);
         assert!(matches!(r.next_reply(&mut buf), Ok(Some(Reply::Framed(_)))));
         assert_eq!(r.last_read(), 0, "framed: nothing decoded here");
+    }
+
+    /// Set members and map keys are hashed by the decoder, so their payloads
+    /// count as read: a RESP3 set or map of a few large strings goes to the
+    /// caller, while the same strings in an array stay sliced here; the
+    /// walk leaves a set before the strings that follow it.
+    #[test]
+    fn payloads_in_sets_and_maps_count_as_read() {
+        let member = |i: usize| {
+            format!(
+                "${}\r\n{}{}\r\n",
+                10_000,
+                i,
+                "x".repeat(10_000 - i.to_string().len())
+            )
+        };
+        for kind in [b'~', b'%'] {
+            // A set of 4 members, or a map of 2 entries (a key and a value each).
+            let reply = if kind == b'%' {
+                aggregate(kind, 2, |i| member(2 * i) + &member(2 * i + 1))
+            } else {
+                aggregate(kind, 4, member)
+            };
+            let mut r = ReplyDecoder::new(Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE);
+            let mut buf = BytesMut::from(&reply[..]);
+            assert!(
+                matches!(r.next_reply(&mut buf), Ok(Some(Reply::Framed(_)))),
+                "{}: 40 KB to hash goes to the caller",
+                char::from(kind)
+            );
+        }
+        let mut r = ReplyDecoder::new(Protocol::Resp3, DEFAULT_MAX_REPLY_SIZE);
+        let mut buf = BytesMut::from(&aggregate(b'*', 4, member)[..]);
+        assert!(matches!(r.next_reply(&mut buf), Ok(Some(Reply::Value(_)))));
+        assert!(
+            r.last_read() < 100,
+            "an array's strings are sliced: {}",
+            r.last_read()
+        );
+        // An array holding a small set, then large strings: only the set's
+        // member counts.
+        let mut reply = b"*3\r\n~1\r\n$1\r\na\r\n".to_vec();
+        reply.extend_from_slice(member(0).as_bytes());
+        reply.extend_from_slice(member(1).as_bytes());
+        let mut buf = BytesMut::from(&reply[..]);
+        assert!(matches!(r.next_reply(&mut buf), Ok(Some(Reply::Value(_)))));
+        assert!(
+            r.last_read() < 100,
+            "strings after the set are sliced: {}",
+            r.last_read()
+        );
     }
 
     /// A small deterministic generator (xorshift), so the test needs no
