@@ -107,7 +107,7 @@ impl C10kOptions {
 /// If the upload directory or the send file cannot be created or opened. A
 /// stale part that cannot be removed is logged, not an error.
 pub fn app(opts: &C10kOptions) -> io::Result<Router> {
-    std::fs::create_dir_all(&opts.upload_dir)?;
+    create_dir_durably(&opts.upload_dir)?;
     remove_stale_parts(&opts.upload_dir);
     let (file, len) = open_send_file(&opts.send_file)?;
     let min = opts.compress_min_bytes;
@@ -629,6 +629,31 @@ fn remove_stale_parts(dir: &Path) -> usize {
     remove_stale_parts_older_than(dir, STALE_PART_AGE)
 }
 
+/// Creates `dir` and any missing parents, then syncs the directory that
+/// holds each new entry, so that a crash cannot take the upload directory
+/// (and the uploads acknowledged in it) with the entry it was created under.
+/// An existing `dir` costs one `stat`.
+fn create_dir_durably(dir: &Path) -> io::Result<()> {
+    let mut missing = Vec::new();
+    let mut at = dir;
+    while !at.exists() {
+        missing.push(at);
+        match at.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => at = parent,
+            _ => break,
+        }
+    }
+    std::fs::create_dir_all(dir)?;
+    for new in missing {
+        let holder = match new.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        File::open(holder)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// How long a leftover part must have gone unwritten before the start
 /// sweep removes it (see [`remove_stale_parts`]).
 const STALE_PART_AGE: Duration = Duration::from_secs(10 * 60);
@@ -958,6 +983,24 @@ mod tests {
     use std::task::Waker;
 
     use super::*;
+
+    /// Missing parents are created too, and an existing directory is left
+    /// as it is.
+    #[test]
+    fn the_upload_directory_is_created_with_its_parents() {
+        let tmp = upload_dir("durable");
+        let dir = tmp.join("a").join("b").join("uploads");
+        create_dir_durably(&dir).unwrap();
+        assert!(dir.is_dir());
+        std::fs::write(dir.join("kept"), b"x").unwrap();
+        create_dir_durably(&dir).unwrap();
+        assert_eq!(std::fs::read(dir.join("kept")).unwrap(), b"x");
+        // A file in the way is an error, not a silent success.
+        let blocked = tmp.join("file");
+        std::fs::write(&blocked, b"x").unwrap();
+        assert!(create_dir_durably(&blocked.join("uploads")).is_err());
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
 
     fn limited<'m>(
         meter: &'m HeadMeter,
