@@ -634,22 +634,21 @@ fn remove_stale_parts(dir: &Path) -> usize {
 /// (and the uploads acknowledged in it) with the entry it was created under.
 /// An existing `dir` costs one `stat`.
 fn create_dir_durably(dir: &Path) -> io::Result<()> {
+    // The directory that holds `p`'s entry (`.` for a relative name).
+    fn holder(p: &Path) -> &Path {
+        p.parent()
+            .filter(|q| !q.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+    }
     let mut missing = Vec::new();
     let mut at = dir;
-    while !at.exists() {
+    while !at.exists() && at != Path::new(".") {
         missing.push(at);
-        match at.parent() {
-            Some(parent) if !parent.as_os_str().is_empty() => at = parent,
-            _ => break,
-        }
+        at = holder(at);
     }
     std::fs::create_dir_all(dir)?;
     for new in missing {
-        let holder = match new.parent() {
-            Some(parent) if !parent.as_os_str().is_empty() => parent,
-            _ => Path::new("."),
-        };
-        File::open(holder)?.sync_all()?;
+        File::open(holder(new))?.sync_all()?;
     }
     Ok(())
 }

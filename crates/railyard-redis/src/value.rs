@@ -451,9 +451,10 @@ struct Walk {
     /// the decoder slices out without reading.
     payloads: usize,
     /// The depth of the values of the outermost set, map or attribute the
-    /// walk is inside (0: none). The decoder hashes what those hold (set
-    /// members and map keys go into hash sets and maps), so a payload in
-    /// one is read, not sliced.
+    /// walk is inside (0: none). The decoder hashes set members and map
+    /// keys (they go into hash sets and maps), so a payload in one counts
+    /// as read, not sliced; map values count too, which errs towards
+    /// decoding off the task.
     hashed: usize,
     /// Type bytes and header bytes examined, over every reply so far, for
     /// the tests that prove the walk is linear in the replies' size.

@@ -8,9 +8,10 @@
 //! between its HTTP task and the Redis node's connection task, so each step
 //! is a task switch on one thread instead of a futex wake-up of another
 //! (which is costly on these VMs). Measured at 96 nodes and 5,000 requests/s
-//! with refresh every 1 s (docs/benchmarks.md, "One thread for the
-//! service"): 20 % less CPU per request and a lower p99.9 than on the node's
-//! two-worker runtime. The topology refresh keeps its own thread either way.
+//! with refresh every 1 s (docs/benchmarks.md, Seed 002, "Latest: the
+//! service on one thread"): about 25 % less CPU per request and a lower
+//! p99.9 than on the node's two-worker runtime. The topology refresh keeps
+//! its own thread either way.
 
 use std::time::Duration;
 
