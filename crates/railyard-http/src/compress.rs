@@ -33,10 +33,25 @@ impl Encoding {
     /// The best coding the client accepts: gzip, then deflate, else identity.
     /// Codings with `q=0` are refused; `*` accepts gzip.
     pub fn negotiate(headers: &HeaderMap) -> Encoding {
+        Self::negotiate_values(
+            headers
+                .get_all(http::header::ACCEPT_ENCODING)
+                .iter()
+                .map(HeaderValue::as_bytes),
+        )
+    }
+
+    /// [`Encoding::negotiate`] over raw `Accept-Encoding` values (the fixed
+    /// lane reads them straight from the request head). A value with bytes
+    /// outside visible ASCII is skipped, as `HeaderValue::to_str` refuses it.
+    pub(crate) fn negotiate_values<'a>(values: impl Iterator<Item = &'a [u8]>) -> Encoding {
         let mut gzip = false;
         let mut deflate = false;
-        for value in headers.get_all(http::header::ACCEPT_ENCODING) {
-            let Ok(s) = value.to_str() else { continue };
+        for value in values {
+            let visible = value.iter().all(|&b| b == b'\t' || (32..127).contains(&b));
+            let Some(s) = visible.then(|| std::str::from_utf8(value).ok()).flatten() else {
+                continue;
+            };
             for item in s.split(',') {
                 let mut parts = item.split(';');
                 let name = parts.next().unwrap_or("").trim();
@@ -127,6 +142,10 @@ pub struct FixedBody {
     gzip: Option<Bytes>,
     deflate: Option<Bytes>,
     content_type: HeaderValue,
+    /// The response head hyper would write for each encoding (identity,
+    /// gzip, deflate), up to and without its `date` line, for the fixed
+    /// lane (see `lane`).
+    heads: [Bytes; 3],
 }
 
 impl FixedBody {
@@ -139,12 +158,27 @@ impl FixedBody {
                 .then(|| compress(enc, &identity))
                 .filter(|c| c.len() < identity.len())
         };
-        Self {
+        let mut body = Self {
             gzip: variant(Encoding::Gzip),
             deflate: variant(Encoding::Deflate),
             identity,
             content_type: HeaderValue::from_static(content_type),
-        }
+            heads: Default::default(),
+        };
+        body.heads = ENCODINGS.map(|enc| head_without_date(&body.response(enc)));
+        body
+    }
+
+    /// The head (without its `date` line and the blank line after it) and
+    /// the body of the response for a client accepting `enc`: the bytes
+    /// hyper would write for [`FixedBody::response`].
+    pub(crate) fn encoded(&self, enc: Encoding) -> (&Bytes, &Bytes) {
+        let (i, compressed) = match enc {
+            Encoding::Identity => (0, None),
+            Encoding::Gzip => (1, self.gzip.as_ref()),
+            Encoding::Deflate => (2, self.deflate.as_ref()),
+        };
+        (&self.heads[i], compressed.unwrap_or(&self.identity))
     }
 
     /// The uncompressed bytes.
@@ -174,6 +208,32 @@ impl FixedBody {
         }
         resp
     }
+}
+
+const ENCODINGS: [Encoding; 3] = [Encoding::Identity, Encoding::Gzip, Encoding::Deflate];
+
+/// Serializes a fixed response's status line and headers as hyper 1.x does
+/// for a `GET`: headers in map order with lowercase names, then the
+/// `content-length` it adds. Checked against hyper's own bytes by the
+/// `fixed_lane` tests.
+fn head_without_date(resp: &Response<Body>) -> Bytes {
+    use http_body::Body as _;
+    let mut head = Vec::with_capacity(160);
+    let status = resp.status();
+    head.extend_from_slice(b"HTTP/1.1 ");
+    head.extend_from_slice(status.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    head.extend_from_slice(b"\r\n");
+    for (name, value) in resp.headers() {
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    let len = resp.body().size_hint().exact().unwrap_or(0);
+    head.extend_from_slice(format!("content-length: {len}\r\n").as_bytes());
+    Bytes::from(head)
 }
 
 /// Compresses a dynamic response when the client accepts it, the body is in

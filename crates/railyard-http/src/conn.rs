@@ -62,6 +62,11 @@ pub(crate) struct Core {
     pub(crate) park_wakers: RefCell<Vec<std::task::Waker>>,
     /// File ranges this core found in the page cache lately (see `sendfile`).
     pub(crate) warmth: crate::sendfile::Warmth,
+    /// The fixed lane's read buffer, shared by this core's connections
+    /// (borrowed only between awaits).
+    pub(crate) scratch: RefCell<Box<[u8]>>,
+    /// The fixed lane's `date` line.
+    pub(crate) date: RefCell<crate::lane::DateLine>,
 }
 
 impl Core {
@@ -96,6 +101,8 @@ impl Core {
             park_epoch: Cell::new(0),
             park_wakers: RefCell::new(Vec::new()),
             warmth: crate::sendfile::Warmth::default(),
+            scratch: RefCell::new(vec![0; crate::lane::SCRATCH_BYTES].into_boxed_slice()),
+            date: RefCell::new(crate::lane::DateLine::new()),
         }
     }
 
@@ -115,7 +122,7 @@ impl Core {
         self.stop.notify_waiters();
     }
 
-    fn record(&self, route: usize, method: &'static str, status: u16, secs: f64) {
+    pub(crate) fn record(&self, route: usize, method: &'static str, status: u16, secs: f64) {
         let mut series = self.series.borrow_mut();
         let s = series.entry((route, method, status)).or_insert_with(|| {
             self.stats.series(RequestLabels {
@@ -246,6 +253,32 @@ pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphore
     let mut leftover = Bytes::new();
     // Deadline of a request head that arrived in pieces across parks.
     let mut head_deadline: Option<tokio::time::Instant> = None;
+    if core.config.fixed_lane {
+        // The lane answers what it can and waits like a parked connection;
+        // hyper serves the rest until it parks the connection again.
+        loop {
+            match crate::lane::run(&core, &mut tcp, &mut leftover, &mut head_deadline).await {
+                crate::lane::LaneEnd::Hyper => {}
+                crate::lane::LaneEnd::Close => return,
+            }
+            match serve_active(&core, tcp, leftover, &state).await {
+                Phase::Parked {
+                    tcp: t,
+                    leftover: l,
+                } => {
+                    if l.is_empty() {
+                        head_deadline = None;
+                    } else if head_deadline.is_none() {
+                        head_deadline =
+                            Some(tokio::time::Instant::now() + core.config.header_read_timeout);
+                    }
+                    tcp = t;
+                    leftover = l;
+                }
+                Phase::Closed => return,
+            }
+        }
+    }
     loop {
         match serve_active(&core, tcp, leftover, &state).await {
             Phase::Parked {

@@ -183,6 +183,17 @@ impl Router {
         }
     }
 
+    /// The fixed body `GET path` answers, with its route id; `None` when
+    /// that route is not a fixed one (or there is none). `path` excludes
+    /// the query, as in [`Router::dispatch`].
+    pub(crate) fn fixed_get(&self, path: &str) -> Option<(usize, &FixedBody)> {
+        let route = self.routes.get(path)?;
+        route.methods.iter().find_map(|(m, ep)| match ep {
+            Endpoint::Fixed(body) if *m == Method::GET => Some((route.id, &**body)),
+            _ => None,
+        })
+    }
+
     /// Answers `req` completely: what a connection would send, minus the
     /// transport. This is how tests call the app without a socket.
     pub async fn handle(&self, req: Request<RequestBody>) -> Response<Body> {

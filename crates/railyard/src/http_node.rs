@@ -59,6 +59,10 @@ pub(crate) struct HttpArgs {
     /// instead of parking them between requests (for comparison).
     #[arg(long)]
     no_park_idle: bool,
+    /// Let hyper answer every request, fixed bodies included, instead of
+    /// the fixed lane (for comparison; same bytes, more CPU).
+    #[arg(long)]
+    no_fixed_lane: bool,
     /// Do not start the HTTP and admin servers.
     #[arg(long)]
     no_http: bool,
@@ -116,6 +120,7 @@ pub(crate) async fn start(
         shutdown_deadline: args.shutdown_deadline,
         max_body_bytes: args.max_upload_bytes,
         park_idle_connections: !args.no_park_idle,
+        fixed_lane: !args.no_fixed_lane,
         ..HttpConfig::default()
     };
     config.validate().context("HTTP options")?;

@@ -1,0 +1,487 @@
+//! The fixed lane: plain `GET`s of fixed bodies answered without hyper.
+//!
+//! # Why
+//! At 10,000 connections a `GET /static/4k` costs this server about 13 µs of
+//! CPU on the 2-core test machine, about 5 µs of it in user space, most of
+//! that in hyper: request parsing into an `http::Request`, the dispatcher,
+//! response encoding, buffer management, and a header-read timer armed and
+//! cleared for every request (docs/benchmarks.md, "Where a request's CPU
+//! goes"). The response of a fixed route is known bytes, so hyper's general
+//! machinery buys nothing for it. This is the case DESIGN.md allows for
+//! hand-written code: the crate measurably costs the goal (issue 4's
+//! requests/s ratio), and the lane is small.
+//!
+//! # What the lane answers
+//! A request whose head is complete in what has been read, and which is:
+//! `GET`, `HTTP/1.1`, an origin-form target of plain characters whose path
+//! (before any `?`) is a fixed route ([`Router::fixed`](crate::Router::fixed)),
+//! with no `Content-Length`, `Transfer-Encoding`, `Expect` or `Upgrade`
+//! header, `Connection` absent or `keep-alive`, at most [`LANE_HEADERS`]
+//! headers and `max_header_bytes` of head. Such a request has no body and
+//! keeps the connection open, so its answer is the route's head for the
+//! negotiated encoding, a `date` line and the body.
+//!
+//! Everything else (other routes and methods, bodies, HTTP/1.0, bad
+//! requests, oversize heads) is handed to hyper with every byte not yet
+//! answered, after the lane's own answers are written: pipelined requests
+//! are answered in order whoever answers them. The connection returns to
+//! the lane when hyper parks it (see `conn::serve`).
+//!
+//! # Bytes on the wire
+//! The same as hyper's for the same request: the heads are serialized once,
+//! at start, the way hyper 1.x writes them (`compress::FixedBody`), and the
+//! `fixed_lane` tests compare both servers' bytes for every route and
+//! encoding.
+//!
+//! # Memory and deadlines
+//! Reads land in one scratch buffer per core; between reads a connection
+//! keeps only the bytes of a partial head, as a parked one does. A partial
+//! head must be completed within `header_read_timeout` of its first bytes,
+//! and an idle connection closes `header_read_timeout` after its last
+//! request, as when parked. One timer per lane phase enforces both: it is
+//! re-armed when it fires early, not for every request.
+
+use std::future::{poll_fn, Future};
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::pin::Pin;
+use std::task::{ready, Poll};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::{Buf, Bytes};
+use tokio::io::{AsyncRead, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::compress::Encoding;
+use crate::conn::Core;
+
+/// Most headers the lane parses; a request with more goes to hyper.
+pub(crate) const LANE_HEADERS: usize = 32;
+/// Most responses gathered into one `writev` (three slices each).
+const BATCH: usize = 16;
+/// Size of each core's read buffer.
+pub(crate) const SCRATCH_BYTES: usize = 16 * 1024;
+/// `date: ` + IMF-fixdate (29 bytes) + CRLF + the blank line's CRLF.
+const DATE_LINE: usize = 39;
+
+/// How a lane phase ended.
+pub(crate) enum LaneEnd {
+    /// A request for hyper: the bytes not answered are in the carry.
+    Hyper,
+    /// The client left, an error, the idle or head deadline, or shutdown.
+    Close,
+}
+
+/// The `date` line, formatted once per second per core.
+pub(crate) struct DateLine {
+    secs: u64,
+    line: [u8; DATE_LINE],
+}
+
+impl DateLine {
+    pub(crate) fn new() -> Self {
+        Self {
+            secs: u64::MAX,
+            line: [0; DATE_LINE],
+        }
+    }
+
+    fn now(&mut self) -> [u8; DATE_LINE] {
+        let now = SystemTime::now();
+        let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        if secs != self.secs {
+            let text = httpdate::fmt_http_date(now);
+            let mut line = [0u8; DATE_LINE];
+            line[..6].copy_from_slice(b"date: ");
+            line[6..35].copy_from_slice(&text.as_bytes()[..29]);
+            line[35..].copy_from_slice(b"\r\n\r\n");
+            self.line = line;
+            self.secs = secs;
+        }
+        self.line
+    }
+}
+
+/// Serves the connection's plain fixed `GET`s until a request needs hyper
+/// ([`LaneEnd::Hyper`], with the unanswered bytes in `carry`) or the
+/// connection ends. `carry` holds, on entry, bytes read earlier (a partial
+/// head, from a park); `head_deadline` is that head's deadline, kept across
+/// phases.
+pub(crate) async fn run(
+    core: &Core,
+    tcp: &mut TcpStream,
+    carry: &mut Bytes,
+    head_deadline: &mut Option<Instant>,
+) -> LaneEnd {
+    let timeout = core.config.header_read_timeout;
+    let mut idle_since = Instant::now();
+    // Registered with the core's stop notification on the first wait; after
+    // that only the core's flag is read (see `Core::stopping`).
+    let stop = core.stop.notified();
+    tokio::pin!(stop);
+    let mut stop_registered = false;
+    let sleep = tokio::time::sleep_until(head_deadline.unwrap_or(idle_since + timeout));
+    tokio::pin!(sleep);
+    // A carry from a park is a partial head: it waits for more bytes. A
+    // carry left by a blocked write may hold whole requests: parse it first.
+    let mut parse_carry = false;
+    loop {
+        let next = if parse_carry {
+            parse_carry = false;
+            let input = std::mem::take(carry);
+            settle(core, tcp, &input, std::time::Instant::now(), carry)
+        } else {
+            let due = head_deadline.unwrap_or(idle_since + timeout);
+            if sleep.deadline() > due {
+                sleep.as_mut().reset(due);
+            }
+            let read = poll_fn(|cx| {
+                if !stop_registered {
+                    stop_registered = true;
+                    if stop.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(None);
+                    }
+                }
+                if core.stopping.get() {
+                    return Poll::Ready(None);
+                }
+                {
+                    let mut scratch = core.scratch.borrow_mut();
+                    let mut buf = ReadBuf::new(&mut scratch[..]);
+                    // tokio clears the readiness after a short read, so a
+                    // request costs one `recvfrom`, not a second one that
+                    // finds the socket empty.
+                    if let Poll::Ready(r) = Pin::new(&mut *tcp).poll_read(cx, &mut buf) {
+                        return Poll::Ready(r.ok().map(|()| buf.filled().len()));
+                    }
+                }
+                loop {
+                    ready!(sleep.as_mut().poll(cx));
+                    if Instant::now() >= due {
+                        return Poll::Ready(None);
+                    }
+                    // Fired for an earlier deadline that has moved on.
+                    sleep.as_mut().reset(due);
+                }
+            })
+            .await;
+            let n = match read {
+                Some(n) if n > 0 => n,
+                _ => return LaneEnd::Close,
+            };
+            core.stats.bytes_in.add(n as u64);
+            let now = Instant::now();
+            idle_since = now;
+            let scratch = core.scratch.borrow();
+            if carry.is_empty() {
+                settle(core, tcp, &scratch[..n], now.into_std(), carry)
+            } else {
+                let mut joined = Vec::with_capacity(carry.len() + n);
+                joined.extend_from_slice(carry);
+                joined.extend_from_slice(&scratch[..n]);
+                drop(scratch);
+                settle(core, tcp, &joined, now.into_std(), carry)
+            }
+        };
+        match next {
+            Next::Wait => {}
+            Next::Hyper => {
+                // hyper keeps its own head timer from here.
+                *head_deadline = None;
+                return LaneEnd::Hyper;
+            }
+            Next::Write(unsent) => {
+                if write_unsent(core, tcp, unsent).await.is_err() {
+                    return LaneEnd::Close;
+                }
+                idle_since = Instant::now();
+                parse_carry = !carry.is_empty();
+            }
+            Next::Close => return LaneEnd::Close,
+        }
+        if carry.is_empty() {
+            *head_deadline = None;
+        } else if head_deadline.is_none() {
+            *head_deadline = Some(Instant::now() + timeout);
+        }
+    }
+}
+
+/// What to do after answering one read's bytes.
+enum Next {
+    /// All answered; `carry` holds a partial head, if any.
+    Wait,
+    /// The carry starts with a request for hyper.
+    Hyper,
+    /// The socket took only part of the answers: write these first, then
+    /// parse the carry.
+    Write(Vec<Bytes>),
+    /// Writing failed: the client is gone.
+    Close,
+}
+
+/// Answers `input` and leaves its unanswered bytes in `carry`.
+fn settle(
+    core: &Core,
+    tcp: &TcpStream,
+    input: &[u8],
+    start: std::time::Instant,
+    carry: &mut Bytes,
+) -> Next {
+    let (next, rest) = match answer(core, tcp, input, start) {
+        Turn::Done { rest } => (Next::Wait, rest),
+        Turn::Hyper { rest } => (Next::Hyper, rest),
+        Turn::Blocked { unsent, rest } => (Next::Write(unsent), rest),
+        Turn::Closed => return Next::Close,
+    };
+    *carry = if rest == input.len() {
+        Bytes::new()
+    } else {
+        Bytes::copy_from_slice(&input[rest..])
+    };
+    next
+}
+
+/// How far answering got; `rest` is the offset of the first byte not answered.
+enum Turn {
+    /// Every complete request was answered and written.
+    Done { rest: usize },
+    /// The request at `rest` is hyper's; the ones before it are written.
+    Hyper { rest: usize },
+    /// The answers up to `rest` are made, but `unsent` of them is not written.
+    Blocked { unsent: Vec<Bytes>, rest: usize },
+    /// A write failed.
+    Closed,
+}
+
+/// A response the lane owes: the route's head and body for its encoding.
+type Owed<'r> = Option<(&'r Bytes, &'r Bytes)>;
+
+/// Parses and answers the requests at the front of `input`, writing the
+/// answers in batches of [`BATCH`] with one `writev` each.
+fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant) -> Turn {
+    let date = core.date.borrow_mut().now();
+    let mut owed: [Owed<'_>; BATCH] = [None; BATCH];
+    let mut k = 0;
+    let mut pos = 0;
+    let mut to_hyper = false;
+    while pos < input.len() {
+        match parse(core, &input[pos..]) {
+            Parsed::Fixed {
+                len,
+                route,
+                head,
+                body,
+            } => {
+                core.record(route, "GET", 200, start.elapsed().as_secs_f64());
+                owed[k] = Some((head, body));
+                k += 1;
+                pos += len;
+                if k == BATCH {
+                    match flush(core, tcp, &owed[..k], &date) {
+                        Flushed::All => k = 0,
+                        Flushed::Part(unsent) => return Turn::Blocked { unsent, rest: pos },
+                        Flushed::Failed => return Turn::Closed,
+                    }
+                }
+            }
+            Parsed::Partial => break,
+            Parsed::Other => {
+                to_hyper = true;
+                break;
+            }
+        }
+    }
+    if k > 0 {
+        match flush(core, tcp, &owed[..k], &date) {
+            Flushed::All => {}
+            Flushed::Part(unsent) => return Turn::Blocked { unsent, rest: pos },
+            Flushed::Failed => return Turn::Closed,
+        }
+    }
+    if to_hyper {
+        Turn::Hyper { rest: pos }
+    } else {
+        Turn::Done { rest: pos }
+    }
+}
+
+/// The request at the front of a buffer.
+enum Parsed<'r> {
+    /// One the lane answers: its head's length, route id and response.
+    Fixed {
+        len: usize,
+        route: usize,
+        head: &'r Bytes,
+        body: &'r Bytes,
+    },
+    /// Its head is not all here yet.
+    Partial,
+    /// hyper's to answer (or to refuse).
+    Other,
+}
+
+fn parse<'r>(core: &'r Core, buf: &[u8]) -> Parsed<'r> {
+    let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; LANE_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match req.parse_with_uninit_headers(buf, &mut headers) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() <= core.config.max_header_bytes => {
+            return Parsed::Partial
+        }
+        // Too big, too many headers or malformed: hyper refuses it properly.
+        Ok(httparse::Status::Partial) | Err(_) => return Parsed::Other,
+    };
+    if len > core.config.max_header_bytes
+        || req.headers.len() > core.config.max_headers
+        || req.method != Some("GET")
+        || req.version != Some(1)
+    {
+        return Parsed::Other;
+    }
+    let Some(target) = req.path else {
+        return Parsed::Other;
+    };
+    if !target.starts_with('/') || !target.bytes().all(plain) {
+        return Parsed::Other;
+    }
+    let path = target.split_once('?').map_or(target, |(p, _)| p);
+    let Some((route, fixed)) = core.router.fixed_get(path) else {
+        return Parsed::Other;
+    };
+    for h in req.headers.iter() {
+        let name = h.name;
+        let bodied = ["content-length", "transfer-encoding", "expect", "upgrade"]
+            .iter()
+            .any(|n| name.eq_ignore_ascii_case(n));
+        let closing =
+            name.eq_ignore_ascii_case("connection") && !h.value.eq_ignore_ascii_case(b"keep-alive");
+        if bodied || closing {
+            return Parsed::Other;
+        }
+    }
+    let enc = Encoding::negotiate_values(
+        req.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("accept-encoding"))
+            .map(|h| h.value),
+    );
+    let (head, body) = fixed.encoded(enc);
+    Parsed::Fixed {
+        len,
+        route,
+        head,
+        body,
+    }
+}
+
+/// Target bytes the lane takes as they are; anything else (which hyper may
+/// refuse or read differently) goes to hyper.
+fn plain(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~/?=&%+:;,@!$'()*".contains(&b)
+}
+
+enum Flushed {
+    All,
+    /// The socket took part: the rest, in order.
+    Part(Vec<Bytes>),
+    Failed,
+}
+
+/// Writes the owed answers with one `writev`.
+fn flush(core: &Core, tcp: &TcpStream, owed: &[Owed<'_>], date: &[u8; DATE_LINE]) -> Flushed {
+    let mut iov = [IoSlice::new(&[]); BATCH * 3];
+    let mut n = 0;
+    for (head, body) in owed.iter().flatten() {
+        iov[n] = IoSlice::new(head);
+        iov[n + 1] = IoSlice::new(date);
+        n += 2;
+        if !body.is_empty() {
+            iov[n] = IoSlice::new(body);
+            n += 1;
+        }
+    }
+    let total: usize = iov[..n].iter().map(|s| s.len()).sum();
+    let written = match tcp.try_write_vectored(&iov[..n]) {
+        Ok(w) => w,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(_) => return Flushed::Failed,
+    };
+    core.stats.bytes_out.add(written as u64);
+    if written == total {
+        return Flushed::All;
+    }
+    let mut skip = written;
+    let mut unsent = Vec::with_capacity(owed.len() * 3);
+    for (head, body) in owed.iter().flatten() {
+        for piece in [
+            (*head).clone(),
+            Bytes::copy_from_slice(date),
+            (*body).clone(),
+        ] {
+            if skip >= piece.len() {
+                skip -= piece.len();
+                continue;
+            }
+            unsent.push(piece.slice(skip..));
+            skip = 0;
+        }
+    }
+    Flushed::Part(unsent)
+}
+
+/// Writes what a full socket buffer left over, waiting for room.
+async fn write_unsent(core: &Core, tcp: &TcpStream, mut unsent: Vec<Bytes>) -> io::Result<()> {
+    let mut i = 0;
+    while i < unsent.len() {
+        tcp.writable().await?;
+        let iov: Vec<IoSlice<'_>> = unsent[i..]
+            .iter()
+            .take(BATCH * 3)
+            .map(|b| IoSlice::new(b))
+            .collect();
+        let mut n = match tcp.try_write_vectored(&iov) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        drop(iov);
+        core.stats.bytes_out.add(n as u64);
+        while n > 0 {
+            let len = unsent[i].len();
+            if n >= len {
+                n -= len;
+                i += 1;
+            } else {
+                unsent[i].advance(n);
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_date_line_is_a_head_ending_imf_fixdate() {
+        let line = DateLine::new().now();
+        let text = std::str::from_utf8(&line).unwrap();
+        assert!(text.starts_with("date: "), "{text}");
+        assert!(text.ends_with(" GMT\r\n\r\n"), "{text}");
+        let date = &text[6..35];
+        assert!(httpdate::parse_http_date(date).is_ok(), "{date}");
+    }
+
+    #[test]
+    fn plain_targets_exclude_what_a_uri_may_refuse() {
+        assert!(b"/static/4k?a=1&b=%20".iter().all(|&b| plain(b)));
+        for b in [b' ', b'"', b'<', b'{', b'#', b'\\', 0x7f, 0x80] {
+            assert!(!plain(b), "{b:#x}");
+        }
+    }
+}

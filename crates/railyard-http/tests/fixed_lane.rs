@@ -1,0 +1,371 @@
+//! The fixed lane answers plain `GET`s of fixed bodies without hyper. These
+//! tests hold it to hyper's behaviour: the same bytes for every route and
+//! encoding, requests it does not take handed over in order, heads split
+//! across reads, a full socket buffer, the idle and head deadlines, and
+//! shutdown.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{Client, TestServer, PATIENCE};
+use http::Response;
+use railyard_http::{Body, FixedBody, HttpConfig, Router};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const BIG: usize = 64 * 1024;
+
+fn text_body() -> String {
+    "railyard fixed lane ".repeat(205)
+}
+
+/// Bytes that do not compress well, the same in every router built here.
+fn big_body() -> Bytes {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..BIG)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"[(x % 62) as usize]
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// The same routes every time: fixed bodies (text, empty, large) and a
+/// dynamic route the lane leaves to hyper.
+fn app() -> Router {
+    Router::new()
+        .fixed(
+            "/t",
+            FixedBody::new(text_body(), "text/plain; charset=utf-8", 1024),
+        )
+        .fixed("/e", FixedBody::new(Bytes::new(), "text/plain", 1024))
+        .fixed(
+            "/big",
+            FixedBody::new(big_body(), "application/octet-stream", 1024),
+        )
+        .get("/dyn", |_req| async {
+            Response::new(Body::from("dynamic"))
+        })
+}
+
+fn config(lane: bool) -> HttpConfig {
+    HttpConfig {
+        fixed_lane: lane,
+        // hyper parks after every response, so a connection comes back to
+        // the lane right after hyper's request.
+        park_idle_after: Duration::ZERO,
+        ..HttpConfig::default()
+    }
+}
+
+/// Reads one whole response off `s`, with the date's value blanked.
+async fn raw_response(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> Vec<u8> {
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut r = httparse::Response::new(&mut headers);
+        if let httparse::Status::Complete(head) = r.parse(buf).expect("a valid response") {
+            let len: usize = r
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .map_or(0, |h| {
+                    std::str::from_utf8(h.value).unwrap().parse().unwrap()
+                });
+            let total = head + if head_only { 0 } else { len };
+            if buf.len() >= total {
+                let mut out: Vec<u8> = buf.drain(..total).collect();
+                let text = String::from_utf8_lossy(&out[..head]).into_owned();
+                let at = text.find("date: ").expect("a date header") + 6;
+                out[at..at + 29].copy_from_slice(&[b'D'; 29]);
+                return out;
+            }
+        }
+        let mut chunk = [0u8; 64 * 1024];
+        let n = tokio::time::timeout(PATIENCE, s.read(&mut chunk))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        assert!(n > 0, "closed before a whole response: {buf:?}");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Sends `raw` on a new connection and reads one response per entry of
+/// `heads` (true: a response without a body, as for `HEAD`).
+async fn exchange(addr: SocketAddr, raw: &[u8], heads: &[bool]) -> Vec<Vec<u8>> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(raw).await.unwrap();
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    for &h in heads {
+        out.push(raw_response(&mut s, &mut buf, h).await);
+    }
+    out
+}
+
+#[tokio::test]
+async fn the_lane_writes_the_bytes_hyper_writes() {
+    let lane = TestServer::start(app(), config(true)).await;
+    let hyper = TestServer::start(app(), config(false)).await;
+    let accepts = [
+        "",
+        "Accept-Encoding: gzip\r\n",
+        "Accept-Encoding: deflate\r\n",
+        "Accept-Encoding: gzip;q=0, deflate\r\n",
+        "Accept-Encoding: br\r\n",
+        "Accept-Encoding: *\r\n",
+        "Accept-Encoding: identity\r\nAccept-Encoding: GZIP\r\n",
+        "Accept-Encoding: gzip\u{e9}\r\n",
+    ];
+    for path in ["/t", "/e", "/big", "/t?x=1&y=%20"] {
+        for accept in accepts {
+            let req = format!("GET {path} HTTP/1.1\r\nHost: t\r\n{accept}\r\n");
+            let a = exchange(lane.addr, req.as_bytes(), &[false]).await;
+            let b = exchange(hyper.addr, req.as_bytes(), &[false]).await;
+            assert_eq!(a, b, "{req:?}");
+        }
+    }
+    lane.stop().await;
+    hyper.stop().await;
+}
+
+#[tokio::test]
+async fn requests_the_lane_does_not_take_are_answered_in_order_by_hyper() {
+    let lane = TestServer::start(app(), config(true)).await;
+    let hyper = TestServer::start(app(), config(false)).await;
+    // Lane, hyper and lane again, pipelined in one write.
+    let pipeline: &[(&str, bool)] = &[
+        (
+            "GET /t HTTP/1.1\r\nHost: t\r\nAccept-Encoding: gzip\r\n\r\n",
+            false,
+        ),
+        ("GET /dyn HTTP/1.1\r\nHost: t\r\n\r\n", false),
+        ("GET /e HTTP/1.1\r\nHost: t\r\n\r\n", false),
+        ("HEAD /t HTTP/1.1\r\nHost: t\r\n\r\n", true),
+        (
+            "GET /t HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n",
+            false,
+        ),
+        ("GET /missing HTTP/1.1\r\nHost: t\r\n\r\n", false),
+        (
+            "POST /t HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi",
+            false,
+        ),
+        (
+            "GET /big HTTP/1.1\r\nHost: t\r\nConnection: keep-alive\r\n\r\n",
+            false,
+        ),
+        ("GET http://t/t HTTP/1.1\r\nHost: t\r\n\r\n", false),
+        ("GET /t HTTP/1.1\r\nHost: t\r\n\r\n", false),
+    ];
+    let raw: Vec<u8> = pipeline.iter().flat_map(|(r, _)| r.bytes()).collect();
+    let heads: Vec<bool> = pipeline.iter().map(|(_, h)| *h).collect();
+    let a = exchange(lane.addr, &raw, &heads).await;
+    let b = exchange(hyper.addr, &raw, &heads).await;
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x, y, "response {i} to {:?}", pipeline[i].0);
+    }
+    let statuses: Vec<&[u8]> = a.iter().map(|r| &r[9..12]).collect();
+    assert_eq!(
+        statuses,
+        [b"200", b"200", b"200", b"200", b"200", b"404", b"405", b"200", b"200", b"200"]
+    );
+    // The same requests one by one on one connection, each waiting for
+    // its answer, so the connection moves between the lane and hyper.
+    let mut c = Client::connect(lane.addr).await;
+    for (req, head) in pipeline {
+        c.send(req.as_bytes()).await;
+        let method = if *head { "HEAD" } else { "GET" };
+        let r = c.read_response_for(method).await.expect("an answer");
+        assert!(r.status == 200 || r.status >= 400, "{req:?}");
+    }
+    lane.stop().await;
+    hyper.stop().await;
+}
+
+#[tokio::test]
+async fn requests_that_close_or_are_refused_behave_as_with_hyper() {
+    let lane = TestServer::start(app(), config(true)).await;
+    let hyper = TestServer::start(app(), config(false)).await;
+    let huge = format!("GET /t HTTP/1.1\r\nX-Big: {}\r\n\r\n", "a".repeat(20_000));
+    let cases: Vec<Vec<u8>> = vec![
+        b"GET /t HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".to_vec(),
+        b"GET /t HTTP/1.0\r\n\r\n".to_vec(),
+        b"GET /t HTTP/1.1\r\nHost: t\r\n\r\nGARBAGE\r\n\r\n".to_vec(),
+        b"GET /t\xff HTTP/1.1\r\n\r\n".to_vec(),
+        huge.into_bytes(),
+    ];
+    for raw in &cases {
+        let a = until_close(lane.addr, raw).await;
+        let b = until_close(hyper.addr, raw).await;
+        assert_eq!(a, b, "{:?}", String::from_utf8_lossy(raw));
+        assert!(
+            !a.is_empty(),
+            "an answer to {:?}",
+            String::from_utf8_lossy(raw)
+        );
+    }
+    lane.stop().await;
+    hyper.stop().await;
+}
+
+/// Sends `raw` and reads until the server closes, dates blanked.
+async fn until_close(addr: SocketAddr, raw: &[u8]) -> Vec<u8> {
+    let mut c = Client::connect(addr).await;
+    c.send(raw).await;
+    let mut out = c.read_to_close().await;
+    let mut at = 0;
+    while let Some(i) = find(&out[at..], b"date: ") {
+        let start = at + i + 6;
+        out[start..start + 29].copy_from_slice(&[b'D'; 29]);
+        at = start + 29;
+    }
+    out
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[tokio::test]
+async fn heads_split_across_reads_are_answered_and_counted() {
+    let (registry, metrics) = railyard_http::HttpMetrics::standalone();
+    let lane = TestServer::start_with(app(), config(true), registry.clone(), metrics).await;
+    let mut c = Client::connect(lane.addr).await;
+    for piece in [
+        &b"GET /t HT"[..],
+        b"TP/1.1\r\nHost",
+        b": t\r\n",
+        b"\r\nGET /e HTTP/1.1\r",
+    ] {
+        c.send(piece).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = c.read_response().await.unwrap();
+    assert_eq!(r.body, text_body().as_bytes());
+    c.send(b"\n\r\n").await;
+    assert_eq!(c.read_response().await.unwrap().status, 200);
+    let admin =
+        TestServer::start(railyard_http::admin_router(registry), HttpConfig::default()).await;
+    let mut a = Client::connect(admin.addr).await;
+    let text = String::from_utf8(a.get("/metrics", "").await.body).unwrap();
+    for route in ["/t", "/e"] {
+        let line = format!(
+            "railyard_http_requests_total{{route=\"{route}\",method=\"GET\",status=\"200\"}} 1"
+        );
+        assert!(text.contains(&line), "{line} in\n{text}");
+    }
+    admin.stop().await;
+    lane.stop().await;
+}
+
+#[tokio::test]
+async fn a_pipeline_larger_than_the_socket_buffers_is_answered_whole() {
+    let lane = TestServer::start(app(), config(true)).await;
+    // A small receive window, and nothing read for a while: the server's
+    // writes stop part-way and wait for room.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut s = socket.connect(lane.addr).await.unwrap();
+    // 300 requests for 64 KiB each (about 19 MiB), interleaved with hyper's
+    // route, all sent before reading anything.
+    let mut raw = Vec::new();
+    for i in 0..300 {
+        let path = if i % 50 == 49 { "/dyn" } else { "/big" };
+        raw.extend_from_slice(format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes());
+    }
+    let (mut rd, mut wr) = s.split();
+    let send = async {
+        wr.write_all(&raw).await.unwrap();
+    };
+    let big = big_body();
+    let receive = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (mut bodies, mut dynamic) = (0, 0);
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 256 * 1024];
+        while bodies + dynamic < 300 {
+            let n = tokio::time::timeout(PATIENCE, rd.read(&mut chunk))
+                .await
+                .expect("answers keep coming")
+                .unwrap();
+            assert!(n > 0, "closed after {} answers", bodies + dynamic);
+            got.extend_from_slice(&chunk[..n]);
+            // Take every whole response off the front.
+            loop {
+                let mut headers = [httparse::EMPTY_HEADER; 16];
+                let mut r = httparse::Response::new(&mut headers);
+                let httparse::Status::Complete(head) = r.parse(&got).unwrap() else {
+                    break;
+                };
+                let len: usize = r
+                    .headers
+                    .iter()
+                    .find(|h| h.name == "content-length")
+                    .map(|h| std::str::from_utf8(h.value).unwrap().parse().unwrap())
+                    .unwrap();
+                if got.len() < head + len {
+                    break;
+                }
+                let body = &got[head..head + len];
+                if len == BIG {
+                    assert_eq!(body, &big[..]);
+                    bodies += 1;
+                } else {
+                    assert_eq!(body, b"dynamic");
+                    dynamic += 1;
+                }
+                got.drain(..head + len);
+            }
+        }
+        assert!(got.is_empty(), "nothing after the last answer");
+        (bodies, dynamic)
+    };
+    let ((), (bodies, dynamic)) = tokio::join!(send, receive);
+    drop(s);
+    assert_eq!((bodies, dynamic), (294, 6));
+    lane.stop().await;
+}
+
+#[tokio::test]
+async fn idle_connections_close_at_the_header_timeout_and_busy_ones_stay() {
+    let timeout = Duration::from_millis(300);
+    let cfg = HttpConfig {
+        header_read_timeout: timeout,
+        ..config(true)
+    };
+    let lane = TestServer::start(app(), cfg).await;
+    // Busy for three timeouts: one request every 100 ms is never cut off.
+    let mut busy = Client::connect(lane.addr).await;
+    let started = Instant::now();
+    while started.elapsed() < timeout * 3 {
+        assert_eq!(busy.get("/e", "").await.status, 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Idle: closed about one timeout after its last request, not before.
+    assert_eq!(busy.get("/e", "").await.status, 200);
+    let idle_from = Instant::now();
+    assert!(busy.read_to_close().await.is_empty());
+    let idle_for = idle_from.elapsed();
+    assert!(
+        idle_for >= timeout - Duration::from_millis(20),
+        "{idle_for:?}"
+    );
+    lane.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_idle_lane_connections_at_once() {
+    let lane = TestServer::start(app(), config(true)).await;
+    let mut c = Client::connect(lane.addr).await;
+    assert_eq!(c.get("/t", "").await.status, 200);
+    let report = lane.stop().await;
+    assert_eq!(report.aborted_connections, 0);
+    assert!(c.read_to_close().await.is_empty());
+}
