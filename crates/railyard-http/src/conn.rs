@@ -242,6 +242,11 @@ enum Phase {
 /// A connection parks once it has been idle across a tick of the core's park
 /// clock (`park_idle_after`), so a busy connection is not taken apart
 /// between every two requests.
+///
+/// # The fixed lane
+/// With `fixed_lane` on, a parked connection waits in the lane (`lane`),
+/// which answers plain `GET`s of fixed bodies itself and hands hyper the
+/// first other request; a new connection starts there too.
 pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphorePermit) {
     core.active.set(core.active.get() + 1);
     core.metrics.open_connections.inc();
@@ -253,33 +258,31 @@ pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphore
     let mut leftover = Bytes::new();
     // Deadline of a request head that arrived in pieces across parks.
     let mut head_deadline: Option<tokio::time::Instant> = None;
-    if core.config.fixed_lane {
-        // The lane answers what it can and waits like a parked connection;
-        // hyper serves the rest until it parks the connection again.
-        loop {
+    // Without the lane, hyper serves a new connection at once.
+    let mut parked = false;
+    loop {
+        if core.config.fixed_lane {
+            // The lane answers what it can and waits like a parked
+            // connection; hyper serves the rest until it parks again.
             match crate::lane::run(&core, &mut tcp, &mut leftover, &mut head_deadline).await {
                 crate::lane::LaneEnd::Hyper => {}
                 crate::lane::LaneEnd::Close => return,
             }
-            match serve_active(&core, tcp, leftover, &state).await {
-                Phase::Parked {
-                    tcp: t,
-                    leftover: l,
-                } => {
-                    if l.is_empty() {
-                        head_deadline = None;
-                    } else if head_deadline.is_none() {
-                        head_deadline =
-                            Some(tokio::time::Instant::now() + core.config.header_read_timeout);
-                    }
-                    tcp = t;
-                    leftover = l;
-                }
-                Phase::Closed => return,
+        } else if parked {
+            // The socket alone waits for the next request (or the rest of
+            // a partial head), at most until the head deadline.
+            let deadline = head_deadline
+                .unwrap_or_else(|| tokio::time::Instant::now() + core.config.header_read_timeout);
+            let woke = tokio::select! {
+                biased;
+                // Idle at shutdown: nothing in flight, just close.
+                () = shutdown_signalled(&mut shutdown) => false,
+                r = tokio::time::timeout_at(deadline, tcp.readable()) => matches!(r, Ok(Ok(()))),
+            };
+            if !woke {
+                return;
             }
         }
-    }
-    loop {
         match serve_active(&core, tcp, leftover, &state).await {
             Phase::Parked {
                 tcp: t,
@@ -293,21 +296,9 @@ pub(crate) async fn serve(core: Rc<Core>, tcp: TcpStream, permit: OwnedSemaphore
                 }
                 tcp = t;
                 leftover = l;
+                parked = true;
             }
             Phase::Closed => return,
-        }
-        // Parked: the socket alone waits for the next request (or the rest
-        // of a partial head), at most until the head deadline.
-        let deadline = head_deadline
-            .unwrap_or_else(|| tokio::time::Instant::now() + core.config.header_read_timeout);
-        let woke = tokio::select! {
-            biased;
-            // Idle at shutdown: nothing in flight, just close.
-            () = shutdown_signalled(&mut shutdown) => false,
-            r = tokio::time::timeout_at(deadline, tcp.readable()) => matches!(r, Ok(Ok(()))),
-        };
-        if !woke {
-            return;
         }
     }
 }
