@@ -60,6 +60,9 @@ use crate::conn::Core;
 pub(crate) const LANE_HEADERS: usize = 32;
 /// Most responses gathered into one `writev` (three slices each).
 const BATCH: usize = 16;
+/// Most answers in one turn before the lane lets the core's other
+/// connections run (a deep pipeline is answered over several turns).
+const TURN: usize = 64;
 /// Size of each core's read buffer.
 pub(crate) const SCRATCH_BYTES: usize = 16 * 1024;
 /// `date: ` + IMF-fixdate (29 bytes) + CRLF + the blank line's CRLF.
@@ -115,6 +118,7 @@ pub(crate) async fn run(
     head_deadline: &mut Option<Instant>,
 ) -> LaneEnd {
     let timeout = core.config.header_read_timeout;
+    let limit = head_limit(core);
     let mut idle_since = Instant::now();
     // Registered with the core's stop notification on the first wait; after
     // that only the core's flag is read (see `Core::stopping`).
@@ -124,13 +128,19 @@ pub(crate) async fn run(
     let sleep = tokio::time::sleep_until(head_deadline.unwrap_or(idle_since + timeout));
     tokio::pin!(sleep);
     // A carry from a park is a partial head: it waits for more bytes. A
-    // carry left by a blocked write may hold whole requests: parse it first.
+    // carry left by a blocked write or a full turn holds whole requests:
+    // it is parsed before anything more is read.
     let mut parse_carry = false;
     loop {
-        let next = if parse_carry {
+        let (next, consumed, at) = if parse_carry {
             parse_carry = false;
+            if core.stopping.get() {
+                return LaneEnd::Close;
+            }
             let input = std::mem::take(carry);
-            settle(core, tcp, &input, std::time::Instant::now(), carry)
+            let now = Instant::now();
+            let (next, consumed) = settle(core, tcp, &input, now.into_std(), carry);
+            (next, consumed, now)
         } else {
             let due = head_deadline.unwrap_or(idle_since + timeout);
             if sleep.deadline() > due {
@@ -174,18 +184,44 @@ pub(crate) async fn run(
             let now = Instant::now();
             idle_since = now;
             let scratch = core.scratch.borrow();
-            if carry.is_empty() {
+            let (next, consumed) = if carry.is_empty() {
                 settle(core, tcp, &scratch[..n], now.into_std(), carry)
             } else {
-                let mut joined = Vec::with_capacity(carry.len() + n);
-                joined.extend_from_slice(carry);
+                // The carry is a partial head. Append (the carry's buffer is
+                // reused when it is the only reference), and parse again only
+                // when the new bytes may end the head: a head trickling in
+                // costs linear work, not a re-parse per byte.
+                let mut joined = Vec::from(std::mem::take(carry));
+                let from = joined.len().saturating_sub(2);
                 joined.extend_from_slice(&scratch[..n]);
                 drop(scratch);
-                settle(core, tcp, &joined, now.into_std(), carry)
-            }
+                if joined.len() < limit && !may_end_head(&joined[from..]) {
+                    *carry = Bytes::from(joined);
+                    (Next::Wait, false)
+                } else {
+                    settle(core, tcp, &joined, now.into_std(), carry)
+                }
+            };
+            (next, consumed, now)
         };
+        if consumed {
+            // The head the deadline was set for is complete.
+            *head_deadline = None;
+        }
         match next {
-            Next::Wait => {}
+            Next::Wait => {
+                if carry.is_empty() {
+                    *head_deadline = None;
+                } else if head_deadline.is_none() {
+                    // A new partial head: its deadline runs from now on,
+                    // whatever follows.
+                    *head_deadline = Some(at + timeout);
+                }
+            }
+            Next::More => {
+                tokio::task::yield_now().await;
+                parse_carry = true;
+            }
             Next::Hyper => {
                 // hyper keeps its own head timer from here.
                 *head_deadline = None;
@@ -200,12 +236,23 @@ pub(crate) async fn run(
             }
             Next::Close => return LaneEnd::Close,
         }
-        if carry.is_empty() {
-            *head_deadline = None;
-        } else if head_deadline.is_none() {
-            *head_deadline = Some(Instant::now() + timeout);
-        }
     }
+}
+
+/// The largest head the lane parses: the configured limit, and never more
+/// than a scratch buffer (hyper takes larger heads, up to its own limits).
+fn head_limit(core: &Core) -> usize {
+    core.config.max_header_bytes.min(SCRATCH_BYTES)
+}
+
+/// Whether `bytes` (the new bytes of a head, with the two before them) may
+/// hold the blank line that ends a head (`\r\n\r\n` or, as httparse also
+/// takes, `\n\n`).
+fn may_end_head(bytes: &[u8]) -> bool {
+    bytes
+        .windows(2)
+        .enumerate()
+        .any(|(i, w)| w == b"\n\n" || (w == b"\n\r" && bytes.get(i + 2) == Some(&b'\n')))
 }
 
 /// What to do after answering one read's bytes.
@@ -217,36 +264,43 @@ enum Next {
     /// The socket took only part of the answers: write these first, then
     /// parse the carry.
     Write(Vec<Bytes>),
+    /// A turn's worth of answers is written; the carry holds requests not
+    /// yet parsed: let the core's other connections run, then go on.
+    More,
     /// Writing failed: the client is gone.
     Close,
 }
 
-/// Answers `input` and leaves its unanswered bytes in `carry`.
+/// Answers `input` and leaves its unanswered bytes in `carry`; also says
+/// whether any request was answered.
 fn settle(
     core: &Core,
     tcp: &TcpStream,
     input: &[u8],
     start: std::time::Instant,
     carry: &mut Bytes,
-) -> Next {
+) -> (Next, bool) {
     let (next, rest) = match answer(core, tcp, input, start) {
         Turn::Done { rest } => (Next::Wait, rest),
+        Turn::More { rest } => (Next::More, rest),
         Turn::Hyper { rest } => (Next::Hyper, rest),
         Turn::Blocked { unsent, rest } => (Next::Write(unsent), rest),
-        Turn::Closed => return Next::Close,
+        Turn::Closed => return (Next::Close, false),
     };
     *carry = if rest == input.len() {
         Bytes::new()
     } else {
         Bytes::copy_from_slice(&input[rest..])
     };
-    next
+    (next, rest > 0)
 }
 
 /// How far answering got; `rest` is the offset of the first byte not answered.
 enum Turn {
     /// Every complete request was answered and written.
     Done { rest: usize },
+    /// [`TURN`] requests were answered and written; more may follow `rest`.
+    More { rest: usize },
     /// The request at `rest` is hyper's; the ones before it are written.
     Hyper { rest: usize },
     /// The answers up to `rest` are made, but `unsent` of them is not written.
@@ -265,8 +319,9 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant)
     let mut owed: [Owed<'_>; BATCH] = [None; BATCH];
     let mut k = 0;
     let mut pos = 0;
+    let mut answered = 0;
     let mut to_hyper = false;
-    while pos < input.len() {
+    while pos < input.len() && answered < TURN {
         match parse(core, &input[pos..]) {
             Parsed::Fixed {
                 len,
@@ -275,8 +330,10 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant)
                 body,
             } => {
                 core.record(route, "GET", 200, start.elapsed().as_secs_f64());
+                core.stats.lane_requests.add(1);
                 owed[k] = Some((head, body));
                 k += 1;
+                answered += 1;
                 pos += len;
                 if k == BATCH {
                     match flush(core, tcp, &owed[..k], &date) {
@@ -302,6 +359,8 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant)
     }
     if to_hyper {
         Turn::Hyper { rest: pos }
+    } else if answered == TURN && pos < input.len() {
+        Turn::More { rest: pos }
     } else {
         Turn::Done { rest: pos }
     }
@@ -325,15 +384,20 @@ enum Parsed<'r> {
 fn parse<'r>(core: &'r Core, buf: &[u8]) -> Parsed<'r> {
     let mut headers = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; LANE_HEADERS];
     let mut req = httparse::Request::new(&mut []);
+    let limit = head_limit(core);
     let len = match req.parse_with_uninit_headers(buf, &mut headers) {
         Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) if buf.len() <= core.config.max_header_bytes => {
+        Ok(httparse::Status::Partial) if buf.len() < limit => return Parsed::Partial,
+        // More headers than the lane parses, before the head is complete:
+        // wait for its end, so that hyper never gets a head whose deadline
+        // has already been running here.
+        Err(httparse::Error::TooManyHeaders) if buf.len() < limit && !may_end_head(buf) => {
             return Parsed::Partial
         }
         // Too big, too many headers or malformed: hyper refuses it properly.
         Ok(httparse::Status::Partial) | Err(_) => return Parsed::Other,
     };
-    if len > core.config.max_header_bytes
+    if len >= limit
         || req.headers.len() > core.config.max_headers
         || req.method != Some("GET")
         || req.version != Some(1)
@@ -475,6 +539,16 @@ mod tests {
         assert!(text.ends_with(" GMT\r\n\r\n"), "{text}");
         let date = &text[6..35];
         assert!(httpdate::parse_http_date(date).is_ok(), "{date}");
+    }
+
+    #[test]
+    fn a_head_may_end_only_where_a_blank_line_can_be() {
+        assert!(may_end_head(b"a\r\n\r\n"));
+        assert!(may_end_head(b"\n\n"));
+        assert!(may_end_head(b"\n\r\n"));
+        assert!(!may_end_head(b"Host: t\r\n"));
+        assert!(!may_end_head(b"\r\n\r"));
+        assert!(!may_end_head(b""));
     }
 
     #[test]

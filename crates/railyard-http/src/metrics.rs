@@ -111,6 +111,8 @@ impl Series {
 pub(crate) struct CoreStats {
     pub(crate) bytes_in: LocalCounter,
     pub(crate) bytes_out: LocalCounter,
+    /// Requests answered by the fixed lane (see `lane`).
+    pub(crate) lane_requests: LocalCounter,
     /// This core's series; locked to add one (once per core and series) and
     /// to scrape.
     series: Mutex<Vec<(RequestLabels, Arc<Series>)>>,
@@ -196,14 +198,14 @@ impl EncodeMetric for RequestDurations {
     }
 }
 
-/// A byte counter summed over the cores at scrape.
+/// A per-core counter summed over the cores at scrape.
 #[derive(Debug)]
-struct ByteCount {
+struct CoreCount {
     cores: Cores,
     which: fn(&CoreStats) -> &LocalCounter,
 }
 
-impl EncodeMetric for ByteCount {
+impl EncodeMetric for CoreCount {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
         let n: u64 = lock(&self.cores)
             .iter()
@@ -266,7 +268,7 @@ impl HttpMetrics {
         r.register(
             "received_bytes",
             "Bytes read from client sockets",
-            ByteCount {
+            CoreCount {
                 cores: m.cores.clone(),
                 which: |c| &c.bytes_in,
             },
@@ -274,9 +276,17 @@ impl HttpMetrics {
         r.register(
             "sent_bytes",
             "Bytes written to client sockets, sendfile included",
-            ByteCount {
+            CoreCount {
                 cores: m.cores.clone(),
                 which: |c| &c.bytes_out,
+            },
+        );
+        r.register(
+            "fixed_lane_requests",
+            "Requests answered by the fixed lane, without hyper (also counted in requests)",
+            CoreCount {
+                cores: m.cores.clone(),
+                which: |c| &c.lane_requests,
             },
         );
         r.register(

@@ -64,6 +64,17 @@ fn config(lane: bool) -> HttpConfig {
     }
 }
 
+/// `railyard_http_fixed_lane_requests_total` in `registry`.
+fn lane_count(registry: &railyard_http::MetricsRegistry) -> f64 {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry.lock().unwrap()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("railyard_http_fixed_lane_requests_total"))
+        .expect("the lane's counter");
+    line.split_whitespace().last().unwrap().parse().unwrap()
+}
+
 /// Reads one whole response off `s`, with the date's value blanked.
 async fn raw_response(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> Vec<u8> {
     loop {
@@ -131,6 +142,9 @@ async fn the_lane_writes_the_bytes_hyper_writes() {
             assert_eq!(a, b, "{req:?}");
         }
     }
+    // Every request above was the lane's on one server, hyper's on the other.
+    assert_eq!(lane_count(&lane.registry), 32.0);
+    assert_eq!(lane_count(&hyper.registry), 0.0);
     lane.stop().await;
     hyper.stop().await;
 }
@@ -171,20 +185,25 @@ async fn requests_the_lane_does_not_take_are_answered_in_order_by_hyper() {
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert_eq!(x, y, "response {i} to {:?}", pipeline[i].0);
     }
-    let statuses: Vec<&[u8]> = a.iter().map(|r| &r[9..12]).collect();
-    assert_eq!(
-        statuses,
-        [b"200", b"200", b"200", b"200", b"200", b"404", b"405", b"200", b"200", b"200"]
-    );
+    let expected = [200, 200, 200, 200, 200, 404, 405, 200, 200, 200];
+    let statuses: Vec<u16> = a
+        .iter()
+        .map(|r| std::str::from_utf8(&r[9..12]).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(statuses, expected);
+    // The lane answered the first; hyper, given the rest, answered the rest.
+    assert_eq!(lane_count(&lane.registry), 1.0);
     // The same requests one by one on one connection, each waiting for
     // its answer, so the connection moves between the lane and hyper.
     let mut c = Client::connect(lane.addr).await;
-    for (req, head) in pipeline {
+    for ((req, head), want) in pipeline.iter().zip(expected) {
         c.send(req.as_bytes()).await;
         let method = if *head { "HEAD" } else { "GET" };
         let r = c.read_response_for(method).await.expect("an answer");
-        assert!(r.status == 200 || r.status >= 400, "{req:?}");
+        assert_eq!(r.status, want, "{req:?}");
     }
+    // At least the first came back to the lane.
+    assert!(lane_count(&lane.registry) >= 2.0);
     lane.stop().await;
     hyper.stop().await;
 }
@@ -357,6 +376,58 @@ async fn idle_connections_close_at_the_header_timeout_and_busy_ones_stay() {
         idle_for >= timeout - Duration::from_millis(20),
         "{idle_for:?}"
     );
+    assert!(idle_for < timeout * 4, "{idle_for:?}");
+    lane.stop().await;
+}
+
+#[tokio::test]
+async fn a_trickling_head_is_cut_at_its_deadline() {
+    let timeout = Duration::from_millis(300);
+    let cfg = HttpConfig {
+        header_read_timeout: timeout,
+        ..config(true)
+    };
+    let lane = TestServer::start(app(), cfg).await;
+    let mut c = Client::connect(lane.addr).await;
+    // One byte every 30 ms: the head would take 2 s; each byte wakes the
+    // lane, but the head's deadline does not move.
+    let head =
+        b"GET /t HTTP/1.1\r\nHost: t\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    let started = Instant::now();
+    let mut cut = false;
+    for b in head.iter() {
+        if c.stream.write_all(&[*b]).await.is_err() {
+            cut = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let rest = if cut { vec![] } else { c.read_to_close().await };
+    assert!(rest.is_empty(), "the trickled request must not be served");
+    let lasted = started.elapsed();
+    assert!(lasted < Duration::from_millis(1500), "cut after {lasted:?}");
+    lane.stop().await;
+}
+
+#[tokio::test]
+async fn a_pipeline_whose_reads_end_mid_request_is_never_cut() {
+    let timeout = Duration::from_millis(300);
+    let cfg = HttpConfig {
+        header_read_timeout: timeout,
+        ..config(true)
+    };
+    let lane = TestServer::start(app(), cfg).await;
+    let mut c = Client::connect(lane.addr).await;
+    // Every write ends one request and starts the next: there is always a
+    // partial head, but each is completed well within the timeout.
+    c.send(b"GET /e HTTP/1.1\r\nHost: t\r\n\r\nG").await;
+    for _ in 0..8 {
+        assert_eq!(c.read_response().await.expect("an answer").status, 200);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        c.send(b"ET /e HTTP/1.1\r\nHost: t\r\n\r\nG").await;
+    }
+    assert_eq!(c.read_response().await.expect("an answer").status, 200);
+    assert_eq!(lane_count(&lane.registry), 9.0);
     lane.stop().await;
 }
 
