@@ -131,21 +131,26 @@ pub(crate) async fn run(
     // carry left by a blocked write or a full turn holds whole requests:
     // it is parsed before anything more is read.
     let mut parse_carry = false;
+    // When the carry's bytes were read (a partial head's deadline runs
+    // from then, even if writing our answers took a while).
+    let mut carry_at = idle_since;
+    // Answers since the lane last let the core's other connections run.
+    let mut this_turn = 0;
     loop {
-        let (next, consumed, at) = if parse_carry {
+        let (next, answered, at) = if parse_carry {
             parse_carry = false;
             if core.stopping.get() {
                 return LaneEnd::Close;
             }
             let input = std::mem::take(carry);
-            let now = Instant::now();
-            let (next, consumed) = settle(core, tcp, &input, now.into_std(), carry);
-            (next, consumed, now)
+            let (next, answered) = settle(core, tcp, &input, Some(&input), carry);
+            (next, answered, carry_at)
         } else {
             let due = head_deadline.unwrap_or(idle_since + timeout);
             if sleep.deadline() > due {
                 sleep.as_mut().reset(due);
             }
+            let mut waited = false;
             let read = poll_fn(|cx| {
                 if !stop_registered {
                     stop_registered = true;
@@ -166,6 +171,7 @@ pub(crate) async fn run(
                         return Poll::Ready(r.ok().map(|()| buf.filled().len()));
                     }
                 }
+                waited = true;
                 loop {
                     ready!(sleep.as_mut().poll(cx));
                     if Instant::now() >= due {
@@ -180,31 +186,44 @@ pub(crate) async fn run(
                 Some(n) if n > 0 => n,
                 _ => return LaneEnd::Close,
             };
+            if waited {
+                // Other connections ran while this one waited.
+                this_turn = 0;
+            }
             core.stats.bytes_in.add(n as u64);
             let now = Instant::now();
-            idle_since = now;
+            carry_at = now;
             let scratch = core.scratch.borrow();
-            let (next, consumed) = if carry.is_empty() {
-                settle(core, tcp, &scratch[..n], now.into_std(), carry)
+            let (next, answered) = if carry.is_empty() {
+                settle(core, tcp, &scratch[..n], None, carry)
             } else {
                 // The carry is a partial head. Append (the carry's buffer is
                 // reused when it is the only reference), and parse again only
                 // when the new bytes may end the head: a head trickling in
-                // costs linear work, not a re-parse per byte.
+                // costs linear work, not a re-parse per byte. Empty lines
+                // before a head (which httparse skips) are dropped here, so
+                // that they can neither pass for its end nor pile up.
                 let mut joined = Vec::from(std::mem::take(carry));
-                let from = joined.len().saturating_sub(2);
+                let mut from = joined.len().saturating_sub(2);
                 joined.extend_from_slice(&scratch[..n]);
                 drop(scratch);
+                let blank = blank_lines(&joined);
+                joined.drain(..blank);
+                from = from.saturating_sub(blank);
                 if joined.len() < limit && !may_end_head(&joined[from..]) {
                     *carry = Bytes::from(joined);
-                    (Next::Wait, false)
+                    (Next::Wait, 0)
                 } else {
-                    settle(core, tcp, &joined, now.into_std(), carry)
+                    settle(core, tcp, &joined, None, carry)
                 }
             };
-            (next, consumed, now)
+            (next, answered, now)
         };
-        if consumed {
+        this_turn += answered;
+        if answered > 0 {
+            // Idle time counts from the last request answered: bytes that
+            // complete nothing (empty lines, a partial head) do not move it.
+            idle_since = at;
             // The head the deadline was set for is complete.
             *head_deadline = None;
         }
@@ -220,6 +239,7 @@ pub(crate) async fn run(
             }
             Next::More => {
                 tokio::task::yield_now().await;
+                this_turn = 0;
                 parse_carry = true;
             }
             Next::Hyper => {
@@ -236,13 +256,36 @@ pub(crate) async fn run(
             }
             Next::Close => return LaneEnd::Close,
         }
+        if this_turn >= TURN {
+            // Answered a turn's worth without waiting for the socket (a
+            // client that keeps the pipe full): let the others run.
+            tokio::task::yield_now().await;
+            this_turn = 0;
+        }
     }
 }
 
-/// The largest head the lane parses: the configured limit, and never more
-/// than a scratch buffer (hyper takes larger heads, up to its own limits).
+/// The lane parses heads shorter than this, and than `max_header_bytes`:
+/// hyper refuses a longer target (414) and longer header names (431) than
+/// such a head can hold, so below it the lane and hyper agree.
+const LANE_HEAD_MAX: usize = 65_534;
+
+/// The length from which a head is hyper's to take or refuse.
 fn head_limit(core: &Core) -> usize {
-    core.config.max_header_bytes.min(SCRATCH_BYTES)
+    core.config.max_header_bytes.min(LANE_HEAD_MAX)
+}
+
+/// The length of the empty lines (`\r\n` or `\n`) at the front of `bytes`,
+/// which httparse skips before a request line.
+fn blank_lines(bytes: &[u8]) -> usize {
+    let mut i = 0;
+    loop {
+        match bytes.get(i..i + 2) {
+            Some(b"\r\n") => i += 2,
+            _ if bytes.get(i) == Some(&b'\n') => i += 1,
+            _ => return i,
+        }
+    }
 }
 
 /// Whether `bytes` (the new bytes of a head, with the two before them) may
@@ -271,40 +314,50 @@ enum Next {
     Close,
 }
 
-/// Answers `input` and leaves its unanswered bytes in `carry`; also says
-/// whether any request was answered.
+/// Answers `input` and leaves its unanswered bytes in `carry`; returns
+/// how many requests it answered. `owner`, when `input` is a `Bytes`, lets
+/// whole requests left over be kept without a copy; a partial head is
+/// always copied, so that it never holds a larger buffer.
 fn settle(
     core: &Core,
     tcp: &TcpStream,
     input: &[u8],
-    start: std::time::Instant,
+    owner: Option<&Bytes>,
     carry: &mut Bytes,
-) -> (Next, bool) {
-    let (next, rest) = match answer(core, tcp, input, start) {
-        Turn::Done { rest } => (Next::Wait, rest),
-        Turn::More { rest } => (Next::More, rest),
-        Turn::Hyper { rest } => (Next::Hyper, rest),
-        Turn::Blocked { unsent, rest } => (Next::Write(unsent), rest),
-        Turn::Closed => return (Next::Close, false),
+) -> (Next, usize) {
+    let (next, rest, answered) = match answer(core, tcp, input) {
+        Turn::Done { rest, answered } => (Next::Wait, rest, answered),
+        Turn::More { rest } => (Next::More, rest, TURN),
+        Turn::Hyper { rest, answered } => (Next::Hyper, rest, answered),
+        Turn::Blocked {
+            unsent,
+            rest,
+            answered,
+        } => (Next::Write(unsent), rest, answered),
+        Turn::Closed => return (Next::Close, 0),
     };
-    *carry = if rest == input.len() {
-        Bytes::new()
-    } else {
-        Bytes::copy_from_slice(&input[rest..])
+    *carry = match owner {
+        _ if rest == input.len() => Bytes::new(),
+        Some(whole) if !matches!(next, Next::Wait) => whole.slice(rest..),
+        _ => Bytes::copy_from_slice(&input[rest..]),
     };
-    (next, rest > 0)
+    (next, answered)
 }
 
 /// How far answering got; `rest` is the offset of the first byte not answered.
 enum Turn {
     /// Every complete request was answered and written.
-    Done { rest: usize },
+    Done { rest: usize, answered: usize },
     /// [`TURN`] requests were answered and written; more may follow `rest`.
     More { rest: usize },
     /// The request at `rest` is hyper's; the ones before it are written.
-    Hyper { rest: usize },
+    Hyper { rest: usize, answered: usize },
     /// The answers up to `rest` are made, but `unsent` of them is not written.
-    Blocked { unsent: Vec<Bytes>, rest: usize },
+    Blocked {
+        unsent: Vec<Bytes>,
+        rest: usize,
+        answered: usize,
+    },
     /// A write failed.
     Closed,
 }
@@ -314,7 +367,8 @@ type Owed<'r> = Option<(&'r Bytes, &'r Bytes)>;
 
 /// Parses and answers the requests at the front of `input`, writing the
 /// answers in batches of [`BATCH`] with one `writev` each.
-fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant) -> Turn {
+fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
+    let start = std::time::Instant::now();
     let date = core.date.borrow_mut().now();
     let mut owed: [Owed<'_>; BATCH] = [None; BATCH];
     let mut k = 0;
@@ -338,7 +392,13 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant)
                 if k == BATCH {
                     match flush(core, tcp, &owed[..k], &date) {
                         Flushed::All => k = 0,
-                        Flushed::Part(unsent) => return Turn::Blocked { unsent, rest: pos },
+                        Flushed::Part(unsent) => {
+                            return Turn::Blocked {
+                                unsent,
+                                rest: pos,
+                                answered,
+                            }
+                        }
                         Flushed::Failed => return Turn::Closed,
                     }
                 }
@@ -353,16 +413,28 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8], start: std::time::Instant)
     if k > 0 {
         match flush(core, tcp, &owed[..k], &date) {
             Flushed::All => {}
-            Flushed::Part(unsent) => return Turn::Blocked { unsent, rest: pos },
+            Flushed::Part(unsent) => {
+                return Turn::Blocked {
+                    unsent,
+                    rest: pos,
+                    answered,
+                }
+            }
             Flushed::Failed => return Turn::Closed,
         }
     }
     if to_hyper {
-        Turn::Hyper { rest: pos }
+        Turn::Hyper {
+            rest: pos,
+            answered,
+        }
     } else if answered == TURN && pos < input.len() {
         Turn::More { rest: pos }
     } else {
-        Turn::Done { rest: pos }
+        Turn::Done {
+            rest: pos,
+            answered,
+        }
     }
 }
 
@@ -391,7 +463,9 @@ fn parse<'r>(core: &'r Core, buf: &[u8]) -> Parsed<'r> {
         // More headers than the lane parses, before the head is complete:
         // wait for its end, so that hyper never gets a head whose deadline
         // has already been running here.
-        Err(httparse::Error::TooManyHeaders) if buf.len() < limit && !may_end_head(buf) => {
+        Err(httparse::Error::TooManyHeaders)
+            if buf.len() < limit && !may_end_head(&buf[blank_lines(buf)..]) =>
+        {
             return Parsed::Partial
         }
         // Too big, too many headers or malformed: hyper refuses it properly.
@@ -549,6 +623,14 @@ mod tests {
         assert!(!may_end_head(b"Host: t\r\n"));
         assert!(!may_end_head(b"\r\n\r"));
         assert!(!may_end_head(b""));
+    }
+
+    #[test]
+    fn empty_lines_before_a_head_are_measured_whole() {
+        assert_eq!(blank_lines(b"\r\n\n\r\nGET"), 5);
+        assert_eq!(blank_lines(b"\r\n\r"), 2, "a lone CR stays");
+        assert_eq!(blank_lines(b"GET / HTTP/1.1\r\n"), 0);
+        assert_eq!(blank_lines(b""), 0);
     }
 
     #[test]

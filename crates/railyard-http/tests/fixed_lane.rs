@@ -440,3 +440,124 @@ async fn shutdown_closes_idle_lane_connections_at_once() {
     assert_eq!(report.aborted_connections, 0);
     assert!(c.read_to_close().await.is_empty());
 }
+
+#[tokio::test]
+async fn heads_with_more_headers_than_the_lane_parses_match_hyper() {
+    let lane = TestServer::start(app(), config(true)).await;
+    let hyper = TestServer::start(app(), config(false)).await;
+    let many: String = (0..40).map(|i| format!("X-H{i}: v\r\n")).collect();
+    let req = format!("GET /t HTTP/1.1\r\nHost: t\r\n{many}\r\n");
+    let a = exchange(lane.addr, req.as_bytes(), &[false]).await;
+    let b = exchange(hyper.addr, req.as_bytes(), &[false]).await;
+    assert_eq!(a, b);
+    // The same head in two pieces, the first past the lane's 32 headers but
+    // without the head's end: answered once the end arrives.
+    let (first, second) = req.split_at(req.len() - 40);
+    let mut c = Client::connect(lane.addr).await;
+    c.send(first.as_bytes()).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    c.send(second.as_bytes()).await;
+    assert_eq!(
+        c.read_response().await.unwrap().body,
+        text_body().as_bytes()
+    );
+    lane.stop().await;
+    hyper.stop().await;
+}
+
+#[tokio::test]
+async fn a_head_split_anywhere_is_answered_as_by_hyper() {
+    let lane = TestServer::start(app(), config(true)).await;
+    let hyper = TestServer::start(app(), config(false)).await;
+    for head in [
+        &b"\r\n\r\nGET /e HTTP/1.1\r\nHost: t\r\n\r\n"[..],
+        b"GET /e HTTP/1.1\nHost: t\n\n",
+    ] {
+        let whole = exchange(hyper.addr, head, &[false]).await;
+        for cut in 1..head.len() {
+            let mut s = TcpStream::connect(lane.addr).await.unwrap();
+            s.write_all(&head[..cut]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            s.write_all(&head[cut..]).await.unwrap();
+            let mut buf = Vec::new();
+            let got = raw_response(&mut s, &mut buf, false).await;
+            assert_eq!(
+                vec![got],
+                whole,
+                "{:?} cut at {cut}",
+                String::from_utf8_lossy(head)
+            );
+        }
+    }
+    lane.stop().await;
+    hyper.stop().await;
+}
+
+#[tokio::test]
+async fn a_smaller_head_limit_holds_in_the_lane_as_in_hyper() {
+    let small = |lane| HttpConfig {
+        max_header_bytes: 8192,
+        ..config(lane)
+    };
+    let lane = TestServer::start(app(), small(true)).await;
+    let hyper = TestServer::start(app(), small(false)).await;
+    for size in [7_000, 8_150, 8_300, 12_000] {
+        let req = format!("GET /t HTTP/1.1\r\nX-Pad: {}\r\n\r\n", "p".repeat(size));
+        let a = until_close_after(lane.addr, req.as_bytes()).await;
+        let b = until_close_after(hyper.addr, req.as_bytes()).await;
+        assert_eq!(a, b, "a head of about {size} bytes");
+        assert!(!a.is_empty(), "an answer to a head of about {size} bytes");
+    }
+    lane.stop().await;
+    hyper.stop().await;
+}
+
+/// Sends `raw` then half-closes, and reads until the server closes (dates
+/// blanked): what a server answers to exactly these bytes.
+async fn until_close_after(addr: SocketAddr, raw: &[u8]) -> Vec<u8> {
+    let mut c = Client::connect(addr).await;
+    c.send(raw).await;
+    c.stream.shutdown().await.unwrap();
+    let mut out = c.read_to_close().await;
+    let mut at = 0;
+    while let Some(i) = find(&out[at..], b"date: ") {
+        let start = at + i + 6;
+        out[start..start + 29].copy_from_slice(&[b'D'; 29]);
+        at = start + 29;
+    }
+    out
+}
+
+#[tokio::test]
+async fn empty_lines_alone_do_not_keep_a_connection_open() {
+    let timeout = Duration::from_millis(300);
+    let cfg = HttpConfig {
+        header_read_timeout: timeout,
+        ..config(true)
+    };
+    let lane = TestServer::start(app(), cfg).await;
+    let mut c = Client::connect(lane.addr).await;
+    assert_eq!(c.get("/e", "").await.status, 200);
+    // Empty lines every 30 ms for up to 3 s: cut about one timeout after
+    // the last answer, as hyper's head timer would.
+    let started = Instant::now();
+    let mut cut = false;
+    for _ in 0..100 {
+        if c.stream.write_all(b"\r\n").await.is_err() {
+            cut = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let rest = if cut { vec![] } else { c.read_to_close().await };
+    assert!(rest.is_empty());
+    let lasted = started.elapsed();
+    assert!(lasted < Duration::from_millis(1500), "cut after {lasted:?}");
+    // Empty lines before a request are skipped, as by hyper.
+    let mut d = Client::connect(lane.addr).await;
+    d.send(b"\r\n\r\n").await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    d.send(b"\r\nGET /e HTTP/1.1\r\nHost: t\r\n\r\n").await;
+    assert_eq!(d.read_response().await.unwrap().status, 200);
+    lane.stop().await;
+}
