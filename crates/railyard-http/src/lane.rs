@@ -390,17 +390,10 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
                 answered += 1;
                 pos += len;
                 if k == BATCH {
-                    match flush(core, tcp, &owed[..k], &date) {
-                        Flushed::All => k = 0,
-                        Flushed::Part(unsent) => {
-                            return Turn::Blocked {
-                                unsent,
-                                rest: pos,
-                                answered,
-                            }
-                        }
-                        Flushed::Failed => return Turn::Closed,
+                    if let Some(stop) = flush_or_stop(core, tcp, &owed[..k], &date, pos, answered) {
+                        return stop;
                     }
+                    k = 0;
                 }
             }
             Parsed::Partial => break,
@@ -411,16 +404,8 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
         }
     }
     if k > 0 {
-        match flush(core, tcp, &owed[..k], &date) {
-            Flushed::All => {}
-            Flushed::Part(unsent) => {
-                return Turn::Blocked {
-                    unsent,
-                    rest: pos,
-                    answered,
-                }
-            }
-            Flushed::Failed => return Turn::Closed,
+        if let Some(stop) = flush_or_stop(core, tcp, &owed[..k], &date, pos, answered) {
+            return stop;
         }
     }
     if to_hyper {
@@ -435,6 +420,27 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
             rest: pos,
             answered,
         }
+    }
+}
+
+/// Writes the owed answers; the turn to end with when the socket did not
+/// take them all (or failed), `None` when answering may go on.
+fn flush_or_stop(
+    core: &Core,
+    tcp: &TcpStream,
+    owed: &[Owed<'_>],
+    date: &[u8; DATE_LINE],
+    rest: usize,
+    answered: usize,
+) -> Option<Turn> {
+    match flush(core, tcp, owed, date) {
+        Flushed::All => None,
+        Flushed::Part(unsent) => Some(Turn::Blocked {
+            unsent,
+            rest,
+            answered,
+        }),
+        Flushed::Failed => Some(Turn::Closed),
     }
 }
 

@@ -75,6 +75,33 @@ fn lane_count(registry: &railyard_http::MetricsRegistry) -> f64 {
     line.split_whitespace().last().unwrap().parse().unwrap()
 }
 
+/// The lane's configuration with a short head and idle timeout.
+fn timed(timeout: Duration) -> HttpConfig {
+    HttpConfig {
+        header_read_timeout: timeout,
+        ..config(true)
+    }
+}
+
+/// Sends `pieces` 30 ms apart (a 300 ms timeout's worth of bytes in far
+/// more time) and checks that the server closes the connection within
+/// 1.5 s without answering.
+async fn assert_cut_while_trickling(c: &mut Client, pieces: &[&[u8]]) {
+    let started = Instant::now();
+    let mut cut = false;
+    for piece in pieces {
+        if c.stream.write_all(piece).await.is_err() {
+            cut = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let rest = if cut { vec![] } else { c.read_to_close().await };
+    assert!(rest.is_empty(), "nothing may be answered: {rest:?}");
+    let lasted = started.elapsed();
+    assert!(lasted < Duration::from_millis(1500), "cut after {lasted:?}");
+}
+
 /// Reads one whole response off `s`, with the date's value blanked.
 async fn raw_response(s: &mut TcpStream, buf: &mut Vec<u8>, head_only: bool) -> Vec<u8> {
     loop {
@@ -221,8 +248,8 @@ async fn requests_that_close_or_are_refused_behave_as_with_hyper() {
         huge.into_bytes(),
     ];
     for raw in &cases {
-        let a = until_close(lane.addr, raw).await;
-        let b = until_close(hyper.addr, raw).await;
+        let a = until_close(lane.addr, raw, false).await;
+        let b = until_close(hyper.addr, raw, false).await;
         assert_eq!(a, b, "{:?}", String::from_utf8_lossy(raw));
         assert!(
             !a.is_empty(),
@@ -234,10 +261,14 @@ async fn requests_that_close_or_are_refused_behave_as_with_hyper() {
     hyper.stop().await;
 }
 
-/// Sends `raw` and reads until the server closes, dates blanked.
-async fn until_close(addr: SocketAddr, raw: &[u8]) -> Vec<u8> {
+/// Sends `raw` (then half-closes, if asked: the answer to exactly these
+/// bytes) and reads until the server closes, dates blanked.
+async fn until_close(addr: SocketAddr, raw: &[u8], half_close: bool) -> Vec<u8> {
     let mut c = Client::connect(addr).await;
     c.send(raw).await;
+    if half_close {
+        c.stream.shutdown().await.unwrap();
+    }
     let mut out = c.read_to_close().await;
     let mut at = 0;
     while let Some(i) = find(&out[at..], b"date: ") {
@@ -355,11 +386,7 @@ async fn a_pipeline_larger_than_the_socket_buffers_is_answered_whole() {
 #[tokio::test]
 async fn idle_connections_close_at_the_header_timeout_and_busy_ones_stay() {
     let timeout = Duration::from_millis(300);
-    let cfg = HttpConfig {
-        header_read_timeout: timeout,
-        ..config(true)
-    };
-    let lane = TestServer::start(app(), cfg).await;
+    let lane = TestServer::start(app(), timed(timeout)).await;
     // Busy for three timeouts: one request every 100 ms is never cut off.
     let mut busy = Client::connect(lane.addr).await;
     let started = Instant::now();
@@ -383,40 +410,21 @@ async fn idle_connections_close_at_the_header_timeout_and_busy_ones_stay() {
 #[tokio::test]
 async fn a_trickling_head_is_cut_at_its_deadline() {
     let timeout = Duration::from_millis(300);
-    let cfg = HttpConfig {
-        header_read_timeout: timeout,
-        ..config(true)
-    };
-    let lane = TestServer::start(app(), cfg).await;
+    let lane = TestServer::start(app(), timed(timeout)).await;
     let mut c = Client::connect(lane.addr).await;
     // One byte every 30 ms: the head would take 2 s; each byte wakes the
     // lane, but the head's deadline does not move.
     let head =
         b"GET /t HTTP/1.1\r\nHost: t\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
-    let started = Instant::now();
-    let mut cut = false;
-    for b in head.iter() {
-        if c.stream.write_all(&[*b]).await.is_err() {
-            cut = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    }
-    let rest = if cut { vec![] } else { c.read_to_close().await };
-    assert!(rest.is_empty(), "the trickled request must not be served");
-    let lasted = started.elapsed();
-    assert!(lasted < Duration::from_millis(1500), "cut after {lasted:?}");
+    let pieces: Vec<&[u8]> = head.chunks(1).collect();
+    assert_cut_while_trickling(&mut c, &pieces).await;
     lane.stop().await;
 }
 
 #[tokio::test]
 async fn a_pipeline_whose_reads_end_mid_request_is_never_cut() {
     let timeout = Duration::from_millis(300);
-    let cfg = HttpConfig {
-        header_read_timeout: timeout,
-        ..config(true)
-    };
-    let lane = TestServer::start(app(), cfg).await;
+    let lane = TestServer::start(app(), timed(timeout)).await;
     let mut c = Client::connect(lane.addr).await;
     // Every write ends one request and starts the next: there is always a
     // partial head, but each is completed well within the timeout.
@@ -503,8 +511,8 @@ async fn a_smaller_head_limit_holds_in_the_lane_as_in_hyper() {
     let hyper = TestServer::start(app(), small(false)).await;
     for size in [7_000, 8_150, 8_300, 12_000] {
         let req = format!("GET /t HTTP/1.1\r\nX-Pad: {}\r\n\r\n", "p".repeat(size));
-        let a = until_close_after(lane.addr, req.as_bytes()).await;
-        let b = until_close_after(hyper.addr, req.as_bytes()).await;
+        let a = until_close(lane.addr, req.as_bytes(), true).await;
+        let b = until_close(hyper.addr, req.as_bytes(), true).await;
         assert_eq!(a, b, "a head of about {size} bytes");
         assert!(!a.is_empty(), "an answer to a head of about {size} bytes");
     }
@@ -512,47 +520,15 @@ async fn a_smaller_head_limit_holds_in_the_lane_as_in_hyper() {
     hyper.stop().await;
 }
 
-/// Sends `raw` then half-closes, and reads until the server closes (dates
-/// blanked): what a server answers to exactly these bytes.
-async fn until_close_after(addr: SocketAddr, raw: &[u8]) -> Vec<u8> {
-    let mut c = Client::connect(addr).await;
-    c.send(raw).await;
-    c.stream.shutdown().await.unwrap();
-    let mut out = c.read_to_close().await;
-    let mut at = 0;
-    while let Some(i) = find(&out[at..], b"date: ") {
-        let start = at + i + 6;
-        out[start..start + 29].copy_from_slice(&[b'D'; 29]);
-        at = start + 29;
-    }
-    out
-}
-
 #[tokio::test]
 async fn empty_lines_alone_do_not_keep_a_connection_open() {
     let timeout = Duration::from_millis(300);
-    let cfg = HttpConfig {
-        header_read_timeout: timeout,
-        ..config(true)
-    };
-    let lane = TestServer::start(app(), cfg).await;
+    let lane = TestServer::start(app(), timed(timeout)).await;
     let mut c = Client::connect(lane.addr).await;
     assert_eq!(c.get("/e", "").await.status, 200);
     // Empty lines every 30 ms for up to 3 s: cut about one timeout after
     // the last answer, as hyper's head timer would.
-    let started = Instant::now();
-    let mut cut = false;
-    for _ in 0..100 {
-        if c.stream.write_all(b"\r\n").await.is_err() {
-            cut = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    }
-    let rest = if cut { vec![] } else { c.read_to_close().await };
-    assert!(rest.is_empty());
-    let lasted = started.elapsed();
-    assert!(lasted < Duration::from_millis(1500), "cut after {lasted:?}");
+    assert_cut_while_trickling(&mut c, &[&b"\r\n"[..]; 100]).await;
     // Empty lines before a request are skipped, as by hyper.
     let mut d = Client::connect(lane.addr).await;
     d.send(b"\r\n\r\n").await;
