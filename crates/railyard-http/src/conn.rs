@@ -116,6 +116,27 @@ impl Core {
         }
     }
 
+    /// Whether shutdown has begun, as seen from a connection task. `stop` is
+    /// this core's `stop.notified()`, pinned in the task; the first call
+    /// registers it (the task's waker stays the same, so a later
+    /// `begin_stopping` wakes the task) and sets `*registered`; every call
+    /// after that only reads the core's flag, so a wake-up never takes the
+    /// notification's lock.
+    pub(crate) fn stop_begun(
+        &self,
+        stop: Pin<&mut tokio::sync::futures::Notified<'_>>,
+        registered: &mut bool,
+        cx: &mut Context<'_>,
+    ) -> bool {
+        if !*registered {
+            *registered = true;
+            if stop.poll(cx).is_ready() {
+                return true;
+            }
+        }
+        self.stopping.get()
+    }
+
     /// Tells this core's connections that shutdown has begun.
     pub(crate) fn begin_stopping(&self) {
         self.stopping.set(true);
@@ -327,21 +348,14 @@ async fn serve_active(
     let park = core.config.park_idle_connections;
     let mut parking = false;
     let mut stopping = false;
-    // Registered with the core's stop notification once (this task's waker
-    // stays the same); afterwards only the core's flag is read.
+    // See `Core::stop_begun`.
     let stop = core.stop.notified();
     tokio::pin!(stop);
     let mut stop_registered = false;
     let res = std::future::poll_fn(|cx| loop {
-        if !stopping {
-            let notified = !stop_registered && {
-                stop_registered = true;
-                stop.as_mut().poll(cx).is_ready()
-            };
-            if notified || core.stopping.get() {
-                stopping = true;
-                Pin::new(&mut *conn).graceful_shutdown();
-            }
+        if !stopping && core.stop_begun(stop.as_mut(), &mut stop_registered, cx) {
+            stopping = true;
+            Pin::new(&mut *conn).graceful_shutdown();
         }
         if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
             return Poll::Ready(r);

@@ -120,8 +120,7 @@ pub(crate) async fn run(
     let timeout = core.config.header_read_timeout;
     let limit = head_limit(core);
     let mut idle_since = Instant::now();
-    // Registered with the core's stop notification on the first wait; after
-    // that only the core's flag is read (see `Core::stopping`).
+    // See `Core::stop_begun`.
     let stop = core.stop.notified();
     tokio::pin!(stop);
     let mut stop_registered = false;
@@ -143,7 +142,7 @@ pub(crate) async fn run(
                 return LaneEnd::Close;
             }
             let input = std::mem::take(carry);
-            let (next, answered) = settle(core, tcp, &input, Some(&input), carry);
+            let (next, answered) = settle(core, tcp, &input, Some(&input), carry_at, carry);
             (next, answered, carry_at)
         } else {
             let due = head_deadline.unwrap_or(idle_since + timeout);
@@ -152,13 +151,7 @@ pub(crate) async fn run(
             }
             let mut waited = false;
             let read = poll_fn(|cx| {
-                if !stop_registered {
-                    stop_registered = true;
-                    if stop.as_mut().poll(cx).is_ready() {
-                        return Poll::Ready(None);
-                    }
-                }
-                if core.stopping.get() {
+                if core.stop_begun(stop.as_mut(), &mut stop_registered, cx) {
                     return Poll::Ready(None);
                 }
                 {
@@ -195,7 +188,7 @@ pub(crate) async fn run(
             carry_at = now;
             let scratch = core.scratch.borrow();
             let (next, answered) = if carry.is_empty() {
-                settle(core, tcp, &scratch[..n], None, carry)
+                settle(core, tcp, &scratch[..n], None, now, carry)
             } else {
                 // The carry is a partial head. Append (the carry's buffer is
                 // reused when it is the only reference), and parse again only
@@ -214,7 +207,7 @@ pub(crate) async fn run(
                     *carry = Bytes::from(joined);
                     (Next::Wait, 0)
                 } else {
-                    settle(core, tcp, &joined, None, carry)
+                    settle(core, tcp, &joined, None, now, carry)
                 }
             };
             (next, answered, now)
@@ -237,11 +230,8 @@ pub(crate) async fn run(
                     *head_deadline = Some(at + timeout);
                 }
             }
-            Next::More => {
-                tokio::task::yield_now().await;
-                this_turn = 0;
-                parse_carry = true;
-            }
+            // A full turn: the yield below comes first.
+            Next::More => parse_carry = true,
             Next::Hyper => {
                 // hyper keeps its own head timer from here.
                 *head_deadline = None;
@@ -307,68 +297,47 @@ enum Next {
     /// The socket took only part of the answers: write these first, then
     /// parse the carry.
     Write(Vec<Bytes>),
-    /// A turn's worth of answers is written; the carry holds requests not
-    /// yet parsed: let the core's other connections run, then go on.
+    /// [`TURN`] answers are written; the carry holds requests not yet
+    /// parsed: let the core's other connections run, then go on.
     More,
     /// Writing failed: the client is gone.
     Close,
 }
 
-/// Answers `input` and leaves its unanswered bytes in `carry`; returns
-/// how many requests it answered. `owner`, when `input` is a `Bytes`, lets
-/// whole requests left over be kept without a copy; a partial head is
-/// always copied, so that it never holds a larger buffer.
+/// Answers `input` (read at `start`) and leaves its unanswered bytes in
+/// `carry`; returns how many requests it answered. `owner`, when `input`
+/// is a `Bytes`, lets whole requests left over be kept without a copy; a
+/// partial head is always copied, so that it never holds a larger buffer.
 fn settle(
     core: &Core,
     tcp: &TcpStream,
     input: &[u8],
     owner: Option<&Bytes>,
+    start: Instant,
     carry: &mut Bytes,
 ) -> (Next, usize) {
-    let (next, rest, answered) = match answer(core, tcp, input) {
-        Turn::Done { rest, answered } => (Next::Wait, rest, answered),
-        Turn::More { rest } => (Next::More, rest, TURN),
-        Turn::Hyper { rest, answered } => (Next::Hyper, rest, answered),
-        Turn::Blocked {
-            unsent,
-            rest,
-            answered,
-        } => (Next::Write(unsent), rest, answered),
-        Turn::Closed => return (Next::Close, 0),
-    };
+    let (next, rest, answered) = answer(core, tcp, input, start.into_std());
     *carry = match owner {
-        _ if rest == input.len() => Bytes::new(),
+        _ if rest == input.len() || matches!(next, Next::Close) => Bytes::new(),
         Some(whole) if !matches!(next, Next::Wait) => whole.slice(rest..),
         _ => Bytes::copy_from_slice(&input[rest..]),
     };
     (next, answered)
 }
 
-/// How far answering got; `rest` is the offset of the first byte not answered.
-enum Turn {
-    /// Every complete request was answered and written.
-    Done { rest: usize, answered: usize },
-    /// [`TURN`] requests were answered and written; more may follow `rest`.
-    More { rest: usize },
-    /// The request at `rest` is hyper's; the ones before it are written.
-    Hyper { rest: usize, answered: usize },
-    /// The answers up to `rest` are made, but `unsent` of them is not written.
-    Blocked {
-        unsent: Vec<Bytes>,
-        rest: usize,
-        answered: usize,
-    },
-    /// A write failed.
-    Closed,
-}
-
 /// A response the lane owes: the route's head and body for its encoding.
 type Owed<'r> = Option<(&'r Bytes, &'r Bytes)>;
 
 /// Parses and answers the requests at the front of `input`, writing the
-/// answers in batches of [`BATCH`] with one `writev` each.
-fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
-    let start = std::time::Instant::now();
+/// answers in batches of [`BATCH`] with one `writev` each, at most [`TURN`]
+/// of them. Returns what to do next, the offset of the first byte not
+/// answered, and how many requests were answered.
+fn answer(
+    core: &Core,
+    tcp: &TcpStream,
+    input: &[u8],
+    start: std::time::Instant,
+) -> (Next, usize, usize) {
     let date = core.date.borrow_mut().now();
     let mut owed: [Owed<'_>; BATCH] = [None; BATCH];
     let mut k = 0;
@@ -390,8 +359,8 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
                 answered += 1;
                 pos += len;
                 if k == BATCH {
-                    if let Some(stop) = flush_or_stop(core, tcp, &owed[..k], &date, pos, answered) {
-                        return stop;
+                    if let Some(stop) = flush(core, tcp, &owed[..k], &date) {
+                        return (stop, pos, answered);
                     }
                     k = 0;
                 }
@@ -404,44 +373,18 @@ fn answer(core: &Core, tcp: &TcpStream, input: &[u8]) -> Turn {
         }
     }
     if k > 0 {
-        if let Some(stop) = flush_or_stop(core, tcp, &owed[..k], &date, pos, answered) {
-            return stop;
+        if let Some(stop) = flush(core, tcp, &owed[..k], &date) {
+            return (stop, pos, answered);
         }
     }
-    if to_hyper {
-        Turn::Hyper {
-            rest: pos,
-            answered,
-        }
+    let next = if to_hyper {
+        Next::Hyper
     } else if answered == TURN && pos < input.len() {
-        Turn::More { rest: pos }
+        Next::More
     } else {
-        Turn::Done {
-            rest: pos,
-            answered,
-        }
-    }
-}
-
-/// Writes the owed answers; the turn to end with when the socket did not
-/// take them all (or failed), `None` when answering may go on.
-fn flush_or_stop(
-    core: &Core,
-    tcp: &TcpStream,
-    owed: &[Owed<'_>],
-    date: &[u8; DATE_LINE],
-    rest: usize,
-    answered: usize,
-) -> Option<Turn> {
-    match flush(core, tcp, owed, date) {
-        Flushed::All => None,
-        Flushed::Part(unsent) => Some(Turn::Blocked {
-            unsent,
-            rest,
-            answered,
-        }),
-        Flushed::Failed => Some(Turn::Closed),
-    }
+        Next::Wait
+    };
+    (next, pos, answered)
 }
 
 /// The request at the front of a buffer.
@@ -526,15 +469,10 @@ fn plain(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._~/?=&%+:;,@!$'()*".contains(&b)
 }
 
-enum Flushed {
-    All,
-    /// The socket took part: the rest, in order.
-    Part(Vec<Bytes>),
-    Failed,
-}
-
-/// Writes the owed answers with one `writev`.
-fn flush(core: &Core, tcp: &TcpStream, owed: &[Owed<'_>], date: &[u8; DATE_LINE]) -> Flushed {
+/// Writes the owed answers with one `writev`: `None` when the socket took
+/// them all, else what the lane must do first ([`Next::Write`] the rest, in
+/// order, or [`Next::Close`] after a failed write).
+fn flush(core: &Core, tcp: &TcpStream, owed: &[Owed<'_>], date: &[u8; DATE_LINE]) -> Option<Next> {
     let mut iov = [IoSlice::new(&[]); BATCH * 3];
     let mut n = 0;
     for (head, body) in owed.iter().flatten() {
@@ -550,11 +488,11 @@ fn flush(core: &Core, tcp: &TcpStream, owed: &[Owed<'_>], date: &[u8; DATE_LINE]
     let written = match tcp.try_write_vectored(&iov[..n]) {
         Ok(w) => w,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
-        Err(_) => return Flushed::Failed,
+        Err(_) => return Some(Next::Close),
     };
     core.stats.bytes_out.add(written as u64);
     if written == total {
-        return Flushed::All;
+        return None;
     }
     let mut skip = written;
     let mut unsent = Vec::with_capacity(owed.len() * 3);
@@ -572,7 +510,7 @@ fn flush(core: &Core, tcp: &TcpStream, owed: &[Owed<'_>], date: &[u8; DATE_LINE]
             skip = 0;
         }
     }
-    Flushed::Part(unsent)
+    Some(Next::Write(unsent))
 }
 
 /// Writes what a full socket buffer left over, waiting for room.
