@@ -2,7 +2,7 @@
 //! without disk and as the reference the durable stores are compared with in
 //! their tests; `railyard node` never uses it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -18,7 +18,13 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    events: Vec<EventRecord>,
+    /// Each unfinished saga's events with their append numbers, so that
+    /// finishing a saga costs its own events, not every event held.
+    sagas: HashMap<String, Vec<(u64, EventRecord)>, foldhash::fast::RandomState>,
+    /// The next append number; also the count of events ever appended.
+    next: u64,
+    /// Events held in `sagas`.
+    held: usize,
     finished: Vec<SagaSummary>,
     appends: u64,
 }
@@ -37,21 +43,44 @@ impl SagaStore for MemoryStore {
 
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
         let mut g = self.inner.lock();
-        g.events.extend(events);
+        let g = &mut *g;
+        g.held += events.len();
+        for e in events {
+            let n = g.next;
+            g.next += 1;
+            match g.sagas.get_mut(e.global_tx_id.as_str()) {
+                Some(list) => list.push((n, e)),
+                None => {
+                    g.sagas.insert(e.global_tx_id.clone(), vec![(n, e)]);
+                }
+            }
+        }
         g.appends += 1;
         Box::pin(async { Ok(()) })
     }
 
     fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
         let mut g = self.inner.lock();
-        let ids: HashSet<&str> = done.iter().map(|s| s.global_tx_id.as_str()).collect();
-        g.events.retain(|e| !ids.contains(e.global_tx_id.as_str()));
+        for s in &done {
+            if let Some(list) = g.sagas.remove(s.global_tx_id.as_str()) {
+                g.held -= list.len();
+            }
+        }
         g.finished.extend(done);
         Box::pin(async { Ok(()) })
     }
 
     fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
-        let events = self.inner.lock().events.clone();
+        let mut numbered: Vec<(u64, EventRecord)> = self
+            .inner
+            .lock()
+            .sagas
+            .values()
+            .flatten()
+            .cloned()
+            .collect();
+        numbered.sort_unstable_by_key(|(n, _)| *n);
+        let events = numbered.into_iter().map(|(_, e)| e).collect();
         Box::pin(async move { Ok(events) })
     }
 
@@ -90,11 +119,10 @@ impl SagaStore for MemoryStore {
         let out: Vec<EventRecord> = self
             .inner
             .lock()
-            .events
-            .iter()
-            .filter(|e| e.global_tx_id == global_tx_id)
-            .cloned()
-            .collect();
+            .sagas
+            .get(global_tx_id.as_str())
+            .map(|list| list.iter().map(|(_, e)| e.clone()).collect())
+            .unwrap_or_default();
         Box::pin(async move { Ok(out) })
     }
 
@@ -110,7 +138,7 @@ impl SagaStore for MemoryStore {
             .collect();
         finished.sort();
         let stats = StoreStats {
-            events: g.events.len() as u64,
+            events: g.held as u64,
             finished,
             commits: g.appends,
             disk_bytes: None,
@@ -164,6 +192,55 @@ mod tests {
         };
         assert_eq!(s.finished(q).await.unwrap().len(), 1);
         assert!(s.timeline("g1".into()).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn unfinished_keeps_append_order_across_sagas_and_later_appends() {
+        let s = MemoryStore::new();
+        s.append(vec![
+            ev("a", EventKind::SagaStarted),
+            ev("b", EventKind::SagaStarted),
+            ev("a", EventKind::TxStarted),
+        ])
+        .await
+        .unwrap();
+        s.append(vec![
+            ev("c", EventKind::SagaStarted),
+            ev("b", EventKind::TxStarted),
+        ])
+        .await
+        .unwrap();
+        let summary = |g: &str| SagaSummary {
+            global_tx_id: g.into(),
+            service_name: "svc".into(),
+            state: SagaState::Committed,
+            started_ms: 1,
+            finished_ms: 2,
+            sub_transactions: 0,
+            compensated: 0,
+            events: 1,
+        };
+        s.finish(vec![summary("a")]).await.unwrap();
+        // An event appended after its saga finished stays, like any other.
+        s.append(vec![ev("a", EventKind::SagaEnded)]).await.unwrap();
+        let left: Vec<(String, Option<EventKind>)> = s
+            .unfinished()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.global_tx_id, e.kind))
+            .collect();
+        let want = [
+            ("b", EventKind::SagaStarted),
+            ("c", EventKind::SagaStarted),
+            ("b", EventKind::TxStarted),
+            ("a", EventKind::SagaEnded),
+        ];
+        let want: Vec<(String, Option<EventKind>)> =
+            want.iter().map(|(g, k)| ((*g).into(), Some(*k))).collect();
+        assert_eq!(left, want);
+        assert_eq!(s.timeline("b".into()).await.unwrap().len(), 2);
+        assert_eq!(s.stats().await.unwrap().events, 4);
     }
 
     #[test]
