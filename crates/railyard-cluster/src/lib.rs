@@ -44,6 +44,7 @@ mod link;
 mod manager;
 mod metrics;
 mod node;
+mod outq;
 
 pub use etcd::{EtcdConfig, EtcdManager};
 pub use etcd_server::{EtcdServer, EtcdServerError};

@@ -52,6 +52,7 @@ use tokio::time::Instant;
 
 use crate::frame::{self, FailKind, Frame, Mode, VERSION};
 use crate::metrics::ClusterCounters;
+use crate::outq::{OutQueue, Refused};
 
 /// Settings shared by every link of a node.
 #[derive(Debug, Clone)]
@@ -105,7 +106,7 @@ pub(crate) struct Link {
     side: Side,
     /// Dial target; updated if the peer re-joins elsewhere.
     addr: Mutex<SocketAddr>,
-    tx: mpsc::Sender<Out>,
+    tx: OutQueue<Out>,
     /// Answers to the peer's requests, and pongs, each tagged with the
     /// number of the connection whose request it answers: an answer is written
     /// only on that connection. The peer fails its pending requests when a
@@ -180,10 +181,10 @@ impl RemoteNode for Link {
             }
             None => (0, 0),
         };
-        match self.tx.try_send(Out::Msg { id, epoch, msg }) {
+        match self.tx.try_push(Out::Msg { id, epoch, msg }) {
             Ok(()) => Ok(()),
             Err(e) => {
-                let full = matches!(e, mpsc::error::TrySendError::Full(_));
+                let full = matches!(e, Refused::Full(_));
                 let Out::Msg { mut msg, .. } = e.into_inner() else {
                     unreachable!("we sent a Msg")
                 };
@@ -223,7 +224,7 @@ impl Link {
     /// Whether a refused send is worth retrying: the link closed (the retry
     /// fails at once) or its queue has room.
     fn has_room(&self) -> bool {
-        self.closed.load(Ordering::Acquire) || self.tx.capacity() > 0
+        self.closed.load(Ordering::Acquire) || self.tx.has_room()
     }
 
     /// `Ready` once `ready` holds; otherwise registers the waker (woken after
@@ -282,14 +283,13 @@ impl Link {
         counters: Arc<ClusterCounters>,
     ) -> Arc<Link> {
         let side = Side::towards(&cfg.node_id, &peer);
-        let (tx, rx) = mpsc::channel(cfg.queue.max(1));
         let (replies, replies_rx) = mpsc::unbounded_channel();
         let (acc_tx, acc_rx) = mpsc::channel(4);
         let link = Arc::new(Link {
             peer,
             side,
             addr: Mutex::new(addr),
-            tx,
+            tx: OutQueue::new(cfg.queue.max(1)),
             replies,
             waiting: AtomicUsize::new(0),
             pending: Mutex::new(HashMap::default()),
@@ -302,7 +302,7 @@ impl Link {
             room_waiters: Mutex::new(Vec::new()),
             counters,
         });
-        tokio::spawn(run(link.clone(), cfg, bus, rx, replies_rx, acc_rx));
+        tokio::spawn(run(link.clone(), cfg, bus, replies_rx, acc_rx));
         link
     }
 
@@ -391,7 +391,6 @@ async fn run(
     link: Arc<Link>,
     cfg: Arc<LinkConfig>,
     bus: EventBus,
-    mut rx: mpsc::Receiver<Out>,
     mut replies: mpsc::UnboundedReceiver<(u64, Out)>,
     mut accepted: mpsc::Receiver<(TcpStream, BytesMut)>,
 ) {
@@ -433,7 +432,7 @@ async fn run(
         link.counters.connects.add(1);
         conns += 1;
         let sink = Arc::new(ConnSink::new(link.clone(), conns));
-        let why = serve(&sink, &cfg, &bus, &mut rx, &mut replies, stream, rest).await;
+        let why = serve(&sink, &cfg, &bus, &mut replies, stream, rest).await;
         link.fail_pending("was disconnected");
         // Answers to that connection's requests: the peer has failed them.
         while replies.try_recv().is_ok() {}
@@ -454,8 +453,7 @@ async fn run(
         }
     }
     // Closed: fail what is still queued so nobody waits for a timeout.
-    rx.close();
-    while let Ok(out) = rx.try_recv() {
+    for out in link.tx.close() {
         if let Out::Msg {
             msg: RemoteMessage { reply: Some(h), .. },
             ..
@@ -508,7 +506,6 @@ async fn serve(
     sink: &Arc<ConnSink>,
     cfg: &LinkConfig,
     bus: &EventBus,
-    rx: &mut mpsc::Receiver<Out>,
     replies: &mut mpsc::UnboundedReceiver<(u64, Out)>,
     stream: TcpStream,
     rest: BytesMut,
@@ -520,7 +517,7 @@ async fn serve(
     // it, see `ConnSink::room_for_answers`).
     inbuf.extend_from_slice(&rest);
     tokio::select! {
-        why = write_loop(sink, bus, rx, replies, &mut wr, cfg.max_frame) => why,
+        why = write_loop(sink, bus, replies, &mut wr, cfg.max_frame) => why,
         why = read_loop(sink, cfg, bus, &mut rd, &mut inbuf) => why,
         why = ping_loop(sink, cfg) => why,
     }
@@ -531,7 +528,6 @@ async fn serve(
 async fn write_loop(
     sink: &ConnSink,
     bus: &EventBus,
-    rx: &mut mpsc::Receiver<Out>,
     replies: &mut mpsc::UnboundedReceiver<(u64, Out)>,
     wr: &mut tokio::net::tcp::OwnedWriteHalf,
     max_frame: usize,
@@ -556,7 +552,7 @@ async fn write_loop(
     };
     loop {
         tokio::select! {
-            n = rx.recv_many(&mut batch, BATCH) => {
+            n = link.tx.recv_many(&mut batch, BATCH) => {
                 if n == 0 {
                     return "link queue closed".into();
                 }
@@ -684,7 +680,7 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
         link.forget_abandoned();
         nonce += 1;
         // Through the queue, so a ping never overtakes a batch.
-        let _ = link.tx.try_send(Out::Frame(Frame::Ping(nonce)));
+        let _ = link.tx.try_push(Out::Frame(Frame::Ping(nonce)));
     }
 }
 
