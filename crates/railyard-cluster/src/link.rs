@@ -490,7 +490,12 @@ const BATCH: usize = 256;
 /// processes took turns on one batch (about 0.4M round trips/s). Two rounds
 /// of 8 / 16 / 32 / 64: send-reply 0.79-0.81M / 0.92-0.95M / 0.67-0.81M /
 /// 0.40-0.45M, send-send 0.79-0.81M / 0.77-0.99M / 0.86-0.96M / 0.87-0.88M.
-const READ_CHUNK: usize = 16;
+/// Re-measured on 2026-11-26 (another machine of the kind) together with the
+/// dispatcher's `SENT_AWAY_EVERY`: 32 frames with 32 runs gave medians of 5
+/// alternating runs of 718k (send-send) and 677k (send-reply) round trips/s,
+/// against 618k and 559k with 16 and 16; 64 frames dropped send-reply to
+/// about 0.39M again (docs/benchmarks.md).
+const READ_CHUNK: usize = 32;
 
 /// Bytes of answers added to one write once it holds its batch.
 const MAX_WRITE: usize = 256 * 1024;
