@@ -162,6 +162,19 @@ mod tests {
         }
     }
 
+    fn committed(g: &str) -> SagaSummary {
+        SagaSummary {
+            global_tx_id: g.into(),
+            service_name: "svc".into(),
+            state: SagaState::Committed,
+            started_ms: 1,
+            finished_ms: 2,
+            sub_transactions: 0,
+            compensated: 0,
+            events: 1,
+        }
+    }
+
     #[tokio::test]
     async fn finishing_compacts_and_keeps_a_summary() {
         let s = MemoryStore::new();
@@ -171,18 +184,7 @@ mod tests {
         ])
         .await
         .unwrap();
-        s.finish(vec![SagaSummary {
-            global_tx_id: "g1".into(),
-            service_name: "svc".into(),
-            state: SagaState::Committed,
-            started_ms: 1,
-            finished_ms: 2,
-            sub_transactions: 0,
-            compensated: 0,
-            events: 1,
-        }])
-        .await
-        .unwrap();
+        s.finish(vec![committed("g1")]).await.unwrap();
         let left = s.unfinished().await.unwrap();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].global_tx_id, "g2");
@@ -210,17 +212,7 @@ mod tests {
         ])
         .await
         .unwrap();
-        let summary = |g: &str| SagaSummary {
-            global_tx_id: g.into(),
-            service_name: "svc".into(),
-            state: SagaState::Committed,
-            started_ms: 1,
-            finished_ms: 2,
-            sub_transactions: 0,
-            compensated: 0,
-            events: 1,
-        };
-        s.finish(vec![summary("a")]).await.unwrap();
+        s.finish(vec![committed("a")]).await.unwrap();
         // An event appended after its saga finished stays, like any other.
         s.append(vec![ev("a", EventKind::SagaEnded)]).await.unwrap();
         let left: Vec<(String, Option<EventKind>)> = s
