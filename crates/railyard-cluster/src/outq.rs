@@ -21,6 +21,10 @@ use std::task::{Poll, Waker};
 
 use parking_lot::Mutex;
 
+/// Slots an emptied queue keeps; a burst that grew it past this gives the
+/// rest back.
+const KEEP: usize = 1024;
+
 /// Why an item was not queued; it comes back.
 #[derive(Debug)]
 pub(crate) enum Refused<T> {
@@ -101,6 +105,10 @@ impl<T> OutQueue<T> {
             if !g.items.is_empty() {
                 let n = g.items.len().min(max.max(1));
                 out.extend(g.items.drain(..n));
+                if g.items.is_empty() && g.items.capacity() > KEEP {
+                    // A burst is over: give back what it grew.
+                    g.items.shrink_to(KEEP);
+                }
                 return Poll::Ready(n);
             }
             if g.closed {
@@ -145,6 +153,19 @@ mod tests {
             Err(Refused::Full(3)) => {}
             other => panic!("expected Full(3), got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_burst_is_given_back_once_the_queue_empties() {
+        let q = OutQueue::new(100_000);
+        for i in 0..50_000 {
+            q.try_push(i).unwrap();
+        }
+        let mut out = Vec::new();
+        while out.len() < 50_000 {
+            q.recv_many(&mut out, 256).await;
+        }
+        assert!(q.inner.lock().items.capacity() <= 2 * KEEP);
     }
 
     #[tokio::test]
