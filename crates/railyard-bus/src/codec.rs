@@ -80,8 +80,14 @@ impl MessageCodec for StringCodec {
     }
     fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
         // Reuses the allocation of a body that owns its bytes alone (as
-        // one cut from a small cluster frame does) instead of copying it.
-        String::from_utf8(Vec::from(bytes))
+        // one cut from a small cluster frame does) instead of copying it;
+        // a body cut from a larger buffer it alone holds would keep that
+        // buffer's capacity, so that is given back.
+        let mut v = Vec::from(bytes);
+        if v.capacity() > 2 * v.len() + 64 {
+            v.shrink_to_fit();
+        }
+        String::from_utf8(v)
             .map(Body::new)
             .map_err(|e| CodecError::Malformed {
                 codec: self.name().to_owned(),

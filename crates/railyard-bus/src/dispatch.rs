@@ -65,7 +65,8 @@ thread_local! {
 
 /// The bus handed something to another node's transport on this thread: a
 /// dispatcher running here lets the loop's other tasks (the link that
-/// writes it) in at its next look around, instead of after a full poll.
+/// writes it) in after its next [`SENT_AWAY_EVERY`] runs, instead of after
+/// a full poll.
 ///
 /// Without this, a loop handling a burst of messages from a peer ran every
 /// handler (up to [`RUNS_PER_POLL`]) before its link wrote one answer, so
@@ -456,6 +457,7 @@ const OTHERS_EVERY: usize = 16;
 /// 677k against 559k (send-reply), medians of 5 alternating runs
 /// (docs/benchmarks.md).
 const SENT_AWAY_EVERY: usize = 32;
+const _: () = assert!(SENT_AWAY_EVERY % OTHERS_EVERY == 0);
 
 /// The task that runs a loop's ready consumers.
 struct DispatchTask {

@@ -241,12 +241,13 @@ impl Frame {
             // Parsed in place, every field copied: the read buffer is never
             // shared, so no reference count is taken or dropped per frame.
             let mut b: &[u8] = &buf[4..4 + len];
-            let frame = Self::parse(&mut b)?;
-            if b.has_remaining() {
-                return Err(FrameError::Trailing(b.remaining()));
-            }
+            let parsed = Self::parse(&mut b).and_then(|frame| match b.remaining() {
+                0 => Ok(frame),
+                n => Err(FrameError::Trailing(n)),
+            });
+            // Consumed either way, as a large frame is.
             buf.advance(4 + len);
-            return Ok(Some(frame));
+            return parsed.map(Some);
         }
         buf.advance(4);
         let mut b = buf.split_to(len).freeze();
@@ -687,6 +688,7 @@ mod tests {
                 Err(FrameError::Trailing(1)),
                 "{n}"
             );
+            assert!(trailing.is_empty(), "a refused frame is consumed ({n})");
             let mut short = BytesMut::new();
             short.put_u32(len - 1);
             short.extend_from_slice(&enc[4..enc.len() - 1]);
@@ -695,6 +697,7 @@ mod tests {
                 Err(FrameError::Truncated("FAIL")),
                 "{n}"
             );
+            assert!(short.is_empty(), "a refused frame is consumed ({n})");
         }
     }
 

@@ -394,6 +394,7 @@ async fn run(
     mut replies: mpsc::UnboundedReceiver<(u64, Out)>,
     mut accepted: mpsc::Receiver<(TcpStream, BytesMut)>,
 ) {
+    let _ended = TaskEnded(link.clone());
     let mut backoff = Duration::from_millis(20);
     // Connections served so far; each one's number tags its answers.
     let mut conns = 0u64;
@@ -452,17 +453,32 @@ async fn run(
             }
         }
     }
-    // Closed: fail what is still queued so nobody waits for a timeout.
-    for out in link.tx.close() {
-        if let Out::Msg {
-            msg: RemoteMessage { reply: Some(h), .. },
-            ..
-        } = out
-        {
-            h.fail(link.gone());
+    // `_ended` (below) closes the queue and fails what is left.
+}
+
+/// Held by the link's task for its whole life: however the task ends
+/// (closed, its runtime shut down, a panic in a handler), the outbound queue
+/// closes, what is still queued fails, and senders waiting for room are
+/// woken. Otherwise sends after the task's end would be taken and never
+/// written, and requests would wait for their timeout.
+struct TaskEnded(Arc<Link>);
+
+impl Drop for TaskEnded {
+    fn drop(&mut self) {
+        let link = &self.0;
+        for out in link.tx.close() {
+            if let Out::Msg {
+                msg: RemoteMessage { reply: Some(h), .. },
+                ..
+            } = out
+            {
+                h.fail(link.gone());
+            }
         }
+        link.fail_pending("left the cluster");
+        // A closed queue has room for a refusal: `poll_room` returns.
+        link.wake_room_waiters();
     }
-    link.fail_pending("left the cluster");
 }
 
 async fn dial(addr: SocketAddr, cfg: &LinkConfig) -> std::io::Result<TcpStream> {
@@ -1124,6 +1140,64 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn send_to(address: &str) -> RemoteMessage {
+        RemoteMessage {
+            address: Arc::from(address),
+            kind: RemoteKind::Send,
+            headers: Headers::new(),
+            body: Body::new(String::from("x")),
+            codec: None,
+            reply: None,
+        }
+    }
+
+    #[test]
+    fn a_link_whose_task_was_dropped_refuses_sends_instead_of_taking_them() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let cfg = Arc::new(LinkConfig {
+            node_id: "a".into(),
+            cluster: "c".into(),
+            queue: 4,
+            max_in_flight: 4,
+            max_frame: 1 << 20,
+            ping_interval: Duration::from_secs(60),
+            ping_timeout: Duration::from_secs(60),
+            backoff_max: Duration::from_secs(60),
+        });
+        // "a" < "b": this side dials a loopback port that refuses, and backs off.
+        let link = rt.block_on(async {
+            let link = Link::start(
+                "b".into(),
+                "127.0.0.1:1".parse().unwrap(),
+                cfg,
+                EventBus::new(),
+                Arc::new(ClusterCounters::default()),
+            );
+            tokio::task::yield_now().await;
+            link
+        });
+        assert!(
+            link.deliver(send_to("q")).is_ok(),
+            "queued while the task lives"
+        );
+        // The runtime goes, and the link's task with it, mid-backoff: the
+        // end of `run` never runs.
+        drop(rt);
+        let refused = link.deliver(send_to("q")).expect_err("refused");
+        assert!(
+            refused.error.to_string().contains("not reachable"),
+            "{}",
+            refused.error
+        );
+        assert!(
+            link.has_room(),
+            "waiters for room get their refusal at once"
+        );
+    }
 
     #[test]
     fn fill_to_stops_at_the_bound_without_losing_an_item() {

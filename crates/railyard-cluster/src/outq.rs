@@ -13,7 +13,8 @@
 //! When full, a send is refused with the item back ([`Refused::Full`]); the
 //! link turns that into `BusError::Full` and the sender may wait for room
 //! (`Link::poll_room`). Once closed, sends are refused
-//! ([`Refused::Closed`]) and the reader gets what is left, then 0.
+//! ([`Refused::Closed`]); [`OutQueue::close`] returns what was queued, and
+//! the reader then gets 0.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
