@@ -453,7 +453,7 @@ async fn run(
             }
         }
     }
-    // `_ended` (below) closes the queue and fails what is left.
+    // `_ended`, held since the start, closes the queue and fails what is left.
 }
 
 /// Held by the link's task for its whole life: however the task ends
@@ -1161,7 +1161,9 @@ mod tests {
         let cfg = Arc::new(LinkConfig {
             node_id: "a".into(),
             cluster: "c".into(),
-            queue: 4,
+            // One message fills the queue: after it, only a closed queue
+            // has room.
+            queue: 1,
             max_in_flight: 4,
             max_frame: 1 << 20,
             ping_interval: Duration::from_secs(60),
@@ -1184,6 +1186,7 @@ mod tests {
             link.deliver(send_to("q")).is_ok(),
             "queued while the task lives"
         );
+        assert!(!link.has_room(), "full while the task lives");
         // The runtime goes, and the link's task with it, mid-backoff: the
         // end of `run` never runs.
         drop(rt);

@@ -81,12 +81,19 @@ fn lane_count(registry: &railyard_http::MetricsRegistry) -> f64 {
     line.split_whitespace().last().unwrap().parse().unwrap()
 }
 
-/// The lane's configuration with a short head and idle timeout.
-fn timed(timeout: Duration) -> HttpConfig {
-    HttpConfig {
-        header_read_timeout: timeout,
+/// The short head and idle timeout of [`timed_lane`].
+const TIMEOUT: Duration = Duration::from_millis(300);
+
+/// A server with the lane and a [`TIMEOUT`] head and idle timeout, and a
+/// client connected to it.
+async fn timed_lane() -> (TestServer, Client) {
+    let config = HttpConfig {
+        header_read_timeout: TIMEOUT,
         ..config(true)
-    }
+    };
+    let lane = TestServer::start(app(), config).await;
+    let c = Client::connect(lane.addr).await;
+    (lane, c)
 }
 
 /// Sends `pieces` 30 ms apart (a 300 ms timeout's worth of bytes in far
@@ -390,12 +397,10 @@ async fn a_pipeline_larger_than_the_socket_buffers_is_answered_whole() {
 
 #[tokio::test]
 async fn idle_connections_close_at_the_header_timeout_and_busy_ones_stay() {
-    let timeout = Duration::from_millis(300);
-    let lane = TestServer::start(app(), timed(timeout)).await;
+    let (lane, mut busy) = timed_lane().await;
     // Busy for three timeouts: one request every 100 ms is never cut off.
-    let mut busy = Client::connect(lane.addr).await;
     let started = Instant::now();
-    while started.elapsed() < timeout * 3 {
+    while started.elapsed() < TIMEOUT * 3 {
         assert_eq!(busy.get("/e", "").await.status, 200);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -405,18 +410,16 @@ async fn idle_connections_close_at_the_header_timeout_and_busy_ones_stay() {
     assert!(busy.read_to_close().await.is_empty());
     let idle_for = idle_from.elapsed();
     assert!(
-        idle_for >= timeout - Duration::from_millis(20),
+        idle_for >= TIMEOUT - Duration::from_millis(20),
         "{idle_for:?}"
     );
-    assert!(idle_for < timeout * 4, "{idle_for:?}");
+    assert!(idle_for < TIMEOUT * 4, "{idle_for:?}");
     lane.stop().await;
 }
 
 #[tokio::test]
 async fn a_trickling_head_is_cut_at_its_deadline() {
-    let timeout = Duration::from_millis(300);
-    let lane = TestServer::start(app(), timed(timeout)).await;
-    let mut c = Client::connect(lane.addr).await;
+    let (lane, mut c) = timed_lane().await;
     // One byte every 30 ms: the head would take 2 s; each byte wakes the
     // lane, but the head's deadline does not move.
     let head =
@@ -428,9 +431,7 @@ async fn a_trickling_head_is_cut_at_its_deadline() {
 
 #[tokio::test]
 async fn a_pipeline_whose_reads_end_mid_request_is_never_cut() {
-    let timeout = Duration::from_millis(300);
-    let lane = TestServer::start(app(), timed(timeout)).await;
-    let mut c = Client::connect(lane.addr).await;
+    let (lane, mut c) = timed_lane().await;
     // Every write ends one request and starts the next: there is always a
     // partial head, but each is completed well within the timeout.
     c.send(b"GET /e HTTP/1.1\r\nHost: t\r\n\r\nG").await;
@@ -527,9 +528,7 @@ async fn a_smaller_head_limit_holds_in_the_lane_as_in_hyper() {
 
 #[tokio::test]
 async fn empty_lines_alone_do_not_keep_a_connection_open() {
-    let timeout = Duration::from_millis(300);
-    let lane = TestServer::start(app(), timed(timeout)).await;
-    let mut c = Client::connect(lane.addr).await;
+    let (lane, mut c) = timed_lane().await;
     assert_eq!(c.get("/e", "").await.status, 200);
     // Empty lines every 30 ms for up to 3 s: cut about one timeout after
     // the last answer, as hyper's head timer would.
