@@ -5,13 +5,16 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use railyard_saga_proto::native::{EventType, SagaEvent};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
@@ -603,23 +606,56 @@ impl Reporter {
         SagaError::Closed(self.closed.get().cloned())
     }
 
-    /// Sends `event` and waits for its acknowledgement.
+    /// Queues `event` and returns the future of its acknowledgement.
+    ///
+    /// When the in-flight budget and the session's queue have room (the
+    /// usual case) the event is queued by this call and the future only
+    /// holds the answer's receiver: a few words, so the saga futures that
+    /// await it stay small and cheap to move. Otherwise the future waits
+    /// for room first (boxed: off the common path).
     ///
     /// # Cancel safety
     /// Dropping the future before the event was queued reports nothing;
     /// after, the event is still delivered (and acknowledged) but nobody
     /// hears about it.
-    pub(crate) async fn report(&self, mut event: SagaEvent) -> Result<Outcome, SagaError> {
+    pub(crate) fn report(&self, mut event: SagaEvent) -> Reply<'_> {
         event.participant = self.participant;
         let size = event.encoded_len();
         if size > MAX_EVENT_BYTES {
-            return Err(SagaError::TooLarge {
+            return Reply::failed(SagaError::TooLarge {
                 kind: kind_name(event.r#type),
                 global_tx_id: event.global_tx_id,
                 bytes: size,
                 limit: MAX_EVENT_BYTES,
             });
         }
+        let permit = match self.in_flight.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(TryAcquireError::NoPermits) => {
+                return Reply::waiting(Box::pin(self.report_when_room(event, size)));
+            }
+            Err(TryAcquireError::Closed) => return Reply::failed(self.closed_error()),
+        };
+        let (reply, rx) = oneshot::channel();
+        let submit = Submit {
+            event,
+            size,
+            waiter: Waiter {
+                reply,
+                _permit: permit,
+            },
+        };
+        match self.tx.try_send(submit) {
+            Ok(()) => Reply::queued(self, rx),
+            Err(TrySendError::Full(submit)) => {
+                Reply::waiting(Box::pin(self.queue_when_room(submit, rx)))
+            }
+            Err(TrySendError::Closed(_)) => Reply::failed(self.closed_error()),
+        }
+    }
+
+    /// [`report`](Self::report) when the in-flight budget is spent.
+    async fn report_when_room(&self, event: SagaEvent, size: usize) -> Result<Outcome, SagaError> {
         let permit = self
             .in_flight
             .clone()
@@ -627,18 +663,75 @@ impl Reporter {
             .await
             .map_err(|_| self.closed_error())?;
         let (reply, rx) = oneshot::channel();
+        let submit = Submit {
+            event,
+            size,
+            waiter: Waiter {
+                reply,
+                _permit: permit,
+            },
+        };
+        self.queue_when_room(submit, rx).await
+    }
+
+    /// [`report`](Self::report) when the session's queue is full.
+    async fn queue_when_room(
+        &self,
+        submit: Submit,
+        rx: oneshot::Receiver<Result<Outcome, SagaError>>,
+    ) -> Result<Outcome, SagaError> {
         self.tx
-            .send(Submit {
-                event,
-                size,
-                waiter: Waiter {
-                    reply,
-                    _permit: permit,
-                },
-            })
+            .send(submit)
             .await
             .map_err(|_| self.closed_error())?;
         rx.await.map_err(|_| self.closed_error())?
+    }
+}
+
+/// The acknowledgement of one reported event: see [`Reporter::report`].
+#[must_use = "the event may be queued, but its answer is only known by awaiting this"]
+pub(crate) struct Reply<'a>(ReplyState<'a>);
+
+enum ReplyState<'a> {
+    /// Queued: the session answers through `rx`.
+    Queued {
+        reporter: &'a Reporter,
+        rx: oneshot::Receiver<Result<Outcome, SagaError>>,
+    },
+    /// Waiting for room before it can be queued.
+    Waiting(Pin<Box<dyn Future<Output = Result<Outcome, SagaError>> + Send + 'a>>),
+    /// Refused before being queued; taken by the first poll.
+    Failed(Option<SagaError>),
+}
+
+impl<'a> Reply<'a> {
+    fn queued(reporter: &'a Reporter, rx: oneshot::Receiver<Result<Outcome, SagaError>>) -> Self {
+        Self(ReplyState::Queued { reporter, rx })
+    }
+
+    fn waiting(f: Pin<Box<dyn Future<Output = Result<Outcome, SagaError>> + Send + 'a>>) -> Self {
+        Self(ReplyState::Waiting(f))
+    }
+
+    fn failed(e: SagaError) -> Self {
+        Self(ReplyState::Failed(Some(e)))
+    }
+}
+
+impl Future for Reply<'_> {
+    type Output = Result<Outcome, SagaError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // Every field is `Unpin`.
+        match &mut self.get_mut().0 {
+            ReplyState::Queued { reporter, rx } => Pin::new(rx)
+                .poll(cx)
+                .map(|r| r.unwrap_or_else(|_| Err(reporter.closed_error()))),
+            ReplyState::Waiting(f) => f.as_mut().poll(cx),
+            ReplyState::Failed(e) => Poll::Ready(Err(e
+                .take()
+                .unwrap_or_else(|| SagaError::Protocol("a reply polled after it ended".into())))),
+        }
     }
 }
 
