@@ -47,8 +47,8 @@
 //! row; a segment is deleted in the commit that makes it unneeded (no
 //! unfinished saga in it, no mark in it covering an earlier segment still
 //! stored; freed pages are reused by later appends); summaries beyond the [`Retention`] are
-//! pruned. The WAL is checkpointed by the writer every 1,000 pages (so it
-//! can restart from its beginning and stays small) and truncated to 64 MiB
+//! pruned. The WAL is checkpointed by the writer every 10,000 pages, about 40 MiB (so it
+//! can restart from its beginning and stays bounded) and truncated to 64 MiB
 //! at most; after a prune, free pages beyond 4 MiB are returned to the file
 //! system (`auto_vacuum=INCREMENTAL`).
 //!
@@ -336,7 +336,7 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
     }
     conn.execute_batch(
         "PRAGMA synchronous = FULL;
-         PRAGMA wal_autocheckpoint = 1000;
+         PRAGMA wal_autocheckpoint = 10000;
          PRAGMA journal_size_limit = 67108864;",
     )
     .map_err(engine)?;
