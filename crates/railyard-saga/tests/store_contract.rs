@@ -326,16 +326,26 @@ async fn postgres_store_keeps_the_contract() {
 
 /// Sagas that come and go (appended, then finished) leave the file at the
 /// size of what is in flight plus the retention: freed pages are reused.
+/// (The WAL, bounded by the checkpoint interval, is checkpointed every
+/// 1,000 pages here, so that it cycles within the test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_disk_stays_bounded_under_churn() {
-    let mut fresh = Fresh::sqlite();
-    let t = fresh.next().await;
-    let s = t
-        .open(Retention {
-            max_summaries: Some(100),
-            max_age_secs: None,
-        })
-        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let s: Arc<dyn SagaStore> = Arc::new(
+        SqliteStore::open(
+            dir.path(),
+            SqliteConfig {
+                retention: Retention {
+                    max_summaries: Some(100),
+                    max_age_secs: None,
+                },
+                wal_checkpoint_pages: 1000,
+                ..SqliteConfig::default()
+            },
+        )
+        .await
+        .unwrap(),
+    );
     let mut sizes = Vec::new();
     for round in 0..4 {
         let mut tasks = Vec::new();

@@ -608,7 +608,7 @@ fn events_from_rows(rows: &[Row]) -> Result<Vec<EventRecord>, StoreError> {
     for r in rows {
         let g: &str = r.get(0);
         let data: &[u8] = r.get(1);
-        codec::decode(g, data, &mut out)
+        codec::decode(g, data, &[], &mut out)
             .map_err(|e| StoreError::Corrupt(format!("events of saga {g}: {e}")))?;
     }
     Ok(out)

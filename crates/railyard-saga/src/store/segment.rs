@@ -1,14 +1,20 @@
 //! The embedded store's log segments: one packed value per group commit,
 //! and the in-memory index that says when a segment may be deleted.
 //!
-//! # Format (version 1)
-//! `1u8`, then entries in queue order until the end:
+//! # Format (version 2)
+//! `2u8`, then entries in queue order, then the segment's string table
+//! ([`Strings`]: count, then each name as LEB128 length + UTF-8), then a
+//! `u32` (little-endian): where the table starts. Entries:
 //! - `1u8`, the global id (LEB128 length + UTF-8), a `u32` (little-endian)
 //!   byte length, then that saga's consecutive events packed by
-//!   [`codec`](super::codec);
+//!   [`codec`](super::codec) in its version 2, whose service, instance and
+//!   method names are numbers into the table;
 //! - `2u8`, the global id: the saga was finished here (a *mark*): its
 //!   events in this segment before the mark and in earlier segments are
 //!   dead.
+//!
+//! Version 1 (written before schema version 4, still read) has the same
+//! entries with events in codec version 1, no table and no trailer.
 //!
 //! Reading the segments in order and applying entries and marks gives
 //! exactly what the store holds: the events of unfinished sagas in append
@@ -28,35 +34,38 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::codec::{self, put_len, Reader};
+use super::codec::{self, put_len, read_strings, Reader, Strings};
 use crate::event::EventRecord;
 
-const VERSION: u8 = 1;
+const VERSION_1: u8 = 1;
+const VERSION: u8 = 2;
 const EVENTS: u8 = 1;
 const MARK: u8 = 2;
 
 /// The hasher of the index's tables (short random ids).
 type Hasher = foldhash::fast::RandomState;
 
-/// A segment being built by the writer.
-#[derive(Debug)]
+/// A segment being built by the writer, kept across commits (its buffer
+/// and table keep their memory, so a commit does not fault in fresh pages).
+#[derive(Debug, Default)]
 pub(crate) struct SegmentBuf {
-    pub(crate) data: Vec<u8>,
+    data: Vec<u8>,
+    strings: Strings,
     entries: usize,
 }
 
 impl SegmentBuf {
-    #[cfg(test)]
-    pub(crate) fn new(capacity: usize) -> Self {
-        Self::reuse(Vec::with_capacity(capacity))
-    }
-
-    /// Starts a segment in `data`'s memory (the writer keeps one buffer
-    /// across commits, so that a commit does not fault in fresh pages).
-    pub(crate) fn reuse(mut data: Vec<u8>) -> Self {
-        data.clear();
-        data.push(VERSION);
-        Self { data, entries: 0 }
+    /// Starts a new segment, with room for about `events` events.
+    pub(crate) fn start(&mut self, events: usize) {
+        if self.data.capacity() > 16 << 20 {
+            // Give back what one huge commit took.
+            self.data = Vec::new();
+        }
+        self.data.clear();
+        self.data.reserve(64 + events * 64);
+        self.data.push(VERSION);
+        self.strings.clear();
+        self.entries = 0;
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -70,16 +79,24 @@ impl SegmentBuf {
         codec::put_bytes(&mut self.data, global_tx_id.as_bytes());
         let at = self.data.len();
         self.data.extend_from_slice(&[0; 4]);
-        codec::encode_into(&mut self.data, events.iter());
+        codec::encode_v2_into(&mut self.data, global_tx_id, events, &mut self.strings);
         let n = u32::try_from(self.data.len() - at - 4).unwrap_or(u32::MAX);
         self.data[at..at + 4].copy_from_slice(&n.to_le_bytes());
     }
 
+    /// Ends the segment (its table and trailer) and returns it whole.
+    pub(crate) fn finish(&mut self) -> &[u8] {
+        let table = u32::try_from(self.data.len()).unwrap_or(u32::MAX);
+        self.strings.write(&mut self.data);
+        self.data.extend_from_slice(&table.to_le_bytes());
+        &self.data
+    }
+
     /// A whole segment of one entry whose events are already packed by
-    /// [`codec`] (migrating the one-row-per-saga layout).
+    /// [`codec`] version 1 (migrating the one-row-per-saga layout).
     pub(crate) fn packed(global_tx_id: &str, packed: &[u8]) -> Vec<u8> {
         let mut data = Vec::with_capacity(packed.len() + global_tx_id.len() + 16);
-        data.push(VERSION);
+        data.push(VERSION_1);
         data.push(EVENTS);
         codec::put_bytes(&mut data, global_tx_id.as_bytes());
         let n = u32::try_from(packed.len()).unwrap_or(u32::MAX);
@@ -108,19 +125,37 @@ pub(crate) enum Entry<'a> {
     Mark { global_tx_id: &'a str },
 }
 
-/// Walks a stored segment's entries, calling `f` for each in order.
+/// Walks a stored segment's entries, calling `f` for each in order with
+/// the segment's string table (empty in version 1).
 ///
 /// # Errors
 /// What is wrong with the bytes (truncated, unknown version or tag).
 pub(crate) fn entries<'a>(
     data: &'a [u8],
-    mut f: impl FnMut(Entry<'a>) -> Result<(), String>,
+    mut f: impl FnMut(Entry<'a>, &[&'a str]) -> Result<(), String>,
 ) -> Result<(), String> {
     let mut r = Reader { buf: data };
     let version = r.take(1)?[0];
-    if version != VERSION {
-        return Err(format!("unknown segment version {version}"));
-    }
+    let strings = match version {
+        VERSION_1 => Vec::new(),
+        VERSION => {
+            let Some((body, trailer)) = data.len().checked_sub(4).map(|n| data.split_at(n)) else {
+                return Err("truncated: no table offset".into());
+            };
+            let mut at = [0u8; 4];
+            at.copy_from_slice(trailer);
+            let at = u32::from_le_bytes(at) as usize;
+            if at < 1 || at > body.len() {
+                return Err(format!(
+                    "table offset {at} outside the segment's {} bytes",
+                    body.len()
+                ));
+            }
+            r.buf = &body[1..at];
+            read_strings(&body[at..])?
+        }
+        v => return Err(format!("unknown segment version {v}")),
+    };
     while !r.buf.is_empty() {
         let tag = r.take(1)?[0];
         let n = r.len()?;
@@ -128,12 +163,15 @@ pub(crate) fn entries<'a>(
         match tag {
             EVENTS => {
                 let n = u32::from_le_bytes(r.array()?) as usize;
-                f(Entry::Events {
-                    global_tx_id: id,
-                    packed: r.take(n)?,
-                })?;
+                f(
+                    Entry::Events {
+                        global_tx_id: id,
+                        packed: r.take(n)?,
+                    },
+                    &strings,
+                )?;
             }
-            MARK => f(Entry::Mark { global_tx_id: id })?,
+            MARK => f(Entry::Mark { global_tx_id: id }, &strings)?,
             t => return Err(format!("unknown segment entry tag {t}")),
         }
     }
@@ -154,7 +192,7 @@ impl Replay {
     /// # Errors
     /// What is wrong with its bytes.
     pub(crate) fn segment(&mut self, data: &[u8], only: Option<&str>) -> Result<(), String> {
-        entries(data, |e| {
+        entries(data, |e, strings| {
             match e {
                 Entry::Events {
                     global_tx_id,
@@ -164,7 +202,7 @@ impl Replay {
                         return Ok(());
                     }
                     let mut evs = Vec::new();
-                    codec::decode(global_tx_id, packed, &mut evs)
+                    codec::decode(global_tx_id, packed, strings, &mut evs)
                         .map_err(|e| format!("events of saga {global_tx_id}: {e}"))?;
                     let at = self.by_saga.entry(global_tx_id.to_owned()).or_default();
                     for ev in evs {
@@ -339,7 +377,7 @@ impl Index {
         // A segment that holds only unneeded marks is still a segment.
         self.segs.entry(seq).or_default();
         touched.push(seq);
-        entries(data, |e| {
+        entries(data, |e, _| {
             match e {
                 Entry::Events {
                     global_tx_id,
@@ -383,7 +421,8 @@ mod tests {
         let mut stored: BTreeMap<i64, Vec<u8>> = BTreeMap::new();
         for (seq, ops) in (1..).zip(&commits) {
             assert!(index.next_seq() <= seq);
-            let mut buf = SegmentBuf::new(64);
+            let mut buf = SegmentBuf::default();
+            buf.start(4);
             let mut touched = vec![seq];
             for (g, op) in ops {
                 match op {
@@ -399,7 +438,7 @@ mod tests {
                 }
             }
             if !buf.is_empty() {
-                stored.insert(seq, buf.data);
+                stored.insert(seq, buf.finish().to_vec());
             }
             for gone in index.collect(touched) {
                 stored.remove(&gone);
@@ -453,15 +492,19 @@ mod tests {
 
     #[test]
     fn damaged_segments_are_refused() {
-        let mut buf = SegmentBuf::new(64);
+        let mut buf = SegmentBuf::default();
+        buf.start(1);
         buf.events("g", &[ev("g", "l")]);
         buf.mark("g");
-        let data = buf.data;
-        // (A cut between entries is a shorter valid segment: SQLite stores a
-        // value whole, so only damage inside one is looked for.)
-        for cut in [0, 3, data.len() - 1] {
+        let data = buf.finish().to_vec();
+        // Any cut loses the trailer that says where the table starts.
+        for cut in [0, 3, data.len() / 2, data.len() - 1] {
             assert!(Replay::default().segment(&data[..cut], None).is_err());
         }
+        let mut offset = data.clone();
+        let n = offset.len();
+        offset[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Replay::default().segment(&offset, None).is_err());
         let mut bad = data.clone();
         bad[0] = 9;
         assert!(Replay::default().segment(&bad, None).is_err());

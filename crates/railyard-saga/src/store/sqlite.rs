@@ -47,7 +47,8 @@
 //! row; a segment is deleted in the commit that makes it unneeded (no
 //! unfinished saga in it, no mark in it covering an earlier segment still
 //! stored; freed pages are reused by later appends); summaries beyond the [`Retention`] are
-//! pruned. The WAL is checkpointed by the writer every 10,000 pages, about 40 MiB (so it
+//! pruned. The WAL is checkpointed by the writer every 10,000 pages by default,
+//! about 40 MiB ([`SqliteConfig::wal_checkpoint_pages`]; so it
 //! can restart from its beginning and stays bounded) and truncated to 64 MiB
 //! at most; after a prune, free pages beyond 4 MiB are returned to the file
 //! system (`auto_vacuum=INCREMENTAL`).
@@ -55,7 +56,7 @@
 //! # Files
 //! `<dir>/saga.db` (+ `-wal`, `-shm`), and `<dir>/LOCK`, held with `flock`
 //! so two coordinators never share one directory. Schema version in
-//! `PRAGMA user_version` (3; versions 1 and 2 are migrated on open, a
+//! `PRAGMA user_version` (4; versions 1 to 3 are migrated on open, a
 //! newer one is refused).
 
 use std::fs::File;
@@ -79,8 +80,12 @@ use crate::event::EventRecord;
 /// - 1: events with an index on the saga id, summaries unique per saga;
 /// - 2: neither; one `events` row per saga per group commit;
 /// - 3: one `segments` row per group commit (see "Layout"); versions 1
-///   and 2 are migrated on open.
-const SCHEMA_VERSION: i64 = 3;
+///   and 2 are migrated on open;
+/// - 4: the same tables; new segments are written in segment version 2
+///   (a string table, events in codec version 2), which a version-3
+///   Railyard could not read. Version 3 opens as 4 unchanged: its
+///   segments are still read.
+const SCHEMA_VERSION: i64 = 4;
 
 /// The current tables, created in a new store.
 const SCHEMA: &str = "
@@ -100,7 +105,7 @@ const SCHEMA: &str = "
         events INTEGER NOT NULL
     );
     CREATE INDEX summaries_by_finish ON summaries (finished_ms);
-    PRAGMA user_version = 3;";
+    PRAGMA user_version = 4;";
 
 /// Version 1 to 2: drop the saga-id index, rebuild summaries without the
 /// unique constraint (same rows, same order).
@@ -136,6 +141,13 @@ pub struct SqliteConfig {
     pub max_batch_rows: usize,
     /// How many finished summaries to keep.
     pub retention: Retention,
+    /// The WAL is checkpointed into the database once it holds this many
+    /// pages (4 KiB each). Default 10,000 (about 40 MiB of WAL on disk): a
+    /// checkpoint writes each page once however many times the WAL holds
+    /// it, so a longer interval writes the pages that deleted segments
+    /// free and later commits reuse fewer times; a shorter one keeps the
+    /// WAL file smaller.
+    pub wal_checkpoint_pages: u32,
 }
 
 impl Default for SqliteConfig {
@@ -144,6 +156,7 @@ impl Default for SqliteConfig {
             queue_capacity: 4096,
             max_batch_rows: 16_384,
             retention: Retention::default(),
+            wal_checkpoint_pages: 10_000,
         }
     }
 }
@@ -206,7 +219,7 @@ impl SqliteStore {
         let lock = lock_dir(&dir)?;
         let path = dir.join("saga.db");
         let mut writer = Connection::open(&path).map_err(engine)?;
-        prepare_writer(&mut writer)?;
+        prepare_writer(&mut writer, config.wal_checkpoint_pages)?;
         let reader = Connection::open_with_flags(
             &path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -230,7 +243,7 @@ impl SqliteStore {
             index: Index::default(),
             next_seq: 1,
             summaries: u64::try_from(summaries).unwrap_or(0),
-            buf: Vec::new(),
+            seg: SegmentBuf::default(),
         };
         // Index the segments (and drop those nothing needs), then apply the
         // retention once (a smaller limit takes effect without waiting for
@@ -309,7 +322,7 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
     Ok(file)
 }
 
-fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
+fn prepare_writer(conn: &mut Connection, checkpoint_pages: u32) -> Result<(), StoreError> {
     conn.busy_timeout(std::time::Duration::from_secs(10))
         .map_err(engine)?;
     let version: i64 = conn
@@ -334,11 +347,12 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
             "the file system refused WAL mode (journal_mode is {mode})"
         )));
     }
-    conn.execute_batch(
+    conn.execute_batch(&format!(
         "PRAGMA synchronous = FULL;
-         PRAGMA wal_autocheckpoint = 10000;
+         PRAGMA wal_autocheckpoint = {};
          PRAGMA journal_size_limit = 67108864;",
-    )
+        checkpoint_pages.max(1)
+    ))
     .map_err(engine)?;
     if version == SCHEMA_VERSION {
         return Ok(());
@@ -348,8 +362,10 @@ fn prepare_writer(conn: &mut Connection) -> Result<(), StoreError> {
         0 => tx.execute_batch(SCHEMA),
         1 => tx
             .execute_batch(MIGRATE_1_TO_2)
-            .and_then(|()| migrate_2_to_3(&tx)),
-        _ => migrate_2_to_3(&tx),
+            .and_then(|()| migrate_2_to_3(&tx))
+            .and_then(|()| tx.execute_batch("PRAGMA user_version = 4")),
+        2 => migrate_2_to_3(&tx).and_then(|()| tx.execute_batch("PRAGMA user_version = 4")),
+        _ => tx.execute_batch("PRAGMA user_version = 4"),
     };
     migrated.map_err(|e| {
         StoreError::Corrupt(format!(
@@ -395,10 +411,8 @@ struct Writer {
     next_seq: i64,
     /// Rows in `summaries`, so pruning by count needs no count query.
     summaries: u64,
-    /// The segment buffer, kept across commits (its capacity stays, so a
-    /// commit does not fault in fresh pages); a very large one is given
-    /// back after use.
-    buf: Vec<u8>,
+    /// The segment being built, kept across commits (see [`SegmentBuf`]).
+    seg: SegmentBuf,
 }
 
 impl Writer {
@@ -478,9 +492,8 @@ impl Writer {
                 WriteOp::Finish(_) => 0,
             })
             .sum();
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.reserve(64 + events * 160);
-        let mut seg = SegmentBuf::reuse(buf);
+        let seg = &mut self.seg;
+        seg.start(events);
         let mut touched = vec![seq];
         let mut finished = 0u64;
         let tx = self.conn.transaction()?;
@@ -521,13 +534,8 @@ impl Writer {
                 }
             }
             if !seg.is_empty() {
-                let done = tx
-                    .prepare_cached("INSERT INTO segments (seq, data) VALUES (?1, ?2)")?
-                    .execute(params![seq, seg.data]);
-                self.buf = seg.data;
-                done?;
-            } else {
-                self.buf = seg.data;
+                tx.prepare_cached("INSERT INTO segments (seq, data) VALUES (?1, ?2)")?
+                    .execute(params![seq, seg.finish()])?;
             }
             let gone = self.index.collect(touched);
             if !gone.is_empty() {
@@ -536,9 +544,6 @@ impl Writer {
                     delete.execute([s])?;
                 }
             }
-        }
-        if self.buf.capacity() > 16 << 20 {
-            self.buf = Vec::new();
         }
         self.next_seq += 1;
         tx.commit()?;
@@ -849,7 +854,7 @@ pub(crate) mod tests {
             index: Index::default(),
             next_seq: 1,
             summaries: 0,
-            buf: Vec::new(),
+            seg: SegmentBuf::default(),
         };
         w.load().unwrap();
         w
@@ -861,7 +866,8 @@ pub(crate) mod tests {
     }
 
     /// Version-1 and version-2 stores (one row per saga per commit) open
-    /// as version 3 with their events intact and in order.
+    /// as version 4 with their events intact and in order (in version-1
+    /// segments, which are still read beside new ones).
     #[test]
     fn migrates_versions_1_and_2() {
         let dir = tempfile::tempdir().unwrap();
@@ -892,11 +898,11 @@ pub(crate) mod tests {
             }
         }
         let mut c = Connection::open(&path).unwrap();
-        prepare_writer(&mut c).unwrap();
+        prepare_writer(&mut c, 1000).unwrap();
         let v: i64 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 3);
+        assert_eq!(v, SCHEMA_VERSION);
         assert_eq!(locals(&c), ["l0", "h0", "l1"]);
         let old: i64 = c
             .query_row(
@@ -923,14 +929,21 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(ords, [7, 8]);
         // The writer indexes the migrated segments and goes on after them.
-        let w = writer(c);
+        let mut w = writer(c);
         assert_eq!(w.index.live_events, 3);
         assert_eq!(w.next_seq, 4);
+        // A new commit (segment version 2) replays after the migrated
+        // version-1 segments, and finishing a saga drops its events in both.
+        w.write(&[app(vec![ev("h", "h1")])]).unwrap();
+        assert_eq!(locals(&w.conn), ["l0", "h0", "l1", "h1"]);
+        w.write(&[req(WriteOp::Finish(vec![summary("g")]))])
+            .unwrap();
+        assert_eq!(locals(&w.conn), ["h0", "h1"]);
         // And a newer schema is refused.
         let mut c = w.conn;
-        c.execute_batch("PRAGMA user_version = 4").unwrap();
+        c.execute_batch("PRAGMA user_version = 5").unwrap();
         assert!(matches!(
-            prepare_writer(&mut c),
+            prepare_writer(&mut c, 1000),
             Err(StoreError::Corrupt(_))
         ));
     }
@@ -942,7 +955,7 @@ pub(crate) mod tests {
     fn one_group_commit_applies_requests_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = Connection::open(dir.path().join("saga.db")).unwrap();
-        prepare_writer(&mut conn).unwrap();
+        prepare_writer(&mut conn, 1000).unwrap();
         let mut w = writer(conn);
         w.write(&[app(vec![ev("a", "a0"), ev("b", "b0")])]).unwrap();
         w.write(&[
