@@ -663,3 +663,40 @@ async fn dropping_every_handle_ends_the_session_and_unregisters_its_participants
         node.coordinator.instances()
     );
 }
+
+/// An event the coordinator refuses fails alone, with its kind, its saga
+/// and the coordinator's reason (read back from the bytes that were sent),
+/// and the client goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_event_names_its_kind_and_saga() {
+    let node = Node::memory().await;
+    let client = SagaClient::builder(node.endpoint.clone(), "orders")
+        .connect()
+        .await
+        .expect("connect");
+    let err = client
+        .report(railyard_saga_client::SagaEvent {
+            r#type: railyard_saga_client::EventType::TxStarted as i32,
+            global_tx_id: "g-refused".into(),
+            // A step event needs its local id.
+            local_tx_id: String::new(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("a TxStarted without a local id is refused");
+    match err {
+        SagaError::Rejected {
+            kind,
+            global_tx_id,
+            message,
+        } => {
+            assert_eq!(kind.to_string(), "TX_STARTED");
+            assert_eq!(global_tx_id, "g-refused");
+            assert!(message.contains("localTxId"), "{message}");
+        }
+        other => panic!("expected Rejected, got {other:?}"),
+    }
+    let saga = client.start_saga(None).await.expect("the client goes on");
+    saga.end().await.expect("end");
+    node.wait_state(saga.id(), SagaState::Committed).await;
+}
