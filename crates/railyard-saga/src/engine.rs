@@ -149,6 +149,41 @@ struct Shard {
     finished: FinishedCache,
 }
 
+/// What [`Engine::classify`] found for an event.
+#[derive(Debug)]
+enum Class {
+    /// Its saga is live (or the event has no kind, which `validate`
+    /// refused already): record and apply it.
+    Live,
+    /// Its saga is unknown and the event creates it: record and apply it.
+    Creates,
+    /// Its saga is unknown and the event does not create it: answered
+    /// without recording, unless an earlier event of the same call creates
+    /// the saga.
+    Unknown,
+    /// Answered from memory without recording (its saga finished).
+    Answer(Outcome),
+}
+
+/// What [`Engine::settle`] needs of a saga after it changed, taken while
+/// the caller holds it (so settling needs no second look-up).
+#[derive(Debug, Clone, Copy)]
+struct After {
+    waiting: bool,
+    deadline: Option<(Instant, DeadlineKind)>,
+    state: SagaState,
+}
+
+impl After {
+    fn of(saga: &Saga) -> Self {
+        Self {
+            waiting: saga.waiting_for_instance(),
+            deadline: saga.deadline,
+            state: saga.state,
+        }
+    }
+}
+
 /// Summaries waiting for one batched `store.finish`.
 ///
 /// Not bounded by a count of its own, and it need not be: a summary is
@@ -303,7 +338,8 @@ impl Engine {
         let mut keep = vec![false; n];
         {
             // Sagas an earlier event of this call will create (a batch may
-            // carry a saga's whole life).
+            // carry a saga's whole life): only creating events add to it,
+            // and only events about an unknown saga look in it.
             let mut batch_sagas: std::collections::HashSet<&str, Hasher> =
                 std::collections::HashSet::default();
             for (i, ev) in events.iter().enumerate() {
@@ -315,16 +351,23 @@ impl Engine {
                     outcomes[i] = Some(Outcome::Invalid(e));
                     continue;
                 }
-                let in_batch =
-                    !batch_sagas.is_empty() && batch_sagas.contains(ev.global_tx_id.as_str());
-                match self.classify(ev, in_batch) {
-                    Some(answer) => outcomes[i] = Some(answer),
-                    None => {
-                        if !in_batch && n > 1 {
+                match self.classify(ev) {
+                    Class::Live => keep[i] = true,
+                    Class::Creates => {
+                        if n > 1 {
                             batch_sagas.insert(ev.global_tx_id.as_str());
                         }
                         keep[i] = true;
                     }
+                    Class::Unknown => {
+                        if batch_sagas.contains(ev.global_tx_id.as_str()) {
+                            keep[i] = true;
+                        } else {
+                            // Row "compensation report for an unknown saga".
+                            outcomes[i] = Some(Outcome::Done { aborted: false });
+                        }
+                    }
+                    Class::Answer(answer) => outcomes[i] = Some(answer),
                 }
             }
         }
@@ -375,27 +418,25 @@ impl Engine {
             .collect())
     }
 
-    /// Answers without recording when the event cannot change anything.
-    fn classify(&self, ev: &EventRecord, in_batch: bool) -> Option<Outcome> {
-        let kind = ev.kind?;
-        if in_batch {
-            return None;
-        }
+    /// What the saga's state says of an event before it is recorded.
+    fn classify(&self, ev: &EventRecord) -> Class {
+        let Some(kind) = ev.kind else {
+            return Class::Live;
+        };
         let shard = self.shard_of(&ev.global_tx_id).lock();
         if shard.live.contains_key(ev.global_tx_id.as_str()) {
-            return None;
+            return Class::Live;
         }
         if let Some(s) = shard.finished.map.get(ev.global_tx_id.as_str()) {
             // Row "event after a terminal state".
-            return Some(Outcome::Done {
+            return Class::Answer(Outcome::Done {
                 aborted: s.state != SagaState::Committed,
             });
         }
         if saga::creates_saga(kind) {
-            None
+            Class::Creates
         } else {
-            // Row "compensation report for an unknown saga".
-            Some(Outcome::Done { aborted: false })
+            Class::Unknown
         }
     }
 
@@ -406,48 +447,53 @@ impl Engine {
         };
         let mut shard = self.shard_of(&ev.global_tx_id).lock();
         let shard = &mut *shard;
-        if !shard.live.contains_key(ev.global_tx_id.as_str()) {
-            if let Some(s) = shard.finished.map.get(ev.global_tx_id.as_str()) {
-                // Finished between classify and apply: the event is in the
-                // log, so finish again (idempotent) to compact it.
-                let aborted = s.state != SagaState::Committed;
-                self.finish_queue.pending.lock().push(s.clone());
-                self.finish_queue.notify.notify_one();
-                return Outcome::Done { aborted };
-            }
-            if !saga::creates_saga(kind) {
-                return Outcome::Done { aborted: false };
-            }
-            let id: Arc<str> = Arc::from(ev.global_tx_id.as_str());
-            shard.live.insert(id.clone(), Saga::new(id, ev));
-            self.metrics.transition(None, SagaState::Running);
+        // The usual case, a live saga, costs one look-up.
+        if let Some(outcome) = self.apply_live(shard, ev, now) {
+            return outcome;
         }
-        let Some(id) = shard
-            .live
-            .get_key_value(ev.global_tx_id.as_str())
-            .map(|(k, _)| k.clone())
-        else {
+        if let Some(s) = shard.finished.map.get(ev.global_tx_id.as_str()) {
+            // Finished between classify and apply: the event is in the
+            // log, so finish again (idempotent) to compact it.
+            let aborted = s.state != SagaState::Committed;
+            self.finish_queue.pending.lock().push(s.clone());
+            self.finish_queue.notify.notify_one();
+            return Outcome::Done { aborted };
+        }
+        if !saga::creates_saga(kind) {
             return Outcome::Done { aborted: false };
-        };
-        let Some(saga) = shard.live.get_mut(&id) else {
-            return Outcome::Done { aborted: false };
-        };
+        }
+        let id: Arc<str> = Arc::from(ev.global_tx_id.as_str());
+        shard.live.insert(id.clone(), Saga::new(id, ev));
+        self.metrics.transition(None, SagaState::Running);
+        self.apply_live(shard, ev, now)
+            .unwrap_or(Outcome::Done { aborted: false })
+    }
+
+    /// [`apply`](Self::apply) to a live saga; `None` if it is not live.
+    fn apply_live(&self, shard: &mut Shard, ev: &EventRecord, now: Instant) -> Option<Outcome> {
+        let saga = shard.live.get_mut(ev.global_tx_id.as_str())?;
+        // The saga's own id is its key's `Arc`.
+        let id = saga.global_tx_id.clone();
         let before = (saga.deadline, saga.state);
         let applied = saga.apply(ev, now);
         let mut stats = DriveStats::default();
         saga.drive(now, &self.registry, &self.policy, &mut stats);
-        let aborted = applied.aborted;
-        self.settle(shard, &id, before, stats);
-        Outcome::Done { aborted }
+        let after = After::of(saga);
+        self.settle(shard, &id, before, after, stats);
+        Some(Outcome::Done {
+            aborted: applied.aborted,
+        })
     }
 
-    /// After a saga changed: keep the timer index, metrics and the finished
-    /// cache in step; forget it and queue its summary if terminal.
+    /// After a saga changed (`before` and `after` its change): keep the
+    /// timer index, metrics and the finished cache in step; forget it and
+    /// queue its summary if terminal.
     fn settle(
         &self,
         shard: &mut Shard,
         id: &Arc<str>,
         before: (Option<(Instant, DeadlineKind)>, SagaState),
+        after: After,
         stats: DriveStats,
     ) {
         if stats != DriveStats::default() {
@@ -461,18 +507,16 @@ impl Engine {
                 .compensations_failed
                 .inc_by(u64::from(stats.failed));
         }
-        let Some(saga) = shard.live.get(id) else {
-            return;
-        };
         // The empty check keeps the usual case (nobody waiting) to a branch.
-        if saga.waiting_for_instance() {
+        if after.waiting {
             if shard.waiting.insert(id.clone()) {
                 self.metrics.waiting_for_instance.inc();
             }
         } else if !shard.waiting.is_empty() && shard.waiting.remove(id) {
             self.metrics.waiting_for_instance.dec();
         }
-        let after = saga.deadline;
+        let state = after.state;
+        let after = after.deadline;
         if before.0.map(|d| d.0) != after.map(|d| d.0) {
             if let Some((t, _)) = before.0 {
                 shard.timers.remove(&(t, id.clone()));
@@ -481,7 +525,6 @@ impl Engine {
                 shard.timers.insert((t, id.clone()));
             }
         }
-        let state = saga.state;
         self.metrics.transition(Some(before.1), state);
         if state.is_terminal() {
             if let Some((t, _)) = after {
@@ -543,8 +586,9 @@ impl Engine {
                 }
                 let mut stats = DriveStats::default();
                 saga.on_timer(now, &self.registry, &self.policy, &mut stats);
+                let after = After::of(saga);
                 // The popped entry is gone: settle from "no deadline".
-                self.settle(shard, &id, (None, before.1), stats);
+                self.settle(shard, &id, (None, before.1), after, stats);
             }
         }
         timeouts
@@ -610,7 +654,8 @@ impl Engine {
                 let before = (saga.deadline, saga.state);
                 let mut stats = DriveStats::default();
                 saga.on_instance(service, now, &self.registry, &self.policy, &mut stats);
-                self.settle(shard, &id, before, stats);
+                let after = After::of(saga);
+                self.settle(shard, &id, before, after, stats);
             }
         }
     }
@@ -678,7 +723,8 @@ impl Engine {
                 saga.reset_after_recovery();
                 let mut stats = DriveStats::default();
                 saga.drive(now, &self.registry, &self.policy, &mut stats);
-                self.settle(shard, &id, before, stats);
+                let after = After::of(saga);
+                self.settle(shard, &id, before, after, stats);
             }
         }
         if count > 0 {

@@ -456,3 +456,49 @@ async fn malformed_events_in_a_batch_are_refused_alone() {
     let summary = store.finished(SagaQuery::default()).await.unwrap();
     assert_eq!(summary[0].events, 2);
 }
+
+/// A compensation report is recorded when an earlier event of the same
+/// batch creates its saga, and answered without being recorded when its
+/// saga is unknown.
+#[tokio::test(start_paused = true)]
+async fn a_batch_may_create_a_saga_that_its_later_events_report_on() {
+    let store = Arc::new(MemoryStore::new());
+    let c = Coordinator::start(store.clone(), config()).await.unwrap();
+    let answers = submit(
+        &c,
+        vec![
+            start("g", 0),
+            tx_started("g", "l1", b"p"),
+            rec(EventKind::TxEnded, "g", "l1"),
+            rec(EventKind::TxCompensated, "g", "l1"),
+            rec(EventKind::TxCompensated, "unknown", "x"),
+        ],
+    )
+    .await;
+    assert_eq!(answers.len(), 5);
+    assert_eq!(c.state("unknown"), None);
+    c.flush().await.unwrap();
+    let held: Vec<(String, Option<EventKind>)> = store
+        .unfinished()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.global_tx_id, e.kind))
+        .collect();
+    assert!(
+        held.iter().all(|(g, _)| g == "g"),
+        "the unknown saga's report was recorded: {held:?}"
+    );
+    // The saga runs on (a stray report changes nothing) with all four of
+    // its events in the log, the report among them.
+    assert_eq!(c.state("g"), Some(SagaState::Running));
+    assert_eq!(
+        held.iter().map(|(_, k)| *k).collect::<Vec<_>>(),
+        [
+            Some(EventKind::SagaStarted),
+            Some(EventKind::TxStarted),
+            Some(EventKind::TxEnded),
+            Some(EventKind::TxCompensated)
+        ]
+    );
+}
