@@ -575,6 +575,26 @@ pub(crate) struct Submit {
     pub(crate) waiter: Waiter,
 }
 
+impl Submit {
+    /// The event with its waiter, and the receiver of its answer.
+    fn new(
+        event: SagaEvent,
+        size: usize,
+        permit: OwnedSemaphorePermit,
+    ) -> (Self, oneshot::Receiver<Result<Outcome, SagaError>>) {
+        let (reply, rx) = oneshot::channel();
+        let submit = Self {
+            event,
+            size,
+            waiter: Waiter {
+                reply,
+                _permit: permit,
+            },
+        };
+        (submit, rx)
+    }
+}
+
 /// Who waits for one event's answer, and its share of the in-flight budget
 /// (returned when this is dropped). Kept apart from the event once it is
 /// sent, the events being shared with the frame.
@@ -636,15 +656,7 @@ impl Reporter {
             }
             Err(TryAcquireError::Closed) => return Reply::failed(self.closed_error()),
         };
-        let (reply, rx) = oneshot::channel();
-        let submit = Submit {
-            event,
-            size,
-            waiter: Waiter {
-                reply,
-                _permit: permit,
-            },
-        };
+        let (submit, rx) = Submit::new(event, size, permit);
         match self.tx.try_send(submit) {
             Ok(()) => Reply::queued(self, rx),
             Err(TrySendError::Full(submit)) => {
@@ -662,15 +674,7 @@ impl Reporter {
             .acquire_owned()
             .await
             .map_err(|_| self.closed_error())?;
-        let (reply, rx) = oneshot::channel();
-        let submit = Submit {
-            event,
-            size,
-            waiter: Waiter {
-                reply,
-                _permit: permit,
-            },
-        };
+        let (submit, rx) = Submit::new(event, size, permit);
         self.queue_when_room(submit, rx).await
     }
 
@@ -699,7 +703,7 @@ enum ReplyState<'a> {
         rx: oneshot::Receiver<Result<Outcome, SagaError>>,
     },
     /// Waiting for room before it can be queued.
-    Waiting(Pin<Box<dyn Future<Output = Result<Outcome, SagaError>> + Send + 'a>>),
+    Waiting(Pin<Box<dyn Future<Output = Result<Outcome, SagaError>> + Send + Sync + 'a>>),
     /// Refused before being queued; taken by the first poll.
     Failed(Option<SagaError>),
 }
@@ -709,7 +713,9 @@ impl<'a> Reply<'a> {
         Self(ReplyState::Queued { reporter, rx })
     }
 
-    fn waiting(f: Pin<Box<dyn Future<Output = Result<Outcome, SagaError>> + Send + 'a>>) -> Self {
+    fn waiting(
+        f: Pin<Box<dyn Future<Output = Result<Outcome, SagaError>> + Send + Sync + 'a>>,
+    ) -> Self {
         Self(ReplyState::Waiting(f))
     }
 

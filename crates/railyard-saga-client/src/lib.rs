@@ -130,6 +130,19 @@ mod tests {
         is_send_sync::<Compensation>();
     }
 
+    fn future_is_send_sync<F: std::future::Future + Send + Sync>(_: &F) {}
+
+    /// The futures of the saga API may be held across awaits by futures
+    /// that must be `Send + Sync` (checked at compile time; never run).
+    #[allow(dead_code, clippy::let_underscore_future)]
+    fn public_futures_are_send_and_sync(client: &SagaClient, saga: &Saga) {
+        future_is_send_sync(&client.start_saga(None));
+        future_is_send_sync(&client.report(SagaEvent::default()));
+        future_is_send_sync(&saga.step(Step::new("undo"), async { Ok::<(), ()>(()) }));
+        future_is_send_sync(&saga.end());
+        future_is_send_sync(&saga.abort());
+    }
+
     #[test]
     fn errors_say_what_to_do() {
         let e = SagaError::Closed(Some("closed by the application".into()));

@@ -49,6 +49,11 @@ pub(crate) struct Strings {
 }
 
 impl Strings {
+    /// Names in the table.
+    pub(crate) fn len(&self) -> usize {
+        self.at.len()
+    }
+
     /// Empties the table, keeping its memory.
     pub(crate) fn clear(&mut self) {
         self.at.clear();
@@ -234,15 +239,7 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn len(&mut self) -> Result<usize, String> {
-        let mut n: usize = 0;
-        for shift in (0..64).step_by(7) {
-            let b = self.take(1)?[0];
-            n |= usize::from(b & 0x7f) << shift;
-            if b & 0x80 == 0 {
-                return Ok(n);
-            }
-        }
-        Err("length too long".into())
+        usize::try_from(self.u64()?).map_err(|_| "length too long".to_owned())
     }
 
     fn u64(&mut self) -> Result<u64, String> {

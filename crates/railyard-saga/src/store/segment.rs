@@ -57,10 +57,6 @@ pub(crate) struct SegmentBuf {
 impl SegmentBuf {
     /// Starts a new segment, with room for about `events` events.
     pub(crate) fn start(&mut self, events: usize) {
-        if self.data.capacity() > 16 << 20 {
-            // Give back what one huge commit took.
-            self.data = Vec::new();
-        }
         self.data.clear();
         self.data.reserve(64 + events * 64);
         self.data.push(VERSION);
@@ -82,6 +78,17 @@ impl SegmentBuf {
         codec::encode_v2_into(&mut self.data, global_tx_id, events, &mut self.strings);
         let n = u32::try_from(self.data.len() - at - 4).unwrap_or(u32::MAX);
         self.data[at..at + 4].copy_from_slice(&n.to_le_bytes());
+    }
+
+    /// Gives back the memory one unusually large commit took (its buffer
+    /// past 16 MiB, its table past 4,096 names), once that commit is done.
+    pub(crate) fn give_back_if_large(&mut self) {
+        if self.data.capacity() > 16 << 20 {
+            self.data = Vec::new();
+        }
+        if self.strings.len() > 4096 {
+            self.strings = Strings::default();
+        }
     }
 
     /// Ends the segment (its table and trailer) and returns it whole.

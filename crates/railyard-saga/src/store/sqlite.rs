@@ -365,7 +365,12 @@ fn prepare_writer(conn: &mut Connection, checkpoint_pages: u32) -> Result<(), St
             .and_then(|()| migrate_2_to_3(&tx))
             .and_then(|()| tx.execute_batch("PRAGMA user_version = 4")),
         2 => migrate_2_to_3(&tx).and_then(|()| tx.execute_batch("PRAGMA user_version = 4")),
-        _ => tx.execute_batch("PRAGMA user_version = 4"),
+        3 => tx.execute_batch("PRAGMA user_version = 4"),
+        _ => {
+            return Err(StoreError::Corrupt(format!(
+                "schema version {version} is not one Railyard wrote; point it at another data directory"
+            )))
+        }
     };
     migrated.map_err(|e| {
         StoreError::Corrupt(format!(
@@ -547,6 +552,7 @@ impl Writer {
         }
         self.next_seq += 1;
         tx.commit()?;
+        self.seg.give_back_if_large();
         self.live_events
             .store(self.index.live_events, Ordering::Relaxed);
         self.summaries += finished;
@@ -942,6 +948,12 @@ pub(crate) mod tests {
         // And a newer schema is refused.
         let mut c = w.conn;
         c.execute_batch("PRAGMA user_version = 5").unwrap();
+        assert!(matches!(
+            prepare_writer(&mut c, 1000),
+            Err(StoreError::Corrupt(_))
+        ));
+        // And so is a version Railyard never wrote.
+        c.execute_batch("PRAGMA user_version = -1").unwrap();
         assert!(matches!(
             prepare_writer(&mut c, 1000),
             Err(StoreError::Corrupt(_))
