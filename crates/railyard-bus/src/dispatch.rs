@@ -65,8 +65,8 @@ thread_local! {
 
 /// The bus handed something to another node's transport on this thread: a
 /// dispatcher running here lets the loop's other tasks (the link that
-/// writes it) in after its next [`SENT_AWAY_EVERY`] runs, instead of after
-/// a full poll.
+/// writes it) in at most [`SENT_AWAY_EVERY`] runs later (at its next run
+/// count that is a multiple of it), instead of after a full poll.
 ///
 /// Without this, a loop handling a burst of messages from a peer ran every
 /// handler (up to [`RUNS_PER_POLL`]) before its link wrote one answer, so
@@ -451,11 +451,10 @@ const OTHERS_EVERY: usize = 16;
 
 /// Consumer runs after which a dispatcher whose handlers sent to another
 /// node yields, so the link writes (see [`note_sent_away`]); a multiple of
-/// [`OTHERS_EVERY`]. 16 on the machine it was first measured on; on
-/// 2026-11-26, with the link reading 32 frames per turn, 32 gave `bench echo
-/// --cluster etcd --nodes 2` 718k against 618k round trips/s (send-send) and
-/// 677k against 559k (send-reply), medians of 5 alternating runs
-/// (docs/benchmarks.md).
+/// [`OTHERS_EVERY`]. 16 on the machine it was first measured on; 32 since
+/// 2026-11-26, swept together with the cluster link's frames per turn
+/// (`READ_CHUNK` in `railyard-cluster`'s `link.rs`, whose doc gives the
+/// figures; docs/benchmarks.md).
 const SENT_AWAY_EVERY: usize = 32;
 const _: () = assert!(SENT_AWAY_EVERY % OTHERS_EVERY == 0);
 

@@ -433,25 +433,12 @@ fn put_reply<'a>(
 const SMALL_FRAME: usize = 4096;
 
 /// What a frame is parsed from: a slice of the read buffer (a small frame)
-/// or the frame's own `Bytes` (a large one, whose body is shared).
-trait Source: Buf {
-    /// The next `n` bytes (checked to be there) as a body.
-    fn take_blob(&mut self, n: usize) -> Bytes;
-}
+/// or the frame's own `Bytes` (a large one). Both are contiguous, so a
+/// string can be checked in place; `Buf::copy_to_bytes` copies a body out
+/// of a slice and shares it out of a `Bytes`.
+trait Source: Buf + std::ops::Deref<Target = [u8]> {}
 
-impl Source for &[u8] {
-    fn take_blob(&mut self, n: usize) -> Bytes {
-        let b = Bytes::copy_from_slice(&self[..n]);
-        self.advance(n);
-        b
-    }
-}
-
-impl Source for Bytes {
-    fn take_blob(&mut self, n: usize) -> Bytes {
-        self.split_to(n)
-    }
-}
+impl<T: Buf + std::ops::Deref<Target = [u8]>> Source for T {}
 
 fn need<B: Source>(b: &B, n: usize, what: &'static str) -> Result<(), FrameError> {
     if b.remaining() < n {
@@ -487,7 +474,7 @@ fn get_u64<B: Source>(b: &mut B, what: &'static str) -> Result<u64, FrameError> 
 fn get_str<B: Source>(b: &mut B, what: &'static str) -> Result<String, FrameError> {
     let n = get_u16(b, what)? as usize;
     need(b, n, what)?;
-    let s = std::str::from_utf8(&b.chunk()[..n])
+    let s = std::str::from_utf8(&b[..n])
         .map_err(|_| FrameError::Utf8)?
         .to_owned();
     b.advance(n);
@@ -497,7 +484,7 @@ fn get_str<B: Source>(b: &mut B, what: &'static str) -> Result<String, FrameErro
 fn get_blob<B: Source>(b: &mut B, what: &'static str) -> Result<Bytes, FrameError> {
     let n = get_u32(b, what)? as usize;
     need(b, n, what)?;
-    Ok(b.take_blob(n))
+    Ok(b.copy_to_bytes(n))
 }
 
 fn get_headers<B: Source>(
@@ -644,17 +631,28 @@ mod tests {
     #[test]
     fn frames_either_side_of_the_small_frame_bound_decode_alike_and_in_order() {
         // Up to SMALL_FRAME parsed in place and copied; above it, shared.
-        let frames: Vec<Frame> = [1usize, SMALL_FRAME - 64, SMALL_FRAME + 1, 100_000, 3]
-            .iter()
-            .map(|&n| Frame::Msg {
-                mode: Mode::Send,
-                id: n as u64,
-                timeout_ms: 0,
-                address: "a".into(),
-                headers: vec![("k".into(), "v".repeat(n.min(100)))],
-                codec: "bytes".into(),
-                body: Bytes::from(vec![n as u8; n]),
-            })
+        let msg = |n: usize| Frame::Msg {
+            mode: Mode::Send,
+            id: n as u64,
+            timeout_ms: 0,
+            address: "a".into(),
+            headers: vec![("k".into(), "v".repeat(n.min(100)))],
+            codec: "bytes".into(),
+            body: Bytes::from(vec![n as u8; n]),
+        };
+        // The length prefix (which excludes itself) of `msg(n)`.
+        let len_of = |n: usize| {
+            let mut b = BytesMut::new();
+            msg(n).encode(&mut b);
+            u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize
+        };
+        // Past 100 bytes a body adds only itself: these two sit on the bound.
+        let at = 100 + SMALL_FRAME - len_of(100);
+        assert_eq!(len_of(at), SMALL_FRAME);
+        assert_eq!(len_of(at + 1), SMALL_FRAME + 1);
+        let frames: Vec<Frame> = [1usize, at, at + 1, 100_000, 3]
+            .into_iter()
+            .map(msg)
             .collect();
         let mut buf = BytesMut::new();
         for f in &frames {

@@ -289,7 +289,7 @@ impl Link {
             peer,
             side,
             addr: Mutex::new(addr),
-            tx: OutQueue::new(cfg.queue.max(1)),
+            tx: OutQueue::new(cfg.queue),
             replies,
             waiting: AtomicUsize::new(0),
             pending: Mutex::new(HashMap::default()),
@@ -466,15 +466,9 @@ struct TaskEnded(Arc<Link>);
 impl Drop for TaskEnded {
     fn drop(&mut self) {
         let link = &self.0;
-        for out in link.tx.close() {
-            if let Out::Msg {
-                msg: RemoteMessage { reply: Some(h), .. },
-                ..
-            } = out
-            {
-                h.fail(link.gone());
-            }
-        }
+        // Queued messages carry no reply handle (`deliver` keeps it in
+        // `pending`): failing `pending` answers the requests among them.
+        drop(link.tx.close());
         link.fail_pending("left the cluster");
         // A closed queue has room for a refusal: `poll_room` returns.
         link.wake_room_waiters();
@@ -1187,8 +1181,8 @@ mod tests {
             "queued while the task lives"
         );
         assert!(!link.has_room(), "full while the task lives");
-        // The runtime goes, and the link's task with it, mid-backoff: the
-        // end of `run` never runs.
+        // The runtime goes, and the link's task with it, before `run`
+        // returns: the end of `run` never runs.
         drop(rt);
         let refused = link.deliver(send_to("q")).expect_err("refused");
         assert!(

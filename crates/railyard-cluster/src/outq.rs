@@ -144,11 +144,18 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    /// A queue of `cap` holding `0..n`.
+    fn filled(cap: usize, n: i32) -> OutQueue<i32> {
+        let q = OutQueue::new(cap);
+        for i in 0..n {
+            q.try_push(i).unwrap();
+        }
+        q
+    }
+
     #[test]
     fn a_full_queue_refuses_and_gives_the_item_back() {
-        let q = OutQueue::new(2);
-        q.try_push(1).unwrap();
-        q.try_push(2).unwrap();
+        let q = filled(2, 2);
         assert!(!q.has_room());
         match q.try_push(3) {
             Err(Refused::Full(3)) => {}
@@ -158,10 +165,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_burst_is_given_back_once_the_queue_empties() {
-        let q = OutQueue::new(100_000);
-        for i in 0..50_000 {
-            q.try_push(i).unwrap();
-        }
+        let q = filled(100_000, 50_000);
         let mut out = Vec::new();
         while out.len() < 50_000 {
             q.recv_many(&mut out, 256).await;
@@ -171,10 +175,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_reader_takes_at_most_max_in_order_then_the_rest() {
-        let q = OutQueue::new(10);
-        for i in 0..5 {
-            q.try_push(i).unwrap();
-        }
+        let q = filled(10, 5);
         let mut out = Vec::new();
         assert_eq!(q.recv_many(&mut out, 3).await, 3);
         assert_eq!(q.recv_many(&mut out, 3).await, 2);
@@ -234,10 +235,8 @@ mod tests {
         }
         assert!(q.has_room(), "a closed queue answers at once: worth trying");
 
-        let q = OutQueue::new(4);
-        q.try_push(1).unwrap();
-        q.try_push(2).unwrap();
-        assert_eq!(q.close(), vec![1, 2]);
+        let q = filled(4, 2);
+        assert_eq!(q.close(), vec![0, 1]);
         let mut out = Vec::new();
         assert_eq!(q.recv_many(&mut out, 8).await, 0);
     }

@@ -323,12 +323,7 @@ pub(crate) fn decode(
     // reserve much.
     out.reserve(count.min(data.len() / 13 + 1));
     for _ in 0..count {
-        let ev = if version == VERSION {
-            decode_v1(global_tx_id, &mut r)?
-        } else {
-            decode_v2(global_tx_id, &mut r, strings)?
-        };
-        out.push(ev);
+        out.push(decode_event(version, global_tx_id, &mut r, strings)?);
     }
     if !r.buf.is_empty() {
         return Err(format!("{} trailing bytes", r.buf.len()));
@@ -341,17 +336,49 @@ fn kind_of(r: &mut Reader<'_>) -> Result<EventKind, String> {
     EventKind::from_code(code).ok_or_else(|| format!("unknown event kind code {code}"))
 }
 
-fn decode_v1(global_tx_id: &str, r: &mut Reader<'_>) -> Result<EventRecord, String> {
+/// One event of either version: both write the same fields in the same
+/// order and differ only in how ids, names and integers are written.
+fn decode_event(
+    version: u8,
+    global_tx_id: &str,
+    r: &mut Reader<'_>,
+    strings: &[&str],
+) -> Result<EventRecord, String> {
+    let v1 = version == VERSION;
+    let id = |r: &mut Reader<'_>| {
+        if v1 {
+            r.string()
+        } else {
+            r.reference(global_tx_id)
+        }
+    };
+    let name = |r: &mut Reader<'_>| -> Result<String, String> {
+        if v1 {
+            return r.string();
+        }
+        let i = r.len()?;
+        strings.get(i).map(|s| (*s).to_owned()).ok_or_else(|| {
+            format!(
+                "name number {i} outside the segment's table of {}",
+                strings.len()
+            )
+        })
+    };
+    let int = |r: &mut Reader<'_>| if v1 { r.i32() } else { r.zigzag_i32() };
     let kind = kind_of(r)?;
-    let local_tx_id = r.string()?;
-    let parent_tx_id = r.string()?;
-    let service_name = r.string()?;
-    let instance_id = r.string()?;
-    let compensation_method = r.string()?;
-    let retry_method = r.string()?;
+    let local_tx_id = id(r)?;
+    let parent_tx_id = id(r)?;
+    let service_name = name(r)?;
+    let instance_id = name(r)?;
+    let compensation_method = name(r)?;
+    let retry_method = name(r)?;
     let n = r.len()?;
     let payloads = Bytes::copy_from_slice(r.take(n)?);
-    let timestamp_ms = i64::from_le_bytes(r.array()?);
+    let timestamp_ms = if v1 {
+        i64::from_le_bytes(r.array()?)
+    } else {
+        unzigzag(r.u64()?)
+    };
     Ok(EventRecord {
         global_tx_id: global_tx_id.to_owned(),
         local_tx_id,
@@ -362,57 +389,13 @@ fn decode_v1(global_tx_id: &str, r: &mut Reader<'_>) -> Result<EventRecord, Stri
         compensation_method,
         payloads,
         timestamp_ms,
-        timeout_s: r.i32()?,
-        forward_timeout_s: r.i32()?,
-        forward_retries: r.i32()?,
-        reverse_retries: r.i32()?,
-        reverse_timeout_s: r.i32()?,
-        retry_delay_ms: r.i32()?,
+        timeout_s: int(r)?,
+        forward_timeout_s: int(r)?,
+        forward_retries: int(r)?,
+        reverse_retries: int(r)?,
+        reverse_timeout_s: int(r)?,
+        retry_delay_ms: int(r)?,
         retry_method,
-    })
-}
-
-fn decode_v2(
-    global_tx_id: &str,
-    r: &mut Reader<'_>,
-    strings: &[&str],
-) -> Result<EventRecord, String> {
-    let kind = kind_of(r)?;
-    let local_tx_id = r.reference(global_tx_id)?;
-    let parent_tx_id = r.reference(global_tx_id)?;
-    let mut name = || -> Result<&str, String> {
-        let i = r.len()?;
-        strings.get(i).copied().ok_or_else(|| {
-            format!(
-                "name number {i} outside the segment's table of {}",
-                strings.len()
-            )
-        })
-    };
-    let service_name = name()?;
-    let instance_id = name()?;
-    let compensation_method = name()?;
-    let retry_method = name()?;
-    let n = r.len()?;
-    let payloads = Bytes::copy_from_slice(r.take(n)?);
-    let timestamp_ms = unzigzag(r.u64()?);
-    Ok(EventRecord {
-        global_tx_id: global_tx_id.to_owned(),
-        local_tx_id,
-        parent_tx_id,
-        kind: Some(kind),
-        service_name: service_name.into(),
-        instance_id: instance_id.into(),
-        compensation_method: compensation_method.to_owned(),
-        payloads,
-        timestamp_ms,
-        timeout_s: r.zigzag_i32()?,
-        forward_timeout_s: r.zigzag_i32()?,
-        forward_retries: r.zigzag_i32()?,
-        reverse_retries: r.zigzag_i32()?,
-        reverse_timeout_s: r.zigzag_i32()?,
-        retry_delay_ms: r.zigzag_i32()?,
-        retry_method: retry_method.to_owned(),
     })
 }
 

@@ -23,8 +23,6 @@ struct Inner {
     sagas: HashMap<String, Vec<(u64, EventRecord)>, foldhash::fast::RandomState>,
     /// The next append number; also the count of events ever appended.
     next: u64,
-    /// Events held in `sagas`.
-    held: usize,
     finished: Vec<SagaSummary>,
     appends: u64,
 }
@@ -44,7 +42,6 @@ impl SagaStore for MemoryStore {
     fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
         let mut g = self.inner.lock();
         let g = &mut *g;
-        g.held += events.len();
         for e in events {
             let n = g.next;
             g.next += 1;
@@ -62,9 +59,7 @@ impl SagaStore for MemoryStore {
     fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
         let mut g = self.inner.lock();
         for s in &done {
-            if let Some(list) = g.sagas.remove(s.global_tx_id.as_str()) {
-                g.held -= list.len();
-            }
+            g.sagas.remove(s.global_tx_id.as_str());
         }
         g.finished.extend(done);
         Box::pin(async { Ok(()) })
@@ -138,7 +133,7 @@ impl SagaStore for MemoryStore {
             .collect();
         finished.sort();
         let stats = StoreStats {
-            events: g.held as u64,
+            events: g.sagas.values().map(Vec::len).sum::<usize>() as u64,
             finished,
             commits: g.appends,
             disk_bytes: None,
