@@ -144,17 +144,22 @@ pub(crate) fn encode_v2_into(
         }
         put_bytes(out, &e.payloads);
         put_u64(out, zigzag(e.timestamp_ms));
-        for n in [
-            e.timeout_s,
-            e.forward_timeout_s,
-            e.forward_retries,
-            e.reverse_retries,
-            e.reverse_timeout_s,
-            e.retry_delay_ms,
-        ] {
+        for n in numbers(e) {
             put_u64(out, zigzag(i64::from(n)));
         }
     }
+}
+
+/// An event's six integer fields, in the order both versions write them.
+fn numbers(e: &EventRecord) -> [i32; 6] {
+    [
+        e.timeout_s,
+        e.forward_timeout_s,
+        e.forward_retries,
+        e.reverse_retries,
+        e.reverse_timeout_s,
+        e.retry_delay_ms,
+    ]
 }
 
 fn put_u64(out: &mut Vec<u8>, mut n: u64) {
@@ -207,14 +212,7 @@ pub(crate) fn encode_into<'a>(
         }
         put_bytes(out, &e.payloads);
         out.extend_from_slice(&e.timestamp_ms.to_le_bytes());
-        for n in [
-            e.timeout_s,
-            e.forward_timeout_s,
-            e.forward_retries,
-            e.reverse_retries,
-            e.reverse_timeout_s,
-            e.retry_delay_ms,
-        ] {
+        for n in numbers(e) {
             out.extend_from_slice(&n.to_le_bytes());
         }
     }
