@@ -33,6 +33,13 @@ pub struct CoordinatorConfig {
     /// that started but never ended (each is compensated if it ends).
     #[serde(with = "millis")]
     pub straggler_wait: Duration,
+    /// How long a saga created by a later event (its `SagaStarted` not
+    /// seen: out of order, or a late or repeated event whose saga was
+    /// already forgotten) may stay running without its `SagaStarted`;
+    /// then it ends `FAILED` for an operator, so that it is compacted
+    /// instead of held forever.
+    #[serde(with = "millis")]
+    pub orphan_wait: Duration,
     /// Terminal sagas remembered per shard to answer late events
     /// (e.g. `TxStarted` after compensation answers `aborted = true`).
     pub finished_cache_per_shard: usize,
@@ -67,6 +74,7 @@ impl Default for CoordinatorConfig {
             default_retry_delay: Duration::from_secs(1),
             instance_wait: Duration::from_secs(60),
             straggler_wait: Duration::from_secs(30),
+            orphan_wait: Duration::from_secs(60),
             finished_cache_per_shard: 1024,
             omega_queue: 1024,
             session_queue: 4096,

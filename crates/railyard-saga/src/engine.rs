@@ -52,6 +52,10 @@ pub enum InvalidEvent {
     /// An id longer than the coordinator accepts.
     #[error("{0} is longer than {MAX_ID_BYTES} bytes")]
     TooLong(&'static str),
+    /// A NUL character in an id or a name (PostgreSQL cannot store it in
+    /// text, so no store accepts it).
+    #[error("{0} contains a NUL character, which ids and names may not")]
+    Nul(&'static str),
     /// Events the coordinator records itself, not accepted from participants.
     #[error("{0} is recorded by the coordinator and cannot be reported by a participant")]
     Reserved(&'static str),
@@ -94,6 +98,19 @@ pub fn validate(ev: &EventRecord) -> Result<(), InvalidEvent> {
     ] {
         if v.len() > MAX_ID_BYTES {
             return Err(InvalidEvent::TooLong(name));
+        }
+    }
+    for (name, v) in [
+        ("globalTxId", ev.global_tx_id.as_str()),
+        ("localTxId", &ev.local_tx_id),
+        ("parentTxId", &ev.parent_tx_id),
+        ("serviceName", &ev.service_name),
+        ("instanceId", &ev.instance_id),
+        ("compensationMethod", &ev.compensation_method),
+        ("retryMethod", &ev.retry_method),
+    ] {
+        if v.contains('\0') {
+            return Err(InvalidEvent::Nul(name));
         }
     }
     Ok(())
@@ -187,12 +204,13 @@ impl After {
 /// Summaries waiting for one batched `store.finish`.
 ///
 /// Not bounded by a count of its own, and it need not be: a summary is
-/// queued only when a saga finishes, which takes its last event being
-/// durable in the same store. While the store refuses appends, nothing new
-/// finishes: the queue keeps only what finished before the outage, at most
-/// the sagas that were live then. While the store is merely slow, the
-/// finisher takes everything queued in one request per commit, as fast as
-/// the writer commits the events that finished them.
+/// queued only when a live saga finishes, and each saga finishes once
+/// (it then leaves the live map), so the queue never holds more than the
+/// sagas that were live. While the store refuses appends, sagas can still
+/// finish on the coordinator's timers (retries exhausted, straggler or
+/// instance waits), but no new saga becomes live, so the bound holds. While
+/// the store is merely slow, the finisher takes everything queued in one
+/// request per commit.
 #[derive(Debug, Default)]
 struct FinishQueue {
     pending: Mutex<Vec<SagaSummary>>,
@@ -283,6 +301,7 @@ impl Engine {
             default_retry_delay: config.default_retry_delay,
             instance_wait: config.instance_wait,
             straggler_wait: config.straggler_wait,
+            orphan_wait: config.orphan_wait,
         };
         let engine = Arc::new(Self {
             store,
@@ -475,8 +494,8 @@ impl Engine {
         // The saga's own id is its key's `Arc`.
         let id = saga.global_tx_id.clone();
         let before = (saga.deadline, saga.state);
-        let applied = saga.apply(ev, now);
         let mut stats = DriveStats::default();
+        let applied = saga.apply(ev, now, &mut stats);
         saga.drive(now, &self.registry, &self.policy, &mut stats);
         let after = After::of(saga);
         self.settle(shard, &id, before, after, stats);
@@ -693,7 +712,8 @@ impl Engine {
                 shard.live.insert(id.clone(), Saga::new(id, ev));
             }
             if let Some(saga) = shard.live.get_mut(ev.global_tx_id.as_str()) {
-                saga.apply(ev, now);
+                // Replay: what it gives up was counted before the restart.
+                saga.apply(ev, now, &mut DriveStats::default());
             }
         }
         let wall = wall_ms();

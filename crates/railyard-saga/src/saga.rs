@@ -79,6 +79,7 @@ pub(crate) struct Policy {
     pub(crate) default_retry_delay: Duration,
     pub(crate) instance_wait: Duration,
     pub(crate) straggler_wait: Duration,
+    pub(crate) orphan_wait: Duration,
 }
 
 /// One sub-transaction.
@@ -117,6 +118,8 @@ pub(crate) enum DeadlineKind {
     NoInstance,
     /// Compensation is done but some sub-transactions never ended.
     Stragglers,
+    /// A saga created by a later event still has no `SagaStarted`.
+    Orphan,
 }
 
 /// The outstanding compensation.
@@ -280,7 +283,15 @@ impl Saga {
 
     /// Folds one event in. `now` arms the saga timeout on `SagaStarted`.
     /// Call [`drive`](Self::drive) afterwards to act on it.
-    pub(crate) fn apply(&mut self, ev: &EventRecord, now: Instant) -> Applied {
+    ///
+    /// `stats` counts what the event itself gives up (a failed attempt
+    /// that exhausts the sub-transaction's retries).
+    pub(crate) fn apply(
+        &mut self,
+        ev: &EventRecord,
+        now: Instant,
+        stats: &mut DriveStats,
+    ) -> Applied {
         self.events = self.events.saturating_add(1);
         let Some(kind) = ev.kind else {
             return self.answer();
@@ -299,6 +310,9 @@ impl Saga {
                     self.timeout_s = ev.timeout_s;
                     if self.state == SagaState::Running && ev.timeout_s > 0 {
                         self.deadline = Some((now + secs(ev.timeout_s), DeadlineKind::SagaTimeout));
+                    } else if matches!(self.deadline, Some((_, DeadlineKind::Orphan))) {
+                        // Its start arrived after all: no longer an orphan.
+                        self.deadline = None;
                     }
                 }
             }
@@ -390,7 +404,7 @@ impl Saga {
                 if let Some(i) = self.sub_index(&ev.local_tx_id) {
                     if let Some(c) = self.current {
                         if c.sub == i && matches!(c.phase, Phase::Awaiting) {
-                            self.fail_attempt(now, &mut DriveStats::default());
+                            self.fail_attempt(now, stats);
                         }
                     }
                 }
@@ -452,6 +466,10 @@ impl Saga {
         policy: &Policy,
         stats: &mut DriveStats,
     ) {
+        if self.state == SagaState::Running && !self.saga_started && self.deadline.is_none() {
+            // Created by a later event: it waits for its start, not forever.
+            self.deadline = Some((now + policy.orphan_wait, DeadlineKind::Orphan));
+        }
         // Bounded: each turn either returns or consumes one plan entry.
         loop {
             if self.state != SagaState::Compensating {
@@ -598,6 +616,20 @@ impl Saga {
                     if matches!(c.phase, Phase::Backoff) {
                         c.phase = Phase::Ready;
                     }
+                }
+            }
+            DeadlineKind::Orphan => {
+                if self.state == SagaState::Running && !self.saga_started {
+                    // Row "orphan wait expires": nothing says whether its
+                    // steps should stand or be undone (a late event of a
+                    // committed saga looks the same as one of an aborted
+                    // saga), so it is left to an operator.
+                    tracing::warn!(
+                        global_tx_id = %self.global_tx_id,
+                        sub_transactions = self.subs.len(),
+                        "saga without SagaStarted after the orphan wait: FAILED, needs an operator"
+                    );
+                    self.state = SagaState::Failed;
                 }
             }
             DeadlineKind::NoInstance | DeadlineKind::Stragglers => {}

@@ -432,6 +432,11 @@ async fn malformed_events_in_a_batch_are_refused_alone() {
             rec(EventKind::TxStarted, "g", ""),
             rec(EventKind::SagaEnded, "", ""),
             rec(EventKind::SagaTimeout, "g", "g"),
+            rec(EventKind::TxStarted, "g\0x", "l"),
+            EventRecord {
+                compensation_method: "undo\0".into(),
+                ..rec(EventKind::TxStarted, "g", "l")
+            },
             rec(EventKind::SagaEnded, "g", "g"),
         ])
         .await
@@ -449,7 +454,16 @@ async fn malformed_events_in_a_batch_are_refused_alone() {
         outcomes[3],
         Outcome::Invalid(railyard_saga::InvalidEvent::Reserved(_))
     ));
-    assert_eq!(outcomes[4], Outcome::Done { aborted: false });
+    // PostgreSQL's text cannot hold NUL, so no store is offered one.
+    assert_eq!(
+        outcomes[4],
+        Outcome::Invalid(railyard_saga::InvalidEvent::Nul("globalTxId"))
+    );
+    assert_eq!(
+        outcomes[5],
+        Outcome::Invalid(railyard_saga::InvalidEvent::Nul("compensationMethod"))
+    );
+    assert_eq!(outcomes[6], Outcome::Done { aborted: false });
     assert_eq!(c.state("g"), Some(SagaState::Committed));
     // Only the two valid events were recorded.
     c.flush().await.unwrap();
@@ -501,4 +515,67 @@ async fn a_batch_may_create_a_saga_that_its_later_events_report_on() {
             Some(EventKind::TxCompensated)
         ]
     );
+}
+
+/// Row "orphan wait expires": a saga created by a lone later event (here a
+/// `TxEnded` whose saga the coordinator no longer remembers) ends `FAILED`
+/// after `orphan_wait` and is compacted, instead of staying live; the same
+/// holds after a restart, which arms the wait again. A saga whose start
+/// merely arrives late is no orphan.
+#[tokio::test(start_paused = true)]
+async fn a_saga_whose_start_never_arrives_fails_after_the_orphan_wait() {
+    let cfg = CoordinatorConfig {
+        orphan_wait: Duration::from_secs(10),
+        ..config()
+    };
+    let store = Arc::new(MemoryStore::new());
+    let c = Coordinator::start(store.clone(), cfg.clone())
+        .await
+        .unwrap();
+    let mut rx = c.connect_local("svc", "svc-1", 16);
+    submit(&c, vec![rec(EventKind::TxEnded, "g-orphan", "l1")]).await;
+    submit(&c, vec![rec(EventKind::TxStarted, "g-late", "l1")]).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    submit(&c, vec![start("g-late", 0)]).await;
+    assert_eq!(c.state("g-orphan"), Some(SagaState::Running));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(c.state("g-orphan"), Some(SagaState::Failed));
+    assert_eq!(
+        c.state("g-late"),
+        Some(SagaState::Running),
+        "its start came"
+    );
+    // Nothing is compensated: whether its step stands is not known.
+    assert!(try_command(&mut rx).is_none());
+    c.flush().await.unwrap();
+    let failed = store
+        .finished(SagaQuery {
+            state: Some(SagaState::Failed),
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].global_tx_id, "g-orphan");
+    let left: Vec<String> = store
+        .unfinished()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.global_tx_id)
+        .collect();
+    assert_eq!(
+        left,
+        ["g-late", "g-late"],
+        "the orphan's events are compacted"
+    );
+
+    // A restart re-arms the wait of an orphan it recovers.
+    submit(&c, vec![rec(EventKind::TxEnded, "g-orphan-2", "l1")]).await;
+    drop(c);
+    let c = Coordinator::start(store.clone(), cfg).await.unwrap();
+    assert_eq!(c.state("g-orphan-2"), Some(SagaState::Running));
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(c.state("g-orphan-2"), Some(SagaState::Failed));
+    assert_eq!(c.state("g-late"), Some(SagaState::Running));
 }

@@ -284,6 +284,8 @@ async fn a_participant_reconnecting_as_a_new_instance_gets_the_pending_compensat
 #[tokio::test]
 async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_saga() {
     let (server, store) = Server::memory(fast()).await;
+    let registry = railyard_saga::MetricsRegistry::default();
+    server.coordinator.register_metrics(&registry);
     let mut c = server.omega().await;
     let mut svc = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
     server.wait_instances(1).await;
@@ -324,6 +326,14 @@ async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_sag
         .await
         .unwrap();
     assert_eq!(failed.len(), 1);
+    // The last attempt was given up by its failure report (not a timeout):
+    // the metric counts it all the same.
+    let text = railyard_saga::encode_metrics(&registry);
+    assert!(
+        text.lines()
+            .any(|l| l == "railyard_saga_compensations_failed_total 1"),
+        "{text}"
+    );
     server.stop().await;
 }
 
