@@ -835,12 +835,16 @@ impl EventBus {
         self.inner.shared.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Adds a consumer queue to the registry. When clustered and this is the
-    /// address's first non-local consumer here, returns the advertisement to
-    /// await before the registration counts as done.
+    /// Adds a consumer queue to the registry. When clustered and the queue
+    /// is not local, returns the advertisement to await before the
+    /// registration counts as done (also for a second consumer at an
+    /// address whose first one is still being advertised).
+    ///
+    /// The hook is told under the registry's write lock, so it hears of
+    /// registrations and withdrawals in the order the registry changed.
     pub(crate) fn register(&self, queue: Arc<ConsumerQueue>) -> Option<Advertisement> {
-        let first_public = {
-            let _w = self.inner.write.lock();
+        let _w = self.inner.write.lock();
+        {
             let current = self.inner.table.load_full();
             let mut table = Table::clone(&current);
             let (consumers, remotes): (Locals, Remotes) = match table.get(&*queue.address) {
@@ -850,15 +854,13 @@ impl EventBus {
                 ),
                 None => (Box::new([queue.clone()]), Box::new([])),
             };
-            let first_public = !queue.local && consumers.iter().filter(|q| !q.local).count() == 1;
             table.insert(
                 queue.address.clone(),
                 Arc::new(AddressEntry::new(consumers, remotes)),
             );
             self.store_table(table);
-            first_public
-        };
-        if !first_public {
+        }
+        if queue.local {
             return None;
         }
         let hook = self.inner.hook.read().clone()?;
@@ -868,7 +870,6 @@ impl EventBus {
     /// Removes a consumer queue from the registry, closes it and fails what
     /// it still buffered. Idempotent.
     pub(crate) fn unregister(&self, queue: &ConsumerQueue) {
-        let mut last_public = false;
         {
             let _w = self.inner.write.lock();
             let current = self.inner.table.load_full();
@@ -881,7 +882,7 @@ impl EventBus {
                         .filter(|q| q.id != queue.id)
                         .cloned()
                         .collect();
-                    last_public = !queue.local && !rest.iter().any(|q| !q.local);
+                    let last_public = !queue.local && !rest.iter().any(|q| !q.local);
                     if rest.is_empty() && e.remotes.is_empty() {
                         table.remove(&*queue.address);
                     } else {
@@ -891,12 +892,13 @@ impl EventBus {
                         );
                     }
                     self.store_table(table);
+                    if last_public {
+                        // Under the write lock: in registry order (see `register`).
+                        if let Some(hook) = self.inner.hook.read().clone() {
+                            hook.withdraw(&queue.address);
+                        }
+                    }
                 }
-            }
-        }
-        if last_public {
-            if let Some(hook) = self.inner.hook.read().clone() {
-                hook.withdraw(&queue.address);
             }
         }
         let Some(left) = queue.close() else {

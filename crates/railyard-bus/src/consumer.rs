@@ -70,13 +70,21 @@ impl<'a> ConsumerBuilder<'a> {
     }
 
     /// Adds the queue to the registry and, when clustered, waits until the
-    /// cluster knows of it; on failure the registration is undone.
+    /// cluster knows of it; on failure the registration is undone, and so
+    /// it is if this future is dropped before the cluster answered (a
+    /// `timeout` or `select!` around the registration), so no queue stays
+    /// registered without its `Consumer`.
     async fn advertise(&self, queue: &Arc<ConsumerQueue>) -> Result<(), BusError> {
         if let Some(advertisement) = self.bus.register(queue.clone()) {
-            if let Err(e) = advertisement.await {
-                self.bus.unregister(queue);
-                return Err(e);
+            let guard = Unregisters {
+                bus: self.bus,
+                queue,
+            };
+            let result = advertisement.await;
+            if result.is_ok() {
+                std::mem::forget(guard);
             }
+            result?;
         }
         Ok(())
     }
@@ -322,5 +330,18 @@ impl Drop for MessageStream {
         for env in self.batch.drain(..) {
             env.fail_unhandled(&self.queue.address);
         }
+    }
+}
+
+/// Undoes a registration when dropped (see [`ConsumerBuilder::advertise`]'s
+/// callers); forgotten once the registration is complete.
+struct Unregisters<'a> {
+    bus: &'a EventBus,
+    queue: &'a Arc<ConsumerQueue>,
+}
+
+impl Drop for Unregisters<'_> {
+    fn drop(&mut self) {
+        self.bus.unregister(self.queue);
     }
 }

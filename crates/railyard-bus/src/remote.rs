@@ -107,8 +107,14 @@ pub trait ReplySink: Send + Sync + 'static {
 
 /// Told about registrations that other nodes must learn of.
 pub trait ClusterHook: Send + Sync + 'static {
-    /// `address` got its first non-local consumer on this node. The returned
-    /// future resolves once the subscription is visible to the cluster.
+    /// `address` got a non-local consumer on this node (its first, or
+    /// another). The returned future resolves once the cluster knows this
+    /// node subscribes to `address`.
+    ///
+    /// Called, like [`withdraw`](Self::withdraw), while the bus holds its
+    /// registry's write lock: both must return at once (start work, never
+    /// wait for it), and the calls come in the order the registry changed,
+    /// so the last one says what the cluster should end up with.
     fn advertise(
         &self,
         address: &str,

@@ -166,8 +166,94 @@ struct Basis {
     links: HashMap<String, Arc<Link>>,
 }
 
+/// Keeps the manager's subscriptions in step with the bus's public
+/// consumers, one address at a time.
+///
+/// The bus calls `advertise` and `withdraw` under its registry lock, in the
+/// order its registry changed; each call only records what the address
+/// should be (`wanted`) and starts a reconcile. Reconciles of one address
+/// run one after another (its `applied` lock) and each makes the manager
+/// match `wanted` as it is when the reconcile runs, so a withdrawal that
+/// is slow to reach the manager can no longer land after a later
+/// registration and leave it unadvertised; a second registrant waits for
+/// the first one's subscription instead of resolving before it.
 struct Hook {
     manager: Arc<dyn ClusterManager>,
+    /// One slot per address subscribed, wanted, or being reconciled;
+    /// removed once neither wanted nor subscribed.
+    slots: Arc<Mutex<HashMap<String, Arc<Slot>>>>,
+}
+
+struct Slot {
+    /// Whether this node should subscribe (the bus's latest word).
+    wanted: std::sync::atomic::AtomicBool,
+    /// Whether the manager has this node subscribed, as far as the last
+    /// successful call says (`None`: unknown, a call failed or was dropped
+    /// midway, so the next reconcile calls the manager whatever is
+    /// wanted); held across each manager call.
+    applied: tokio::sync::Mutex<Option<bool>>,
+}
+
+/// Withdrawals that fail (the manager unreachable) are retried this many
+/// times, 200 ms apart and doubling; until one succeeds, peers that send
+/// here get `NO_HANDLERS` from this node.
+const WITHDRAW_ATTEMPTS: u32 = 8;
+
+impl Hook {
+    fn new(manager: Arc<dyn ClusterManager>) -> Self {
+        Self {
+            manager,
+            slots: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Records `wanted` for `address` and returns its slot.
+    fn want(&self, address: &str, wanted: bool) -> Arc<Slot> {
+        let mut slots = self.slots.lock();
+        let slot = slots
+            .entry(address.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    wanted: std::sync::atomic::AtomicBool::new(false),
+                    applied: tokio::sync::Mutex::new(Some(false)),
+                })
+            })
+            .clone();
+        slot.wanted
+            .store(wanted, std::sync::atomic::Ordering::SeqCst);
+        slot
+    }
+
+    /// Makes the manager match what `address` wants now; returns what was
+    /// wanted.
+    async fn reconcile(
+        manager: &dyn ClusterManager,
+        slot: &Slot,
+        address: &str,
+    ) -> Result<bool, ManagerError> {
+        let mut applied = slot.applied.lock().await;
+        let wanted = slot.wanted.load(std::sync::atomic::Ordering::SeqCst);
+        if *applied != Some(wanted) {
+            *applied = None;
+            if wanted {
+                manager.subscribe(address).await?;
+            } else {
+                manager.unsubscribe(address).await?;
+            }
+            *applied = Some(wanted);
+        }
+        Ok(wanted)
+    }
+
+    /// Drops `address`'s slot if it is idle, neither wanted nor subscribed.
+    fn forget_if_idle(slots: &Mutex<HashMap<String, Arc<Slot>>>, address: &str, slot: &Arc<Slot>) {
+        let mut slots = slots.lock();
+        let idle = !slot.wanted.load(std::sync::atomic::Ordering::SeqCst)
+            && slot.applied.try_lock().is_ok_and(|a| *a == Some(false));
+        if idle && slots.get(address).is_some_and(|s| Arc::ptr_eq(s, slot)) {
+            slots.remove(address);
+        }
+    }
 }
 
 impl ClusterHook for Hook {
@@ -175,22 +261,41 @@ impl ClusterHook for Hook {
         &self,
         address: &str,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BusError>> + Send>> {
+        let slot = self.want(address, true);
         let (m, a) = (self.manager.clone(), address.to_owned());
         Box::pin(async move {
-            m.subscribe(&a).await.map_err(|e| BusError::Cluster {
-                reason: format!("could not advertise `{a}`: {e}"),
-            })
+            // `Ok(false)`: withdrawn again since, so this registrant's
+            // consumer is gone already; nothing to wait for.
+            Self::reconcile(&*m, &slot, &a)
+                .await
+                .map(drop)
+                .map_err(|e| BusError::Cluster {
+                    reason: format!("could not advertise `{a}`: {e}"),
+                })
         })
     }
 
     fn withdraw(&self, address: &str) {
+        let slot = self.want(address, false);
         let (m, a) = (self.manager.clone(), address.to_owned());
-        // Withdrawal is best effort: if it is lost, senders to this node get
-        // NO_HANDLERS from it until the lease or a later update clears it.
+        let slots = self.slots.clone();
         tokio::spawn(async move {
-            if let Err(e) = m.unsubscribe(&a).await {
-                tracing::warn!(address = %a, error = %e, "could not withdraw a subscription");
+            let mut delay = Duration::from_millis(200);
+            for attempt in 1..=WITHDRAW_ATTEMPTS {
+                match Self::reconcile(&*m, &slot, &a).await {
+                    Ok(_) => break,
+                    Err(e) if attempt == WITHDRAW_ATTEMPTS => {
+                        tracing::warn!(address = %a, error = %e, attempts = attempt,
+                            "could not withdraw a subscription; peers get NO_HANDLERS from this node for it");
+                    }
+                    Err(e) => {
+                        tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(5));
+                    }
+                }
             }
+            Self::forget_if_idle(&slots, &a, &slot);
         });
     }
 }
@@ -253,9 +358,8 @@ impl ClusterNode {
         // Owned from here on: should `start` fail or be dropped at one of
         // its awaits below, dropping this removes the hook, and the links
         // and routes an apply under way made.
-        let hook: Arc<dyn ClusterHook> = Arc::new(Hook {
-            manager: manager.clone(),
-        });
+        let hook_impl = Arc::new(Hook::new(manager.clone()));
+        let hook: Arc<dyn ClusterHook> = hook_impl.clone();
         let mut node = ClusterNode {
             inner: inner.clone(),
             tasks: Vec::new(),
@@ -263,7 +367,9 @@ impl ClusterNode {
         };
         let existing = bus.set_cluster_hook(Some(hook));
         for address in existing {
-            manager.subscribe(&address).await?;
+            // Through the hook, so its record of what is subscribed is whole.
+            let slot = hook_impl.want(&address, true);
+            Hook::reconcile(&*manager, &slot, &address).await?;
         }
         // The view known now is applied before `start` returns, so the
         // node's first sends already see the routes and links it lists.

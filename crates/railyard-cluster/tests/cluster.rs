@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use railyard_bus::{BusError, DeliveryOptions, EventBus};
 use railyard_cluster::{
-    ClusterConfig, ClusterManager, ClusterNode, InProcessManager, InProcessRegistry, NodeInfo,
+    ClusterConfig, ClusterManager, ClusterNode, InProcessManager, InProcessRegistry, ManagerError,
+    NodeInfo,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -992,4 +993,129 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
     assert_eq!(seen.len() as u64, REQUESTS);
     let _wr = writer.await.unwrap();
     assert_eq!(nz.counters().malformed.get(), 0);
+}
+
+/// The in-process manager with its subscription writes slowed down, to
+/// widen the windows in which registrations and withdrawals overlap.
+struct Slow {
+    inner: InProcessManager,
+    subscribe: Duration,
+    unsubscribe: Duration,
+}
+
+impl ClusterManager for Slow {
+    fn join(&self, node: NodeInfo) -> railyard_cluster::BoxFuture<'_, Result<(), ManagerError>> {
+        self.inner.join(node)
+    }
+    fn leave(&self) -> railyard_cluster::BoxFuture<'_, Result<(), ManagerError>> {
+        self.inner.leave()
+    }
+    fn subscribe(
+        &self,
+        address: &str,
+    ) -> railyard_cluster::BoxFuture<'_, Result<(), ManagerError>> {
+        let a = address.to_owned();
+        Box::pin(async move {
+            tokio::time::sleep(self.subscribe).await;
+            self.inner.subscribe(&a).await
+        })
+    }
+    fn unsubscribe(
+        &self,
+        address: &str,
+    ) -> railyard_cluster::BoxFuture<'_, Result<(), ManagerError>> {
+        let a = address.to_owned();
+        Box::pin(async move {
+            tokio::time::sleep(self.unsubscribe).await;
+            self.inner.unsubscribe(&a).await
+        })
+    }
+    fn view(&self) -> tokio::sync::watch::Receiver<Arc<railyard_cluster::ClusterView>> {
+        self.inner.view()
+    }
+}
+
+async fn start_slow(
+    reg: &InProcessRegistry,
+    id: &str,
+    subscribe: Duration,
+    unsubscribe: Duration,
+) -> (EventBus, ClusterNode) {
+    let bus = EventBus::new();
+    let cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
+    let m = Slow {
+        inner: reg.manager(),
+        subscribe,
+        unsubscribe,
+    };
+    let node = ClusterNode::start(bus.clone(), Arc::new(m), cfg)
+        .await
+        .expect("node starts");
+    (bus, node)
+}
+
+fn subscribed(reg: &InProcessRegistry, address: &str, node: &str) -> bool {
+    reg.snapshot()
+        .subscriptions
+        .get(address)
+        .is_some_and(|n| n.contains(node))
+}
+
+/// A consumer registered again right after the address's last one left:
+/// the slow withdrawal of the first must not land after the new
+/// registration and leave the address unadvertised.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_withdrawal_never_undoes_a_later_registration() {
+    let reg = InProcessRegistry::new();
+    let (b, _nb) = start_slow(&reg, "b", Duration::ZERO, Duration::from_millis(300)).await;
+    let first = echo(&b, "again").await;
+    assert!(subscribed(&reg, "again", "b"));
+    first.unregister().await;
+    let _second = echo(&b, "again").await;
+    assert!(subscribed(&reg, "again", "b"), "resolved, so advertised");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(
+        subscribed(&reg, "again", "b"),
+        "still advertised after the withdrawal's time has passed"
+    );
+}
+
+/// A second consumer at an address whose first one is still being
+/// advertised resolves only once the cluster knows of the address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_registration_waits_for_the_first_ones_advertisement() {
+    let reg = InProcessRegistry::new();
+    let (b, _nb) = start_slow(&reg, "b", Duration::from_millis(300), Duration::ZERO).await;
+    let bus = b.clone();
+    let first = tokio::spawn(async move { echo(&bus, "pair").await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _second = echo(&b, "pair").await;
+    assert!(
+        subscribed(&reg, "pair", "b"),
+        "the second registration resolved before the cluster knew of the address"
+    );
+    let _first = first.await.unwrap();
+}
+
+/// A registration given up on while it is being advertised (a timeout
+/// around it) leaves no consumer behind, and the address is withdrawn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_dropped_midway_leaves_no_consumer() {
+    let reg = InProcessRegistry::new();
+    let (b, _nb) = start_slow(&reg, "b", Duration::from_millis(300), Duration::ZERO).await;
+    let r = tokio::time::timeout(Duration::from_millis(50), b.consumer("ghost").stream()).await;
+    assert!(r.is_err(), "timed out while advertising");
+    let sent = b.request("ghost", String::from("x")).await;
+    assert!(
+        matches!(sent, Err(BusError::NoHandlers { .. })),
+        "no queue left registered without its consumer: {sent:?}"
+    );
+    // The subscription that was under way is withdrawn again.
+    for _ in 0..100 {
+        if !subscribed(&reg, "ghost", "b") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!subscribed(&reg, "ghost", "b"));
 }
