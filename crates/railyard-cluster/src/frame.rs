@@ -312,11 +312,46 @@ impl Frame {
     }
 }
 
+/// Why a message's address or headers cannot be carried by a frame (a
+/// string over 65,535 bytes, more than 65,535 headers), or `None`. The link
+/// checks this before encoding a message or a reply and fails it instead:
+/// [`put_str`] would otherwise cut the string and deliver another address
+/// or header value than the one sent.
+pub(crate) fn unfit<'a>(
+    address: &str,
+    mut headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+) -> Option<String> {
+    const MAX: usize = u16::MAX as usize;
+    if address.len() > MAX {
+        return Some(format!(
+            "an address of {} bytes cannot cross nodes (at most {MAX})",
+            address.len()
+        ));
+    }
+    if headers.len() > MAX {
+        return Some(format!(
+            "{} headers cannot cross nodes (at most {MAX})",
+            headers.len()
+        ));
+    }
+    headers
+        .find(|(k, v)| k.len() > MAX || v.len() > MAX)
+        .map(|(k, v)| {
+            format!(
+                "header {:?} of {} bytes (name and value) cannot cross nodes (each at most {MAX} bytes)",
+                k.chars().take(64).collect::<String>(),
+                k.len() + v.len()
+            )
+        })
+}
+
 fn put_str(out: &mut BytesMut, s: &str) {
-    // Strings are addresses, header names/values, codec names and reasons:
-    // longer than 64 KiB is a caller bug (or a very long failure message);
-    // cut rather than corrupt the frame, and at a character boundary, so the
-    // peer still reads valid UTF-8 (cut mid-character, it closed the link).
+    // Strings are addresses, header names/values, codec names and reasons.
+    // Addresses and headers are checked by `unfit` before a message is
+    // encoded; what is left to cut here is a very long failure message or
+    // codec name: cut rather than corrupt the frame, and at a character
+    // boundary, so the peer still reads valid UTF-8 (cut mid-character, it
+    // closed the link).
     let mut end = s.len().min(u16::MAX as usize);
     while !s.is_char_boundary(end) {
         end -= 1;

@@ -792,6 +792,14 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                 link.counters.unsent_failed.add(1);
                 return;
             }
+            if let Some(why) = frame::unfit(&msg.address, msg.headers.iter()) {
+                link.counters.encode_failures.add(1);
+                tracing::warn!(reason = %why, "a message for another node does not fit a frame; not sent");
+                if id != 0 {
+                    link.complete(id, Err(BusError::Cluster { reason: why }));
+                }
+                return;
+            }
             match bus.encode_body(&msg.body, msg.codec.as_deref()) {
                 Ok((codec, body)) => {
                     let (mode, timeout_ms) = match msg.kind {
@@ -841,6 +849,12 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
         Out::Reply { id, result } => {
             let frame = match result {
                 Ok(mut m) => {
+                    if let Some(why) = frame::unfit("", m.headers().iter()) {
+                        link.counters.encode_failures.add(1);
+                        let reason = format!("the reply: {why}");
+                        fail_frame(id, &BusError::Cluster { reason }).encode(buf);
+                        return;
+                    }
                     let body = m.take_body();
                     match bus.encode_body(&body, None) {
                         Ok((codec, bytes)) => {

@@ -1119,3 +1119,39 @@ async fn a_registration_dropped_midway_leaves_no_consumer() {
     }
     assert!(!subscribed(&reg, "ghost", "b"));
 }
+
+/// A header too long for a frame's string fails its own request (and an
+/// answer's, its requester) instead of arriving cut short; the link stays up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_too_long_for_a_frame_fails_its_request_not_the_link() {
+    let reg = InProcessRegistry::new();
+    let (a, na) = start(&reg, "a").await;
+    let (b, nb) = start(&reg, "b").await;
+    let _e = echo(&b, "echo").await;
+    let _long = b
+        .consumer("long-answer")
+        .handler(|mut m| async move {
+            let opts = DeliveryOptions::new().header("h", "v".repeat(70_000));
+            let _ = m.reply_with(String::from("x"), &opts);
+        })
+        .await
+        .unwrap();
+    routed(&a, "echo").await;
+    routed(&a, "long-answer").await;
+    let opts = DeliveryOptions::new().header("big", "x".repeat(70_000));
+    let err = a
+        .request_with("echo", String::from("hi"), &opts)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind().as_str(), "ERROR", "{err:?}");
+    assert!(err.to_string().contains("cannot cross nodes"), "{err}");
+    let err = a.request("long-answer", ()).await.unwrap_err();
+    assert!(err.to_string().contains("the reply"), "{err}");
+    let r = a.request("echo", String::from("small")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "small");
+    for n in [&na, &nb] {
+        assert_eq!(n.counters().malformed.get(), 0);
+        assert_eq!(n.counters().disconnects.get(), 0);
+        assert_eq!(n.counters().encode_failures.get(), 1);
+    }
+}
