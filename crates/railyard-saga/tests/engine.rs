@@ -579,3 +579,63 @@ async fn a_saga_whose_start_never_arrives_fails_after_the_orphan_wait() {
     assert_eq!(c.state("g-orphan-2"), Some(SagaState::Failed));
     assert_eq!(c.state("g-late"), Some(SagaState::Running));
 }
+
+/// The transition table's "saga unknown" column for every event that
+/// creates a saga, and its "saga terminal" column: late events are answered
+/// from the finished saga and not recorded.
+#[tokio::test(start_paused = true)]
+async fn events_for_unknown_and_finished_sagas_follow_the_table() {
+    let store = Arc::new(MemoryStore::new());
+    let c = Coordinator::start(store.clone(), config()).await.unwrap();
+    // SagaEnded: creates and commits.
+    assert_eq!(
+        submit(&c, vec![rec(EventKind::SagaEnded, "g-ended", "g-ended")]).await,
+        [false]
+    );
+    assert_eq!(c.state("g-ended"), Some(SagaState::Committed));
+    // TxAborted: creates, then aborts (nothing ended, so nothing to undo).
+    assert_eq!(
+        submit(&c, vec![rec(EventKind::TxAborted, "g-txab", "l1")]).await,
+        [true]
+    );
+    assert_eq!(c.state("g-txab"), Some(SagaState::Compensated));
+    // SagaAborted: creates and aborts.
+    assert_eq!(
+        submit(&c, vec![rec(EventKind::SagaAborted, "g-sab", "g-sab")]).await,
+        [true]
+    );
+    assert_eq!(c.state("g-sab"), Some(SagaState::Compensated));
+    // TxStarted: creates the saga implicitly, running.
+    assert_eq!(
+        submit(&c, vec![tx_started("g-txs", "l1", b"p")]).await,
+        [false]
+    );
+    assert_eq!(c.state("g-txs"), Some(SagaState::Running));
+    let view = c.saga("g-txs").expect("live");
+    assert_eq!(view.summary.sub_transactions, 1);
+
+    // Terminal: answered from the finished saga (`aborted` = not
+    // COMMITTED), and not recorded.
+    c.flush().await.unwrap();
+    let before = store.unfinished().await.unwrap().len();
+    assert_eq!(
+        submit(&c, vec![tx_started("g-ended", "l9", b"p")]).await,
+        [false]
+    );
+    assert_eq!(
+        submit(&c, vec![tx_started("g-sab", "l9", b"p")]).await,
+        [true]
+    );
+    assert_eq!(
+        submit(&c, vec![rec(EventKind::SagaEnded, "g-txab", "g-txab")]).await,
+        [true]
+    );
+    assert_eq!(c.state("g-ended"), Some(SagaState::Committed));
+    assert_eq!(c.state("g-sab"), Some(SagaState::Compensated));
+    c.flush().await.unwrap();
+    assert_eq!(
+        store.unfinished().await.unwrap().len(),
+        before,
+        "nothing recorded"
+    );
+}

@@ -716,7 +716,11 @@ impl SagaStore for PostgresStore {
                     &[],
                 )
                 .await?;
-            events_from_rows(&rows)
+            // The whole log after a crash: decoded off the async workers,
+            // like the embedded store's replay.
+            tokio::task::spawn_blocking(move || events_from_rows(&rows))
+                .await
+                .map_err(|e| StoreError::Engine(format!("decoding the saga log panicked: {e}")))?
         })
     }
 
