@@ -164,6 +164,56 @@ struct Shard {
     /// that a registering instance visits only these, not every live saga.
     waiting: std::collections::HashSet<Arc<str>, Hasher>,
     finished: FinishedCache,
+    /// Sagas (by the hash of their id) one call has events of between its
+    /// classification and its apply, and which call: see [`Marks`].
+    busy: HashMap<u64, u64, Hasher>,
+    /// Calls waiting for one of this shard's marks to go.
+    mark_waiters: u32,
+}
+
+/// The sagas one call has events of, marked from before its events are
+/// classified until they are applied (or the call fails or is dropped).
+///
+/// Why: the store logs calls in the order they reach its queue, and each
+/// call applies its own events once its append is durable. Two calls with
+/// events of one saga could otherwise be applied in the other order than
+/// logged (both answered by one group commit, their tasks woken together),
+/// and a restart, which replays the log, would then rebuild another state
+/// than the one the participants were answered from. A call that finds one
+/// of its sagas marked by another call gives back what it marked and waits
+/// for that mark to go; it takes its marks in one order (by hash), so calls
+/// never wait for each other in a cycle. Calls about different sagas, the
+/// usual case, never wait; the cost is a map insert and remove per saga per
+/// call.
+struct Marks<'a> {
+    engine: &'a Engine,
+    holder: u64,
+    /// Hashes of the sagas marked.
+    taken: Vec<u64>,
+}
+
+impl Marks<'_> {
+    fn release(&mut self) {
+        for h in self.taken.drain(..) {
+            let i = self.engine.shard_index(h);
+            let wake = {
+                let mut shard = self.engine.shards[i].lock();
+                if shard.busy.get(&h) == Some(&self.holder) {
+                    shard.busy.remove(&h);
+                }
+                shard.mark_waiters > 0
+            };
+            if wake {
+                self.engine.released[i].notify_waiters();
+            }
+        }
+    }
+}
+
+impl Drop for Marks<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// What [`Engine::classify`] found for an event.
@@ -259,6 +309,10 @@ pub struct SubView {
 pub(crate) struct Engine {
     pub(crate) store: Arc<dyn SagaStore>,
     shards: Box<[Mutex<Shard>]>,
+    /// One per shard: a mark of that shard went (see [`Marks`]).
+    released: Box<[tokio::sync::Notify]>,
+    /// Numbers the calls that take marks.
+    next_holder: std::sync::atomic::AtomicU64,
     hasher: foldhash::fast::FixedState,
     pub(crate) registry: Registry,
     policy: Policy,
@@ -306,6 +360,8 @@ impl Engine {
         let engine = Arc::new(Self {
             store,
             shards: (0..n).map(|_| Mutex::new(Shard::default())).collect(),
+            released: (0..n).map(|_| tokio::sync::Notify::new()).collect(),
+            next_holder: std::sync::atomic::AtomicU64::new(1),
             hasher: foldhash::fast::FixedState::with_seed(0x5a6a),
             registry: Registry::default(),
             policy,
@@ -332,9 +388,62 @@ impl Engine {
     }
 
     fn shard_of(&self, gid: &str) -> &Mutex<Shard> {
-        let h = self.hasher.hash_one(gid);
+        &self.shards[self.shard_index(self.hasher.hash_one(gid))]
+    }
+
+    /// The shard of a saga whose id hashes to `h`.
+    fn shard_index(&self, h: u64) -> usize {
         // The modulo keeps the index below `shards.len()`.
-        &self.shards[usize::try_from(h % self.shards.len() as u64).unwrap_or(0)]
+        usize::try_from(h % self.shards.len() as u64).unwrap_or(0)
+    }
+
+    /// Marks every saga `events` name as this call's, waiting while another
+    /// call holds one of them; see [`Marks`].
+    async fn mark(&self, events: &[EventRecord]) -> Marks<'_> {
+        let mut hashes: Vec<u64> = events
+            .iter()
+            .map(|e| self.hasher.hash_one(e.global_tx_id.as_str()))
+            .collect();
+        // One order for every call, and each saga once.
+        hashes.sort_unstable();
+        hashes.dedup();
+        let holder = self
+            .next_holder
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut marks = Marks {
+            engine: self,
+            holder,
+            taken: Vec::with_capacity(hashes.len()),
+        };
+        'all: loop {
+            for &h in &hashes {
+                let i = self.shard_index(h);
+                let notified = self.released[i].notified();
+                tokio::pin!(notified);
+                {
+                    let mut shard = self.shards[i].lock();
+                    match shard.busy.entry(h) {
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(holder);
+                            marks.taken.push(h);
+                            continue;
+                        }
+                        std::collections::hash_map::Entry::Occupied(_) => {
+                            // Registered before the lock goes: the release
+                            // (which takes it) cannot be missed.
+                            notified.as_mut().enable();
+                            shard.mark_waiters += 1;
+                        }
+                    }
+                }
+                // Never wait holding marks: another call may wait for them.
+                marks.release();
+                notified.await;
+                self.shards[i].lock().mark_waiters -= 1;
+                continue 'all;
+            }
+            return marks;
+        }
     }
 
     /// Records `events` and answers each, in order: see the module docs.
@@ -353,6 +462,8 @@ impl Engine {
         protocol: &'static str,
     ) -> Result<Vec<Outcome>, StoreError> {
         let n = events.len();
+        // Held until this call's events are applied (or it fails).
+        let _marks = self.mark(&events).await;
         let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
         let mut keep = vec![false; n];
         {
@@ -569,9 +680,19 @@ impl Engine {
     }
 
     /// Runs expired deadlines; returns the sagas whose own timeout expired
-    /// (their `SagaTimeout` must be recorded before it is applied).
-    fn expire(&self, now: Instant) -> Vec<EventRecord> {
+    /// (their `SagaTimeout` must be recorded before it is applied), marked
+    /// as the timer's (see [`Marks`]) until that is done. A saga marked by a
+    /// call under way has its timeout tried again on the next tick.
+    fn expire(&self, now: Instant) -> (Vec<EventRecord>, Marks<'_>) {
         let mut timeouts = Vec::new();
+        let mut marks = Marks {
+            engine: self,
+            holder: self
+                .next_holder
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            taken: Vec::new(),
+        };
+        let mut postponed = Vec::new();
         for m in self.shards.iter() {
             let mut shard = m.lock();
             let shard = &mut *shard;
@@ -587,6 +708,16 @@ impl Engine {
                 let before = (saga.deadline, saga.state);
                 match saga.deadline {
                     Some((at, DeadlineKind::SagaTimeout)) if at <= now => {
+                        let h = self.hasher.hash_one(&*id);
+                        if shard.busy.contains_key(&h) {
+                            // Its events are being recorded: after them.
+                            let next = now + self.config.timer_tick;
+                            saga.deadline = Some((next, DeadlineKind::SagaTimeout));
+                            postponed.push((next, id));
+                            continue;
+                        }
+                        shard.busy.insert(h, marks.holder);
+                        marks.taken.push(h);
                         saga.deadline = None;
                         timeouts.push(EventRecord {
                             global_tx_id: id.to_string(),
@@ -609,8 +740,12 @@ impl Engine {
                 // The popped entry is gone: settle from "no deadline".
                 self.settle(shard, &id, (None, before.1), after, stats);
             }
+            // Put back after the loop, which would otherwise meet them again.
+            for entry in postponed.drain(..) {
+                shard.timers.insert(entry);
+            }
         }
-        timeouts
+        (timeouts, marks)
     }
 
     /// Records and applies `SagaTimeout` for sagas whose timeout expired; on
@@ -900,8 +1035,9 @@ async fn timer_loop(engine: Weak<Engine>, tick: Duration) {
         let Some(engine) = engine.upgrade() else {
             return;
         };
-        let timeouts = engine.expire(Instant::now());
+        let (timeouts, marks) = engine.expire(Instant::now());
         engine.record_timeouts(timeouts).await;
+        drop(marks);
     }
 }
 

@@ -1,6 +1,9 @@
 //! The engine without gRPC, on paused tokio time: saga timeouts, stragglers,
 //! recovery after a restart on the same store.
 
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -637,5 +640,85 @@ async fn events_for_unknown_and_finished_sagas_follow_the_table() {
         store.unfinished().await.unwrap().len(),
         before,
         "nothing recorded"
+    );
+}
+
+/// Two calls with events of one saga are logged and applied in the same
+/// order: the second call's append waits until the first's events are
+/// applied, so a restart (which replays the log) rebuilds the state the
+/// participants were answered from. Calls about other sagas do not wait.
+#[tokio::test]
+async fn calls_about_one_saga_are_applied_in_the_order_they_are_logged() {
+    let appends = Arc::new(AtomicUsize::new(0));
+    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
+    let (a, o) = (appends.clone(), open_rx.clone());
+    // The second append (the first after the saga started) waits for the
+    // gate; every append is counted as it reaches the store.
+    let store = Arc::new(common::GatedStore::new(move || {
+        let n = a.fetch_add(1, Ordering::SeqCst);
+        let mut o = o.clone();
+        Box::pin(async move {
+            if n == 1 {
+                let _ = o.wait_for(|open| *open).await;
+            }
+            Ok(())
+        })
+    }));
+    let c = Arc::new(Coordinator::start(store.clone(), config()).await.unwrap());
+    let g = "g-order";
+    // A completed step, so that the abort leaves the saga compensating (no
+    // instance is connected) and its log in the store.
+    submit(
+        &c,
+        vec![
+            start(g, 0),
+            tx_started(g, "l0", b"p"),
+            rec(EventKind::TxEnded, g, "l0"),
+            tx_started(g, "l1", b"p"),
+        ],
+    )
+    .await;
+    // First call: the step fails (held at the gate).
+    let c1 = c.clone();
+    let first =
+        tokio::spawn(async move { submit(&c1, vec![rec(EventKind::TxAborted, g, "l1")]).await });
+    while appends.load(Ordering::SeqCst) < 2 {
+        tokio::task::yield_now().await;
+    }
+    // Second call, same saga: the starter ends it.
+    let c2 = c.clone();
+    let second =
+        tokio::spawn(async move { submit(&c2, vec![rec(EventKind::SagaEnded, g, g)]).await });
+    // A call about another saga is not held up.
+    submit(&c, vec![start("g-other", 0)]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        appends.load(Ordering::SeqCst),
+        3,
+        "the second call reached the store before the first was applied"
+    );
+    open_tx.send_replace(true);
+    assert_eq!(first.await.unwrap(), [true]);
+    // Applied after the abort: Omega's starter hears `aborted`.
+    assert_eq!(second.await.unwrap(), [true]);
+    assert_eq!(c.state(g), Some(SagaState::Compensating));
+    let logged: Vec<Option<EventKind>> = store
+        .inner
+        .timeline(g.to_owned())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        logged,
+        [
+            Some(EventKind::SagaStarted),
+            Some(EventKind::TxStarted),
+            Some(EventKind::TxEnded),
+            Some(EventKind::TxStarted),
+            Some(EventKind::TxAborted),
+            Some(EventKind::SagaEnded)
+        ]
     );
 }

@@ -6,12 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ev, send, started, OmegaInstance, Server};
-use futures::future::BoxFuture;
-use railyard_saga::{
-    CoordinatorConfig, EventKind, EventRecord, MemoryStore, SagaQuery, SagaState, SagaStore,
-    SagaSummary, StoreError, StoreStats,
-};
+use common::{ev, send, started, GatedStore, OmegaInstance, Server};
+use railyard_saga::{CoordinatorConfig, EventKind, SagaQuery, SagaState, SagaStore, StoreError};
 use railyard_saga_proto::omega::{GrpcServiceConfig, GrpcTxEvent};
 
 fn fast() -> CoordinatorConfig {
@@ -335,52 +331,6 @@ async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_sag
         "{text}"
     );
     server.stop().await;
-}
-
-/// A memory store whose every append first passes `gate`: the gate can
-/// fail it (a broken disk) or hold it (to see appends overlap).
-struct GatedStore {
-    inner: MemoryStore,
-    gate: Box<dyn Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>,
-}
-
-impl GatedStore {
-    fn new(
-        gate: impl Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync + 'static,
-    ) -> Self {
-        Self {
-            inner: MemoryStore::new(),
-            gate: Box::new(gate),
-        }
-    }
-}
-
-impl SagaStore for GatedStore {
-    fn name(&self) -> &'static str {
-        "gated"
-    }
-    fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
-        let gate = (self.gate)();
-        Box::pin(async move {
-            gate.await?;
-            self.inner.append(events).await
-        })
-    }
-    fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.finish(done)
-    }
-    fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
-        self.inner.unfinished()
-    }
-    fn finished(&self, q: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
-        self.inner.finished(q)
-    }
-    fn timeline(&self, g: String) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
-        self.inner.timeline(g)
-    }
-    fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
-        self.inner.stats()
-    }
 }
 
 #[tokio::test]

@@ -7,7 +7,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use railyard_saga::{Coordinator, CoordinatorConfig, MemoryStore, SagaState, SagaStore};
+use futures::future::BoxFuture;
+use railyard_saga::{
+    Coordinator, CoordinatorConfig, EventRecord, MemoryStore, SagaQuery, SagaState, SagaStore,
+    SagaSummary, StoreError, StoreStats,
+};
 use railyard_saga_proto::omega::tx_event_service_client::TxEventServiceClient;
 use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 use tokio::sync::{mpsc, oneshot};
@@ -219,4 +223,50 @@ pub async fn raw_grpc_call(
             .unwrap_or_default()
     };
     (field("grpc-status"), field("grpc-message"))
+}
+
+/// A memory store whose every append first passes `gate`: the gate can
+/// fail it (a broken disk) or hold it (to see appends overlap).
+pub struct GatedStore {
+    pub inner: MemoryStore,
+    gate: Box<dyn Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>,
+}
+
+impl GatedStore {
+    pub fn new(
+        gate: impl Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            gate: Box::new(gate),
+        }
+    }
+}
+
+impl SagaStore for GatedStore {
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+    fn append(&self, events: Vec<EventRecord>) -> BoxFuture<'_, Result<(), StoreError>> {
+        let gate = (self.gate)();
+        Box::pin(async move {
+            gate.await?;
+            self.inner.append(events).await
+        })
+    }
+    fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.finish(done)
+    }
+    fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        self.inner.unfinished()
+    }
+    fn finished(&self, q: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
+        self.inner.finished(q)
+    }
+    fn timeline(&self, g: String) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
+        self.inner.timeline(g)
+    }
+    fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
+        self.inner.stats()
+    }
 }
