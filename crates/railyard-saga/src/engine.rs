@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::BuildHasher;
+use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -166,42 +167,58 @@ struct Shard {
     finished: FinishedCache,
     /// Sagas (by the hash of their id) one call has events of between its
     /// classification and its apply, and which call: see [`Marks`].
-    busy: HashMap<u64, u64, Hasher>,
+    busy: HashMap<u64, (u64, u32), Hasher>,
     /// Calls waiting for one of this shard's marks to go.
     mark_waiters: u32,
 }
 
-/// The sagas one call has events of, marked from before its events are
-/// classified until they are applied (or the call fails or is dropped).
+/// The sagas one call is recording events of, marked from its events'
+/// classification until they are applied (or the call fails or is dropped).
 ///
 /// Why: the store logs calls in the order they reach its queue, and each
 /// call applies its own events once its append is durable. Two calls with
 /// events of one saga could otherwise be applied in the other order than
 /// logged (both answered by one group commit, their tasks woken together),
 /// and a restart, which replays the log, would then rebuild another state
-/// than the one the participants were answered from. A call that finds one
-/// of its sagas marked by another call gives back what it marked and waits
-/// for that mark to go; it takes its marks in one order (by hash), so calls
-/// never wait for each other in a cycle. Calls about different sagas, the
-/// usual case, never wait; the cost is a map insert and remove per saga per
-/// call.
+/// than the one the participants were answered from. So classifying an
+/// event to be recorded marks its saga (by the hash of its id, with a
+/// count of this call's events) in the saga's shard, under the lock
+/// classifying takes anyway, and applying it takes the count down under
+/// the lock applying takes anyway. A call that meets another call's mark
+/// gives back the marks it took and waits for that mark to go, then
+/// classifies again: it never waits holding marks, so calls cannot wait
+/// for each other in a cycle. Calls about different sagas never wait.
 struct Marks<'a> {
     engine: &'a Engine,
     holder: u64,
-    /// Hashes of the sagas marked.
+    /// Hashes of the sagas marked, one per event, until applied.
     taken: Vec<u64>,
 }
 
-impl Marks<'_> {
+/// A call's answers so far (`None`: to be recorded) and which events are
+/// to be recorded.
+type Classified = (Vec<Option<Outcome>>, Vec<bool>);
+
+/// Another call's mark was met: resolves once a mark of that shard went.
+struct Conflict<'a>(Pin<Box<tokio::sync::futures::Notified<'a>>>);
+
+impl<'a> Marks<'a> {
+    fn new(engine: &'a Engine) -> Self {
+        Self {
+            engine,
+            holder: engine
+                .next_holder
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            taken: Vec::new(),
+        }
+    }
+
     fn release(&mut self) {
         for h in self.taken.drain(..) {
             let i = self.engine.shard_index(h);
             let wake = {
                 let mut shard = self.engine.shards[i].lock();
-                if shard.busy.get(&h) == Some(&self.holder) {
-                    shard.busy.remove(&h);
-                }
-                shard.mark_waiters > 0
+                unmark(&mut shard, h, self.holder)
             };
             if wake {
                 self.engine.released[i].notify_waiters();
@@ -214,6 +231,22 @@ impl Drop for Marks<'_> {
     fn drop(&mut self) {
         self.release();
     }
+}
+
+/// Takes one of `holder`'s marks on `h` down; whether a waiter should be
+/// woken (the mark went and someone waits in this shard).
+fn unmark(shard: &mut Shard, h: u64, holder: u64) -> bool {
+    if let std::collections::hash_map::Entry::Occupied(mut e) = shard.busy.entry(h) {
+        let (who, count) = e.get_mut();
+        if *who == holder {
+            *count -= 1;
+            if *count == 0 {
+                e.remove();
+                return shard.mark_waiters > 0;
+            }
+        }
+    }
+    false
 }
 
 /// What [`Engine::classify`] found for an event.
@@ -397,53 +430,13 @@ impl Engine {
         usize::try_from(h % self.shards.len() as u64).unwrap_or(0)
     }
 
-    /// Marks every saga `events` name as this call's, waiting while another
-    /// call holds one of them; see [`Marks`].
-    async fn mark(&self, events: &[EventRecord]) -> Marks<'_> {
-        let mut hashes: Vec<u64> = events
-            .iter()
-            .map(|e| self.hasher.hash_one(e.global_tx_id.as_str()))
-            .collect();
-        // One order for every call, and each saga once.
-        hashes.sort_unstable();
-        hashes.dedup();
-        let holder = self
-            .next_holder
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut marks = Marks {
-            engine: self,
-            holder,
-            taken: Vec::with_capacity(hashes.len()),
-        };
-        'all: loop {
-            for &h in &hashes {
-                let i = self.shard_index(h);
-                let notified = self.released[i].notified();
-                tokio::pin!(notified);
-                {
-                    let mut shard = self.shards[i].lock();
-                    match shard.busy.entry(h) {
-                        std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert(holder);
-                            marks.taken.push(h);
-                            continue;
-                        }
-                        std::collections::hash_map::Entry::Occupied(_) => {
-                            // Registered before the lock goes: the release
-                            // (which takes it) cannot be missed.
-                            notified.as_mut().enable();
-                            shard.mark_waiters += 1;
-                        }
-                    }
-                }
-                // Never wait holding marks: another call may wait for them.
-                marks.release();
-                notified.await;
-                self.shards[i].lock().mark_waiters -= 1;
-                continue 'all;
-            }
-            return marks;
-        }
+    /// Waits until a mark of shard `i` goes (after `conflict` found one
+    /// held by another call); `marks` are given back first, so that no call
+    /// waits while holding marks another may be waiting for.
+    async fn wait_for_mark(&self, i: usize, conflict: Conflict<'_>, marks: &mut Marks<'_>) {
+        marks.release();
+        conflict.0.await;
+        self.shards[i].lock().mark_waiters -= 1;
     }
 
     /// Records `events` and answers each, in order: see the module docs.
@@ -462,45 +455,26 @@ impl Engine {
         protocol: &'static str,
     ) -> Result<Vec<Outcome>, StoreError> {
         let n = events.len();
-        // Held until this call's events are applied (or it fails).
-        let _marks = self.mark(&events).await;
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
-        let mut keep = vec![false; n];
-        {
-            // Sagas an earlier event of this call will create (a batch may
-            // carry a saga's whole life): only creating events add to it,
-            // and only events about an unknown saga look in it.
-            let mut batch_sagas: std::collections::HashSet<&str, Hasher> =
-                std::collections::HashSet::default();
-            for (i, ev) in events.iter().enumerate() {
-                if let Err(e) = validate(ev) {
-                    self.metrics
-                        .rejected
-                        .get_or_create(&ReasonLabels { reason: "invalid" })
-                        .inc();
-                    outcomes[i] = Some(Outcome::Invalid(e));
-                    continue;
-                }
-                match self.classify(ev) {
-                    Class::Live => keep[i] = true,
-                    Class::Creates => {
-                        if n > 1 {
-                            batch_sagas.insert(ev.global_tx_id.as_str());
-                        }
-                        keep[i] = true;
-                    }
-                    Class::Unknown => {
-                        if batch_sagas.contains(ev.global_tx_id.as_str()) {
-                            keep[i] = true;
-                        } else {
-                            // Row "compensation report for an unknown saga".
-                            outcomes[i] = Some(Outcome::Done { aborted: false });
-                        }
-                    }
-                    Class::Answer(answer) => outcomes[i] = Some(answer),
-                }
+        let invalid: Vec<Option<Outcome>> = events
+            .iter()
+            .map(|ev| {
+                let e = validate(ev).err()?;
+                self.metrics
+                    .rejected
+                    .get_or_create(&ReasonLabels { reason: "invalid" })
+                    .inc();
+                Some(Outcome::Invalid(e))
+            })
+            .collect();
+        // Held until this call's events are applied (or it fails or is
+        // dropped): see `Marks`.
+        let mut marks = Marks::new(self);
+        let (mut outcomes, keep) = loop {
+            match self.classify_call(&events, &invalid, &mut marks) {
+                Ok(found) => break found,
+                Err((i, conflict)) => self.wait_for_mark(i, conflict, &mut marks).await,
             }
-        }
+        };
         let slots: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
         // In place (an `Arc<[_]>` would copy every record once more).
         let mut events = events;
@@ -528,8 +502,10 @@ impl Engine {
                 if let Some(kind) = ev.kind {
                     by_kind[usize::from(kind.code())] += 1;
                 }
-                outcomes[slot] = Some(self.apply(ev, now));
+                outcomes[slot] = Some(self.apply_marked(ev, now, &marks));
             }
+            // Each apply took its event's mark down.
+            marks.taken.clear();
             for (kind, k) in EventKind::ALL.iter().zip(by_kind) {
                 if k > 0 {
                     self.metrics
@@ -548,35 +524,125 @@ impl Engine {
             .collect())
     }
 
-    /// What the saga's state says of an event before it is recorded.
-    fn classify(&self, ev: &EventRecord) -> Class {
-        let Some(kind) = ev.kind else {
-            return Class::Live;
+    /// Classifies a call's valid events (`invalid` holds the others'
+    /// answers): the answers of those not to be recorded, and which are to
+    /// be; marks the sagas of those (see [`Marks`]). `Err` when another
+    /// call's mark was met (`marks` still holds what this pass took).
+    fn classify_call<'e>(
+        &'e self,
+        events: &[EventRecord],
+        invalid: &[Option<Outcome>],
+        marks: &mut Marks<'_>,
+    ) -> Result<Classified, (usize, Conflict<'e>)> {
+        let n = events.len();
+        let mut outcomes = invalid.to_vec();
+        let mut keep = vec![false; n];
+        // Sagas an earlier event of this call will create (a batch may
+        // carry a saga's whole life): only creating events add to it, and
+        // only events about an unknown saga look in it.
+        let mut batch_sagas: std::collections::HashSet<&str, Hasher> =
+            std::collections::HashSet::default();
+        for (i, ev) in events.iter().enumerate() {
+            if outcomes[i].is_some() {
+                continue;
+            }
+            let in_batch =
+                !batch_sagas.is_empty() && batch_sagas.contains(ev.global_tx_id.as_str());
+            match self.classify(ev, in_batch, marks)? {
+                Class::Live => keep[i] = true,
+                Class::Creates => {
+                    if n > 1 {
+                        batch_sagas.insert(ev.global_tx_id.as_str());
+                    }
+                    keep[i] = true;
+                }
+                // Row "compensation report for an unknown saga".
+                Class::Unknown => outcomes[i] = Some(Outcome::Done { aborted: false }),
+                Class::Answer(answer) => outcomes[i] = Some(answer),
+            }
+        }
+        Ok((outcomes, keep))
+    }
+
+    /// What the saga's state says of an event before it is recorded
+    /// (`in_batch`: an earlier event of the call creates its saga, so it is
+    /// recorded too). An event to be recorded marks its saga as `marks`'s.
+    fn classify<'e>(
+        &'e self,
+        ev: &EventRecord,
+        in_batch: bool,
+        marks: &mut Marks<'_>,
+    ) -> Result<Class, (usize, Conflict<'e>)> {
+        let h = self.hasher.hash_one(ev.global_tx_id.as_str());
+        let i = self.shard_index(h);
+        let mut guard = self.shards[i].lock();
+        let shard = &mut *guard;
+        let class = match ev.kind {
+            // `validate` refused it already.
+            None => return Ok(Class::Unknown),
+            Some(_) if shard.live.contains_key(ev.global_tx_id.as_str()) => Class::Live,
+            Some(_) => match shard.finished.map.get(ev.global_tx_id.as_str()) {
+                // Row "event after a terminal state".
+                Some(s) => {
+                    return Ok(Class::Answer(Outcome::Done {
+                        aborted: s.state != SagaState::Committed,
+                    }))
+                }
+                None if in_batch => Class::Live,
+                None if saga::creates_saga(ev.kind.unwrap_or(EventKind::SagaStarted)) => {
+                    Class::Creates
+                }
+                None => return Ok(Class::Unknown),
+            },
         };
-        let shard = self.shard_of(&ev.global_tx_id).lock();
-        if shard.live.contains_key(ev.global_tx_id.as_str()) {
-            return Class::Live;
+        match shard.busy.entry(h) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((marks.holder, 1));
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let (who, count) = o.get_mut();
+                if *who != marks.holder {
+                    let mut notified = Box::pin(self.released[i].notified());
+                    // Registered before the lock goes: the release (which
+                    // takes it) cannot be missed.
+                    notified.as_mut().enable();
+                    shard.mark_waiters += 1;
+                    return Err((i, Conflict(notified)));
+                }
+                *count += 1;
+            }
         }
-        if let Some(s) = shard.finished.map.get(ev.global_tx_id.as_str()) {
-            // Row "event after a terminal state".
-            return Class::Answer(Outcome::Done {
-                aborted: s.state != SagaState::Committed,
-            });
+        marks.taken.push(h);
+        Ok(class)
+    }
+
+    /// Applies one event recorded by the call holding `marks` and takes its
+    /// mark down (under the same lock).
+    fn apply_marked(&self, ev: &EventRecord, now: Instant, marks: &Marks<'_>) -> Outcome {
+        let h = self.hasher.hash_one(ev.global_tx_id.as_str());
+        let i = self.shard_index(h);
+        let (outcome, wake) = {
+            let mut guard = self.shards[i].lock();
+            let shard = &mut *guard;
+            let outcome = self.apply_in(shard, ev, now);
+            (outcome, unmark(shard, h, marks.holder))
+        };
+        if wake {
+            self.released[i].notify_waiters();
         }
-        if saga::creates_saga(kind) {
-            Class::Creates
-        } else {
-            Class::Unknown
-        }
+        outcome
     }
 
     /// Applies one recorded event (live path or replay).
     fn apply(&self, ev: &EventRecord, now: Instant) -> Outcome {
+        let mut shard = self.shard_of(&ev.global_tx_id).lock();
+        self.apply_in(&mut shard, ev, now)
+    }
+
+    fn apply_in(&self, shard: &mut Shard, ev: &EventRecord, now: Instant) -> Outcome {
         let Some(kind) = ev.kind else {
             return Outcome::Done { aborted: false };
         };
-        let mut shard = self.shard_of(&ev.global_tx_id).lock();
-        let shard = &mut *shard;
         // The usual case, a live saga, costs one look-up.
         if let Some(outcome) = self.apply_live(shard, ev, now) {
             return outcome;
@@ -716,7 +782,7 @@ impl Engine {
                             postponed.push((next, id));
                             continue;
                         }
-                        shard.busy.insert(h, marks.holder);
+                        shard.busy.insert(h, (marks.holder, 1));
                         marks.taken.push(h);
                         saga.deadline = None;
                         timeouts.push(EventRecord {
