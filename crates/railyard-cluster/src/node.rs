@@ -28,8 +28,13 @@ pub struct ClusterConfig {
     pub cluster: String,
     /// Where the transport listens (port 0 picks a free one).
     pub listen: SocketAddr,
-    /// The address other nodes dial; default: the listener's address.
+    /// The address other nodes dial; default: `advertise_host` (or the
+    /// listener's address) with the port the listener got.
     pub advertise: Option<SocketAddr>,
+    /// The host other nodes dial when `advertise` is not set, with the port
+    /// the listener got (so a port picked by the system, `listen` port 0,
+    /// is advertised on a reachable host rather than on `0.0.0.0`).
+    pub advertise_host: Option<std::net::IpAddr>,
     /// Messages queued per peer link before `send` sees `Full` (default 65,536).
     pub link_queue: usize,
     /// Requests a link keeps unanswered at once (queued or sent, until the
@@ -68,6 +73,7 @@ impl ClusterConfig {
             cluster: "railyard".into(),
             listen,
             advertise: None,
+            advertise_host: None,
             link_queue: 65_536,
             max_in_flight: 65_536,
             max_frame: DEFAULT_MAX_FRAME,
@@ -325,7 +331,9 @@ impl ClusterNode {
                 addr: cfg.listen,
                 source,
             })?;
-        let addr = cfg.advertise.unwrap_or(local);
+        let addr = cfg.advertise.unwrap_or_else(|| {
+            SocketAddr::new(cfg.advertise_host.unwrap_or(local.ip()), local.port())
+        });
         manager
             .join(NodeInfo {
                 id: cfg.node_id.clone(),

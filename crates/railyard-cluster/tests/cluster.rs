@@ -1155,3 +1155,20 @@ async fn a_header_too_long_for_a_frame_fails_its_request_not_the_link() {
         assert_eq!(n.counters().encode_failures.get(), 1);
     }
 }
+
+/// A node listening on every interface with a port the system picks
+/// advertises the host it is told with the port it got, not `0.0.0.0`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_picked_port_is_advertised_on_the_given_host() {
+    let reg = InProcessRegistry::new();
+    let bus = EventBus::new();
+    let mut cfg = ClusterConfig::new("any", "0.0.0.0:0".parse().unwrap());
+    cfg.advertise_host = Some("127.0.0.1".parse().unwrap());
+    let node = ClusterNode::start(bus, Arc::new(reg.manager()), cfg)
+        .await
+        .expect("node starts");
+    let addr = node.addr();
+    assert_eq!(addr.ip().to_string(), "127.0.0.1");
+    assert_ne!(addr.port(), 0);
+    assert_eq!(reg.snapshot().members.get("any"), Some(&addr));
+}

@@ -172,6 +172,10 @@ struct Shard {
     mark_waiters: u32,
 }
 
+/// Deadlines one timer tick handles at most (a few milliseconds of work on
+/// an async worker); more wait for the next tick.
+const EXPIRE_PER_TICK: usize = 2048;
+
 /// The sagas one call is recording events of, marked from its events'
 /// classification until they are applied (or the call fails or is dropped).
 ///
@@ -749,7 +753,12 @@ impl Engine {
     /// (their `SagaTimeout` must be recorded before it is applied), marked
     /// as the timer's (see [`Marks`]) until that is done. A saga marked by a
     /// call under way has its timeout tried again on the next tick.
+    ///
+    /// Runs on an async worker, so one tick handles at most
+    /// [`EXPIRE_PER_TICK`] deadlines; the rest (after a restart that found
+    /// many expired) wait for the next ticks.
     fn expire(&self, now: Instant) -> (Vec<EventRecord>, Marks<'_>) {
+        let mut budget = EXPIRE_PER_TICK;
         let mut timeouts = Vec::new();
         let mut marks = Marks {
             engine: self,
@@ -762,11 +771,12 @@ impl Engine {
         for m in self.shards.iter() {
             let mut shard = m.lock();
             let shard = &mut *shard;
-            // Bounded by the number of expired entries.
+            // Bounded by the number of expired entries and the budget.
             while let Some((t, id)) = shard.timers.first().cloned() {
-                if t > now {
+                if t > now || budget == 0 {
                     break;
                 }
+                budget -= 1;
                 shard.timers.pop_first();
                 let Some(saga) = shard.live.get_mut(&id) else {
                     continue;

@@ -722,3 +722,23 @@ async fn calls_about_one_saga_are_applied_in_the_order_they_are_logged() {
         ]
     );
 }
+
+/// More timeouts expiring at once than one timer tick handles (2,048): the
+/// rest are handled on the next ticks, none lost.
+#[tokio::test(start_paused = true)]
+async fn many_timeouts_at_once_are_all_handled_over_a_few_ticks() {
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
+        .await
+        .unwrap();
+    let ids: Vec<String> = (0..5000).map(|i| format!("g-many-{i}")).collect();
+    submit(&c, ids.iter().map(|g| start(g, 1)).collect()).await;
+    tokio::time::sleep(Duration::from_millis(1050)).await;
+    let compensated = || {
+        ids.iter()
+            .filter(|g| c.state(g) == Some(SagaState::Compensated))
+            .count()
+    };
+    assert!(compensated() < ids.len(), "not all in one tick");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(compensated(), ids.len());
+}

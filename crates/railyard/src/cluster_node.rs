@@ -76,9 +76,8 @@ pub(crate) async fn join(
         } else {
             args.cluster_bind
         });
-    if args.cluster_port != 0 {
-        cfg.advertise = Some(SocketAddr::new(host, args.cluster_port));
-    }
+    // With the port the listener gets (also one the system picks, port 0).
+    cfg.advertise_host = Some(host);
     let node = ClusterNode::start(bus.clone(), Arc::new(manager), cfg)
         .await
         .context("joining the cluster")?;
