@@ -19,7 +19,6 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::BuildHasher;
-use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -197,8 +196,24 @@ struct Marks<'a> {
 /// to be recorded.
 type Classified = (Vec<Option<Outcome>>, Vec<bool>);
 
-/// Another call's mark was met: resolves once a mark of that shard went.
-struct Conflict<'a>(Pin<Box<tokio::sync::futures::Notified<'a>>>);
+/// Another call's mark was met: saga hash `hash`, in shard `shard`.
+struct Conflict {
+    shard: usize,
+    hash: u64,
+}
+
+/// A call waiting for a mark of shard `i`: counted in `mark_waiters` (so
+/// that releases there notify) until dropped.
+struct MarkWaiter<'a> {
+    engine: &'a Engine,
+    i: usize,
+}
+
+impl Drop for MarkWaiter<'_> {
+    fn drop(&mut self) {
+        self.engine.shards[self.i].lock().mark_waiters -= 1;
+    }
+}
 
 impl<'a> Marks<'a> {
     fn new(engine: &'a Engine) -> Self {
@@ -428,13 +443,33 @@ impl Engine {
         usize::try_from(h % self.shards.len() as u64).unwrap_or(0)
     }
 
-    /// Waits until a mark of shard `i` goes (after `conflict` found one
-    /// held by another call); `marks` are given back first, so that no call
-    /// waits while holding marks another may be waiting for.
-    async fn wait_for_mark(&self, i: usize, conflict: Conflict<'_>, marks: &mut Marks<'_>) {
+    /// Waits until the mark `h` (of shard `i`), which another call holds,
+    /// may have gone. `marks` are given back first, so that no call waits
+    /// while holding marks another may be waiting for, and only then does
+    /// this call register as a waiter: giving its own back must not wake
+    /// itself (it would spin, never yielding, while the holder waits for a
+    /// worker to apply its events).
+    async fn wait_for_mark(&self, i: usize, h: u64, marks: &mut Marks<'_>) {
         marks.release();
-        conflict.0.await;
-        self.shards[i].lock().mark_waiters -= 1;
+        let notified = self.released[i].notified();
+        tokio::pin!(notified);
+        {
+            let mut shard = self.shards[i].lock();
+            if shard
+                .busy
+                .get(&h)
+                .is_none_or(|(who, _)| *who == marks.holder)
+            {
+                return; // gone meanwhile: classify again
+            }
+            // Registered before the lock goes: the release (which takes it)
+            // cannot be missed.
+            notified.as_mut().enable();
+            shard.mark_waiters += 1;
+        }
+        // Counted down however the wait ends (also if the call is dropped).
+        let _waiting = MarkWaiter { engine: self, i };
+        notified.await;
     }
 
     /// Records `events` and answers each, in order: see the module docs.
@@ -470,7 +505,7 @@ impl Engine {
         let (mut outcomes, keep) = loop {
             match self.classify_call(&events, &invalid, &mut marks) {
                 Ok(found) => break found,
-                Err((i, conflict)) => self.wait_for_mark(i, conflict, &mut marks).await,
+                Err(c) => self.wait_for_mark(c.shard, c.hash, &mut marks).await,
             }
         };
         let slots: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
@@ -526,12 +561,12 @@ impl Engine {
     /// answers): the answers of those not to be recorded, and which are to
     /// be; marks the sagas of those (see [`Marks`]). `Err` when another
     /// call's mark was met (`marks` still holds what this pass took).
-    fn classify_call<'e>(
-        &'e self,
+    fn classify_call(
+        &self,
         events: &[EventRecord],
         invalid: &[Option<Outcome>],
         marks: &mut Marks<'_>,
-    ) -> Result<Classified, (usize, Conflict<'e>)> {
+    ) -> Result<Classified, Conflict> {
         let n = events.len();
         let mut outcomes = invalid.to_vec();
         let mut keep = vec![false; n];
@@ -565,12 +600,12 @@ impl Engine {
     /// What the saga's state says of an event before it is recorded
     /// (`in_batch`: an earlier event of the call creates its saga, so it is
     /// recorded too). An event to be recorded marks its saga as `marks`'s.
-    fn classify<'e>(
-        &'e self,
+    fn classify(
+        &self,
         ev: &EventRecord,
         in_batch: bool,
         marks: &mut Marks<'_>,
-    ) -> Result<Class, (usize, Conflict<'e>)> {
+    ) -> Result<Class, Conflict> {
         let h = self.hasher.hash_one(ev.global_tx_id.as_str());
         let i = self.shard_index(h);
         let mut guard = self.shards[i].lock();
@@ -600,12 +635,7 @@ impl Engine {
             std::collections::hash_map::Entry::Occupied(mut o) => {
                 let (who, count) = o.get_mut();
                 if *who != marks.holder {
-                    let mut notified = Box::pin(self.released[i].notified());
-                    // Registered before the lock goes: the release (which
-                    // takes it) cannot be missed.
-                    notified.as_mut().enable();
-                    shard.mark_waiters += 1;
-                    return Err((i, Conflict(notified)));
+                    return Err(Conflict { shard: i, hash: h });
                 }
                 *count += 1;
             }

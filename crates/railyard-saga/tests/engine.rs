@@ -742,3 +742,66 @@ async fn many_timeouts_at_once_are_all_handled_over_a_few_ticks() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(compensated(), ids.len());
 }
+
+/// A call that meets another call's mark after marking a saga of its own in
+/// the same shard gives that mark back and waits without waking itself: on
+/// a single-threaded runtime a spinning waiter would never let the holder
+/// apply (the test then fails by its deadline instead of finishing).
+#[test]
+fn a_call_meeting_another_calls_mark_waits_without_spinning() {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let appends = Arc::new(AtomicUsize::new(0));
+            let (open_tx, open_rx) = tokio::sync::watch::channel(false);
+            let (a, o) = (appends.clone(), open_rx);
+            let store = Arc::new(common::GatedStore::new(move || {
+                let n = a.fetch_add(1, Ordering::SeqCst);
+                let mut o = o.clone();
+                Box::pin(async move {
+                    if n == 1 {
+                        let _ = o.wait_for(|open| *open).await;
+                    }
+                    Ok(())
+                })
+            }));
+            // One shard: every saga shares it.
+            let cfg = CoordinatorConfig {
+                shards: 1,
+                ..config()
+            };
+            let c = Arc::new(Coordinator::start(store, cfg).await.unwrap());
+            let x = "g-held";
+            submit(&c, vec![start(x, 0), tx_started(x, "l1", b"p")]).await;
+            let c1 = c.clone();
+            let first =
+                tokio::spawn(
+                    async move { submit(&c1, vec![rec(EventKind::TxAborted, x, "l1")]).await },
+                );
+            while appends.load(Ordering::SeqCst) < 2 {
+                tokio::task::yield_now().await;
+            }
+            // Marks a new saga, then meets the held one.
+            let c2 = c.clone();
+            let second = tokio::spawn(async move {
+                submit(
+                    &c2,
+                    vec![start("g-new", 0), rec(EventKind::SagaEnded, x, x)],
+                )
+                .await
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            open_tx.send_replace(true);
+            assert_eq!(first.await.unwrap(), [true]);
+            assert_eq!(second.await.unwrap(), [false, true]);
+        });
+        let _ = done_tx.send(());
+    });
+    done_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("both calls finish: the waiting one must yield");
+}
