@@ -913,16 +913,25 @@ impl EventBus {
     // ---- the cluster's side door (see `remote`) --------------------------
 
     /// Installs (or with `None`, removes) the hook told about registrations
-    /// other nodes must learn of. Returns the addresses that already have
-    /// non-local consumers here, which the caller should advertise now.
-    pub fn set_cluster_hook(&self, hook: Option<Arc<dyn ClusterHook>>) -> Vec<String> {
+    /// other nodes must learn of. The addresses that already have non-local
+    /// consumers here are advertised through it at once, under the same
+    /// lock as every later registration and withdrawal (so a consumer that
+    /// leaves meanwhile is withdrawn after, never before); returns each with
+    /// its advertisement, for the caller to await.
+    pub fn set_cluster_hook(
+        &self,
+        hook: Option<Arc<dyn ClusterHook>>,
+    ) -> Vec<(String, Advertisement)> {
         let _w = self.inner.write.lock();
-        *self.inner.hook.write() = hook;
+        *self.inner.hook.write() = hook.clone();
+        let Some(hook) = hook else {
+            return Vec::new();
+        };
         let table = self.inner.table.load();
         table
             .iter()
             .filter(|(_, e)| e.consumers.iter().any(|q| !q.local))
-            .map(|(a, _)| a.to_string())
+            .map(|(a, _)| (a.to_string(), hook.advertise(a)))
             .collect()
     }
 
@@ -1185,8 +1194,9 @@ pub(crate) enum Room {
     Remote(Arc<dyn RemoteNode>),
 }
 
-/// A pending cluster advertisement of a new subscription.
-pub(crate) type Advertisement =
+/// A pending cluster advertisement of a subscription (see
+/// [`ClusterHook::advertise`]).
+pub type Advertisement =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BusError>> + Send>>;
 
 impl std::fmt::Debug for EventBus {

@@ -830,7 +830,11 @@ mod remote {
         let hook = Arc::new(Hook::default());
         let _early = bus.consumer("early").stream().await.unwrap();
         let existing = bus.set_cluster_hook(Some(hook.clone()));
-        assert_eq!(existing, vec!["early".to_string()]);
+        let names: Vec<&str> = existing.iter().map(|(a, _)| a.as_str()).collect();
+        assert_eq!(names, ["early"]);
+        for (_, advertisement) in existing {
+            advertisement.await.unwrap();
+        }
         let a1 = bus.consumer("x").stream().await.unwrap();
         let a2 = bus.consumer("x").stream().await.unwrap();
         let l = bus.local_consumer("y").stream().await.unwrap();
@@ -838,9 +842,12 @@ mod remote {
         drop(l);
         // Each public registration waits for the address's advertisement;
         // local consumers and all but the last leaving say nothing.
-        assert_eq!(*hook.events.lock().unwrap(), vec!["+x", "+x"]);
+        assert_eq!(*hook.events.lock().unwrap(), vec!["+early", "+x", "+x"]);
         drop(a2);
-        assert_eq!(*hook.events.lock().unwrap(), vec!["+x", "+x", "-x"]);
+        assert_eq!(
+            *hook.events.lock().unwrap(),
+            vec!["+early", "+x", "+x", "-x"]
+        );
     }
 }
 

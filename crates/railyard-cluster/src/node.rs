@@ -188,6 +188,9 @@ struct Hook {
     /// One slot per address subscribed, wanted, or being reconciled;
     /// removed once neither wanted nor subscribed.
     slots: Arc<Mutex<HashMap<String, Arc<Slot>>>>,
+    /// The node's runtime: withdrawals are spawned on it, also when the
+    /// last consumer is dropped on a thread outside any runtime.
+    runtime: tokio::runtime::Handle,
 }
 
 struct Slot {
@@ -206,10 +209,13 @@ struct Slot {
 const WITHDRAW_ATTEMPTS: u32 = 8;
 
 impl Hook {
+    /// # Panics
+    /// Outside a tokio runtime (the node starts inside one).
     fn new(manager: Arc<dyn ClusterManager>) -> Self {
         Self {
             manager,
             slots: Arc::new(Mutex::new(HashMap::new())),
+            runtime: tokio::runtime::Handle::current(),
         }
     }
 
@@ -285,7 +291,7 @@ impl ClusterHook for Hook {
         let slot = self.want(address, false);
         let (m, a) = (self.manager.clone(), address.to_owned());
         let slots = self.slots.clone();
-        tokio::spawn(async move {
+        self.runtime.spawn(async move {
             let mut delay = Duration::from_millis(200);
             for attempt in 1..=WITHDRAW_ATTEMPTS {
                 match Self::reconcile(&*m, &slot, &a).await {
@@ -366,18 +372,18 @@ impl ClusterNode {
         // Owned from here on: should `start` fail or be dropped at one of
         // its awaits below, dropping this removes the hook, and the links
         // and routes an apply under way made.
-        let hook_impl = Arc::new(Hook::new(manager.clone()));
-        let hook: Arc<dyn ClusterHook> = hook_impl.clone();
+        let hook: Arc<dyn ClusterHook> = Arc::new(Hook::new(manager.clone()));
         let mut node = ClusterNode {
             inner: inner.clone(),
             tasks: Vec::new(),
             hook: hook.clone(),
         };
-        let existing = bus.set_cluster_hook(Some(hook));
-        for address in existing {
-            // Through the hook, so its record of what is subscribed is whole.
-            let slot = hook_impl.want(&address, true);
-            Hook::reconcile(&*manager, &slot, &address).await?;
+        // Advertised by the bus under its registry lock, like every later
+        // registration, so one withdrawn meanwhile is withdrawn after.
+        for (address, advertisement) in bus.set_cluster_hook(Some(hook)) {
+            advertisement
+                .await
+                .map_err(|e| ManagerError::Unavailable(format!("advertising `{address}`: {e}")))?;
         }
         // The view known now is applied before `start` returns, so the
         // node's first sends already see the routes and links it lists.

@@ -1001,6 +1001,9 @@ struct Slow {
     inner: InProcessManager,
     subscribe: Duration,
     unsubscribe: Duration,
+    /// Subscribe writes first and then waits (the write is done while the
+    /// call still looks pending), instead of waiting first.
+    write_first: bool,
 }
 
 impl ClusterManager for Slow {
@@ -1016,6 +1019,11 @@ impl ClusterManager for Slow {
     ) -> railyard_cluster::BoxFuture<'_, Result<(), ManagerError>> {
         let a = address.to_owned();
         Box::pin(async move {
+            if self.write_first {
+                self.inner.subscribe(&a).await?;
+                tokio::time::sleep(self.subscribe).await;
+                return Ok(());
+            }
             tokio::time::sleep(self.subscribe).await;
             self.inner.subscribe(&a).await
         })
@@ -1041,13 +1049,21 @@ async fn start_slow(
     subscribe: Duration,
     unsubscribe: Duration,
 ) -> (EventBus, ClusterNode) {
+    start_slow_with(
+        Slow {
+            inner: reg.manager(),
+            subscribe,
+            unsubscribe,
+            write_first: false,
+        },
+        id,
+    )
+    .await
+}
+
+async fn start_slow_with(m: Slow, id: &str) -> (EventBus, ClusterNode) {
     let bus = EventBus::new();
     let cfg = ClusterConfig::new(id, "127.0.0.1:0".parse().unwrap());
-    let m = Slow {
-        inner: reg.manager(),
-        subscribe,
-        unsubscribe,
-    };
     let node = ClusterNode::start(bus.clone(), Arc::new(m), cfg)
         .await
         .expect("node starts");
@@ -1098,11 +1114,18 @@ async fn a_second_registration_waits_for_the_first_ones_advertisement() {
 }
 
 /// A registration given up on while it is being advertised (a timeout
-/// around it) leaves no consumer behind, and the address is withdrawn.
+/// around it) leaves no consumer behind, and the subscription, which the
+/// manager had written though its call had not returned, is withdrawn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_dropped_midway_leaves_no_consumer() {
     let reg = InProcessRegistry::new();
-    let (b, _nb) = start_slow(&reg, "b", Duration::from_millis(300), Duration::ZERO).await;
+    let slow = Slow {
+        inner: reg.manager(),
+        subscribe: Duration::from_millis(300),
+        unsubscribe: Duration::ZERO,
+        write_first: true,
+    };
+    let (b, _nb) = start_slow_with(slow, "b").await;
     let r = tokio::time::timeout(Duration::from_millis(50), b.consumer("ghost").stream()).await;
     assert!(r.is_err(), "timed out while advertising");
     let sent = b.request("ghost", String::from("x")).await;

@@ -359,6 +359,8 @@ pub(crate) struct Engine {
     released: Box<[tokio::sync::Notify]>,
     /// Numbers the calls that take marks.
     next_holder: std::sync::atomic::AtomicU64,
+    /// The shard the next timer tick starts from.
+    expire_from: std::sync::atomic::AtomicUsize,
     hasher: foldhash::fast::FixedState,
     pub(crate) registry: Registry,
     policy: Policy,
@@ -408,6 +410,7 @@ impl Engine {
             shards: (0..n).map(|_| Mutex::new(Shard::default())).collect(),
             released: (0..n).map(|_| tokio::sync::Notify::new()).collect(),
             next_holder: std::sync::atomic::AtomicU64::new(1),
+            expire_from: std::sync::atomic::AtomicUsize::new(0),
             hasher: foldhash::fast::FixedState::with_seed(0x5a6a),
             registry: Registry::default(),
             policy,
@@ -792,7 +795,14 @@ impl Engine {
             taken: Vec::new(),
         };
         let mut postponed = Vec::new();
-        for m in self.shards.iter() {
+        // Each tick starts one shard further, so that when the budget runs
+        // out the same shards do not always wait.
+        let n = self.shards.len();
+        let first = self
+            .expire_from
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % n;
+        for m in self.shards[first..].iter().chain(&self.shards[..first]) {
             let mut shard = m.lock();
             let shard = &mut *shard;
             // Bounded by the number of expired entries and the budget.
