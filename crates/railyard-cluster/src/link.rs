@@ -131,6 +131,13 @@ pub(crate) struct Link {
     fail_epoch: AtomicU64,
     next_id: AtomicU64,
     closed: AtomicBool,
+    /// Set when a connection that was up is lost, cleared when the next one
+    /// is up. Meanwhile `deliver` refuses, so sends and requests go to the
+    /// address's other targets (or fail with NO_HANDLERS if it has none)
+    /// instead of queueing for a peer that may be dead until its lease
+    /// expires. Never set before the first connection: a link just made for
+    /// a new member queues, and what it queued goes with the HELLO.
+    down: AtomicBool,
     close_signal: Notify,
     /// Senders waiting for room in a full queue (woken after each batch).
     room_waiters: Mutex<Vec<Waker>>,
@@ -155,7 +162,7 @@ impl RemoteNode for Link {
     }
 
     fn deliver(&self, mut msg: RemoteMessage) -> Result<(), Box<Undelivered>> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) || self.down.load(Ordering::Acquire) {
             return Err(Box::new(Undelivered {
                 error: self.gone(),
                 message: msg,
@@ -224,7 +231,9 @@ impl Link {
     /// Whether a refused send is worth retrying: the link closed (the retry
     /// fails at once) or its queue has room.
     fn has_room(&self) -> bool {
-        self.closed.load(Ordering::Acquire) || self.tx.has_room()
+        self.closed.load(Ordering::Acquire)
+            || self.down.load(Ordering::Acquire)
+            || self.tx.has_room()
     }
 
     /// `Ready` once `ready` holds; otherwise registers the waker (woken after
@@ -297,6 +306,7 @@ impl Link {
             fail_epoch: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
+            down: AtomicBool::new(false),
             close_signal: Notify::new(),
             accepted: Mutex::new(Some(acc_tx)),
             room_waiters: Mutex::new(Vec::new()),
@@ -432,9 +442,14 @@ async fn run(
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
         link.counters.connects.add(1);
         conns += 1;
+        link.down.store(false, Ordering::Release);
         let sink = Arc::new(ConnSink::new(link.clone(), conns));
         let why = serve(&sink, &cfg, &bus, &mut replies, stream, rest).await;
+        // Refused from now until the next connection is up; senders waiting
+        // for room here try the address's other targets.
+        link.down.store(true, Ordering::Release);
         link.fail_pending("was disconnected");
+        link.wake_room_waiters();
         // Answers to that connection's requests: the peer has failed them.
         while replies.try_recv().is_ok() {}
         if link.closed.load(Ordering::Acquire) {

@@ -1195,3 +1195,50 @@ async fn a_picked_port_is_advertised_on_the_given_host() {
     assert_ne!(addr.port(), 0);
     assert_eq!(reg.snapshot().members.get("any"), Some(&addr));
 }
+
+/// A node that dies without leaving stays a member until its lease
+/// expires, but once its connection is lost it is no longer chosen: every
+/// request goes to the address's other node at once, none waits for the
+/// dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_connection_is_lost_is_skipped_before_it_leaves() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, nb) = start(&reg, "b").await;
+    let (c, _nc) = start(&reg, "c").await;
+    let _ea = echo(&a, "x").await;
+    let _eb = echo(&b, "x").await;
+    for _ in 0..500 {
+        if reg
+            .snapshot()
+            .subscriptions
+            .get("x")
+            .is_some_and(|n| n.len() == 2)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    routed(&c, "x").await;
+    // Both answer while both are up.
+    let opts = DeliveryOptions::new().timeout(Duration::from_secs(2));
+    for i in 0..4u32 {
+        let r = c.request_with("x", format!("up {i}"), &opts).await;
+        assert!(r.is_ok(), "{r:?}");
+    }
+    drop(nb);
+    drop(b);
+    assert!(reg.snapshot().members.contains_key("b"), "still a member");
+    // Give c's link to b the moment it takes to see the connection end.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = std::time::Instant::now();
+    for i in 0..20u32 {
+        let r = c.request_with("x", format!("after {i}"), &opts).await;
+        assert!(r.is_ok(), "request {i}: {r:?}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "no request waited for the dead node: {:?}",
+        t0.elapsed()
+    );
+}
