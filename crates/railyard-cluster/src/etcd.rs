@@ -195,7 +195,10 @@ async fn keep_alive(client: Client, cfg: EtcdConfig, prefix: String, state: Arc<
         };
         match tokio::time::timeout(cfg.op_timeout, alive).await {
             Ok(Ok(Some(ttl))) if ttl > 0 => {}
-            Ok(Ok(_)) => {
+            // The stream ended without an answer: says nothing of the
+            // lease (re-registering here would swap a live lease).
+            Ok(Ok(None)) => tracing::warn!("etcd keep-alive got no answer; will retry"),
+            Ok(Ok(Some(_))) => {
                 tracing::warn!("etcd lease expired; registering the node again");
                 if let Err(e) = register(client.clone(), &cfg, &prefix, &state).await {
                     tracing::warn!(error = %e, "re-registering with etcd failed; will retry");
@@ -493,16 +496,30 @@ impl ClusterManager for EtcdManager {
         let address = address.to_owned();
         Box::pin(async move {
             let id = self.node_id()?;
-            let lease = {
+            let mut lease = {
                 let mut s = self.state.lock();
                 s.subs.insert(address.clone());
                 s.lease
             };
             let mut c = self.client.clone();
             let key = self.sub_key(&id, &address);
-            self.with_timeout(c.put(key, "", Some(PutOptions::new().with_lease(lease))))
-                .await
-                .map(|_| ())
+            // If the node re-registered under a new lease while this put
+            // was under way, its snapshot of `subs` may have missed this
+            // address: put it again under the new lease (bounded: each
+            // round needs another re-registration to repeat).
+            for _ in 0..3 {
+                let put = c.put(key.clone(), "", Some(PutOptions::new().with_lease(lease)));
+                self.with_timeout(put).await?;
+                let now = {
+                    let s = self.state.lock();
+                    (s.subs.contains(&address) && s.lease != lease).then_some(s.lease)
+                };
+                match now {
+                    Some(newer) => lease = newer,
+                    None => break,
+                }
+            }
+            Ok(())
         })
     }
 
