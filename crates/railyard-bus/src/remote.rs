@@ -14,8 +14,6 @@
 //!   which reaches local consumers only.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -115,10 +113,7 @@ pub trait ClusterHook: Send + Sync + 'static {
     /// registry's write lock: both must return at once (start work, never
     /// wait for it), and the calls come in the order the registry changed,
     /// so the last one says what the cluster should end up with.
-    fn advertise(
-        &self,
-        address: &str,
-    ) -> Pin<Box<dyn Future<Output = Result<(), BusError>> + Send>>;
+    fn advertise(&self, address: &str) -> crate::Advertisement;
 
     /// `address` lost its last non-local consumer on this node.
     fn withdraw(&self, address: &str);

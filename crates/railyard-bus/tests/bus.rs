@@ -757,11 +757,7 @@ mod remote {
     }
 
     impl ClusterHook for Hook {
-        fn advertise(
-            &self,
-            address: &str,
-        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BusError>> + Send>>
-        {
+        fn advertise(&self, address: &str) -> railyard_bus::Advertisement {
             self.events.lock().unwrap().push(format!("+{address}"));
             Box::pin(async { Ok(()) })
         }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use parking_lot::Mutex;
-use railyard_bus::{BusError, ClusterHook, EventBus, RemoteNode};
+use railyard_bus::{Advertisement, BusError, ClusterHook, EventBus, RemoteNode};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
@@ -269,10 +269,7 @@ impl Hook {
 }
 
 impl ClusterHook for Hook {
-    fn advertise(
-        &self,
-        address: &str,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BusError>> + Send>> {
+    fn advertise(&self, address: &str) -> Advertisement {
         let slot = self.want(address, true);
         let (m, a) = (self.manager.clone(), address.to_owned());
         Box::pin(async move {

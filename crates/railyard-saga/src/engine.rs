@@ -246,6 +246,25 @@ impl Drop for Marks<'_> {
     }
 }
 
+/// Marks `h` as `holder`'s (once more if it is already); `false` if
+/// another call holds it.
+fn try_mark(busy: &mut HashMap<u64, (u64, u32), Hasher>, h: u64, holder: u64) -> bool {
+    match busy.entry(h) {
+        std::collections::hash_map::Entry::Vacant(v) => {
+            v.insert((holder, 1));
+            true
+        }
+        std::collections::hash_map::Entry::Occupied(mut o) => {
+            let (who, count) = o.get_mut();
+            if *who != holder {
+                return false;
+            }
+            *count += 1;
+            true
+        }
+    }
+}
+
 /// Takes one of `holder`'s marks on `h` down; whether a waiter should be
 /// woken (the mark went and someone waits in this shard).
 fn unmark(shard: &mut Shard, h: u64, holder: u64) -> bool {
@@ -265,14 +284,13 @@ fn unmark(shard: &mut Shard, h: u64, holder: u64) -> bool {
 /// What [`Engine::classify`] found for an event.
 #[derive(Debug)]
 enum Class {
-    /// Its saga is live (or the event has no kind, which `validate`
-    /// refused already): record and apply it.
+    /// Its saga is live, or an earlier event of the same call creates it:
+    /// record and apply it.
     Live,
     /// Its saga is unknown and the event creates it: record and apply it.
     Creates,
-    /// Its saga is unknown and the event does not create it: answered
-    /// without recording, unless an earlier event of the same call creates
-    /// the saga.
+    /// Its saga is unknown and the event does not create it (or it has no
+    /// kind): answered without recording.
     Unknown,
     /// Answered from memory without recording (its saga finished).
     Answer(Outcome),
@@ -534,11 +552,13 @@ impl Engine {
             self.metrics.append_events.observe(count as f64);
             let now = Instant::now();
             let mut by_kind = [0u64; EventKind::ALL.len()];
-            for (ev, slot) in to_append.iter().zip(slots) {
+            // `marks.taken` holds each recorded event's saga hash, in order.
+            debug_assert_eq!(marks.taken.len(), to_append.len());
+            for ((ev, slot), &h) in to_append.iter().zip(slots).zip(&marks.taken) {
                 if let Some(kind) = ev.kind {
                     by_kind[usize::from(kind.code())] += 1;
                 }
-                outcomes[slot] = Some(self.apply_marked(ev, now, &marks));
+                outcomes[slot] = Some(self.apply_marked(ev, h, now, marks.holder));
             }
             // Each apply took its event's mark down.
             marks.taken.clear();
@@ -609,54 +629,43 @@ impl Engine {
         in_batch: bool,
         marks: &mut Marks<'_>,
     ) -> Result<Class, Conflict> {
+        // `validate` refused an event without a kind already.
+        let Some(kind) = ev.kind else {
+            return Ok(Class::Unknown);
+        };
         let h = self.hasher.hash_one(ev.global_tx_id.as_str());
         let i = self.shard_index(h);
         let mut guard = self.shards[i].lock();
         let shard = &mut *guard;
-        let class = match ev.kind {
-            // `validate` refused it already.
-            None => return Ok(Class::Unknown),
-            Some(_) if shard.live.contains_key(ev.global_tx_id.as_str()) => Class::Live,
-            Some(_) => match shard.finished.map.get(ev.global_tx_id.as_str()) {
-                // Row "event after a terminal state".
-                Some(s) => {
-                    return Ok(Class::Answer(Outcome::Done {
-                        aborted: s.state != SagaState::Committed,
-                    }))
-                }
-                None if in_batch => Class::Live,
-                None if saga::creates_saga(ev.kind.unwrap_or(EventKind::SagaStarted)) => {
-                    Class::Creates
-                }
-                None => return Ok(Class::Unknown),
-            },
+        let gid = ev.global_tx_id.as_str();
+        let class = if shard.live.contains_key(gid) || in_batch {
+            Class::Live
+        } else if let Some(s) = shard.finished.map.get(gid) {
+            // Row "event after a terminal state".
+            return Ok(Class::Answer(Outcome::Done {
+                aborted: s.state != SagaState::Committed,
+            }));
+        } else if saga::creates_saga(kind) {
+            Class::Creates
+        } else {
+            return Ok(Class::Unknown);
         };
-        match shard.busy.entry(h) {
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert((marks.holder, 1));
-            }
-            std::collections::hash_map::Entry::Occupied(mut o) => {
-                let (who, count) = o.get_mut();
-                if *who != marks.holder {
-                    return Err(Conflict { shard: i, hash: h });
-                }
-                *count += 1;
-            }
+        if !try_mark(&mut shard.busy, h, marks.holder) {
+            return Err(Conflict { shard: i, hash: h });
         }
         marks.taken.push(h);
         Ok(class)
     }
 
-    /// Applies one event recorded by the call holding `marks` and takes its
-    /// mark down (under the same lock).
-    fn apply_marked(&self, ev: &EventRecord, now: Instant, marks: &Marks<'_>) -> Outcome {
-        let h = self.hasher.hash_one(ev.global_tx_id.as_str());
+    /// Applies one event whose saga id hashes to `h`, recorded by the call
+    /// `holder`, and takes its mark down (under the same lock).
+    fn apply_marked(&self, ev: &EventRecord, h: u64, now: Instant, holder: u64) -> Outcome {
         let i = self.shard_index(h);
         let (outcome, wake) = {
             let mut guard = self.shards[i].lock();
             let shard = &mut *guard;
             let outcome = self.apply_in(shard, ev, now);
-            (outcome, unmark(shard, h, marks.holder))
+            (outcome, unmark(shard, h, holder))
         };
         if wake {
             self.released[i].notify_waiters();
@@ -787,13 +796,7 @@ impl Engine {
     fn expire(&self, now: Instant) -> (Vec<EventRecord>, Marks<'_>) {
         let mut budget = EXPIRE_PER_TICK;
         let mut timeouts = Vec::new();
-        let mut marks = Marks {
-            engine: self,
-            holder: self
-                .next_holder
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            taken: Vec::new(),
-        };
+        let mut marks = Marks::new(self);
         let mut postponed = Vec::new();
         // Each tick starts one shard further, so that when the budget runs
         // out the same shards do not always wait.
@@ -819,14 +822,13 @@ impl Engine {
                 match saga.deadline {
                     Some((at, DeadlineKind::SagaTimeout)) if at <= now => {
                         let h = self.hasher.hash_one(&*id);
-                        if shard.busy.contains_key(&h) {
+                        if !try_mark(&mut shard.busy, h, marks.holder) {
                             // Its events are being recorded: after them.
                             let next = now + self.config.timer_tick;
                             saga.deadline = Some((next, DeadlineKind::SagaTimeout));
                             postponed.push((next, id));
                             continue;
                         }
-                        shard.busy.insert(h, (marks.holder, 1));
                         marks.taken.push(h);
                         saga.deadline = None;
                         timeouts.push(EventRecord {

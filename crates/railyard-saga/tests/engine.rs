@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -551,13 +551,7 @@ async fn a_saga_whose_start_never_arrives_fails_after_the_orphan_wait() {
     // Nothing is compensated: whether its step stands is not known.
     assert!(try_command(&mut rx).is_none());
     c.flush().await.unwrap();
-    let failed = store
-        .finished(SagaQuery {
-            state: Some(SagaState::Failed),
-            ..SagaQuery::default()
-        })
-        .await
-        .unwrap();
+    let failed = common::finished_in(&*store, SagaState::Failed).await;
     assert_eq!(failed.len(), 1);
     assert_eq!(failed[0].global_tx_id, "g-orphan");
     let left: Vec<String> = store
@@ -649,21 +643,9 @@ async fn events_for_unknown_and_finished_sagas_follow_the_table() {
 /// participants were answered from. Calls about other sagas do not wait.
 #[tokio::test]
 async fn calls_about_one_saga_are_applied_in_the_order_they_are_logged() {
-    let appends = Arc::new(AtomicUsize::new(0));
-    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
-    let (a, o) = (appends.clone(), open_rx.clone());
     // The second append (the first after the saga started) waits for the
     // gate; every append is counted as it reaches the store.
-    let store = Arc::new(common::GatedStore::new(move || {
-        let n = a.fetch_add(1, Ordering::SeqCst);
-        let mut o = o.clone();
-        Box::pin(async move {
-            if n == 1 {
-                let _ = o.wait_for(|open| *open).await;
-            }
-            Ok(())
-        })
-    }));
+    let (store, appends, open_tx) = common::second_append_gated();
     let c = Arc::new(Coordinator::start(store.clone(), config()).await.unwrap());
     let g = "g-order";
     // A completed step, so that the abort leaves the saga compensating (no
@@ -756,19 +738,7 @@ fn a_call_meeting_another_calls_mark_waits_without_spinning() {
             .build()
             .unwrap();
         rt.block_on(async {
-            let appends = Arc::new(AtomicUsize::new(0));
-            let (open_tx, open_rx) = tokio::sync::watch::channel(false);
-            let (a, o) = (appends.clone(), open_rx);
-            let store = Arc::new(common::GatedStore::new(move || {
-                let n = a.fetch_add(1, Ordering::SeqCst);
-                let mut o = o.clone();
-                Box::pin(async move {
-                    if n == 1 {
-                        let _ = o.wait_for(|open| *open).await;
-                    }
-                    Ok(())
-                })
-            }));
+            let (store, appends, open_tx) = common::second_append_gated();
             // One shard: every saga shares it.
             let cfg = CoordinatorConfig {
                 shards: 1,

@@ -36,13 +36,7 @@ async fn a_saga_that_ends_is_committed_and_compacted() {
     server.coordinator.flush().await.unwrap();
     // Compacted: no events left, a summary kept.
     assert!(store.unfinished().await.unwrap().is_empty());
-    let done = store
-        .finished(SagaQuery {
-            state: Some(SagaState::Committed),
-            ..SagaQuery::default()
-        })
-        .await
-        .unwrap();
+    let done = common::finished_in(&*store, SagaState::Committed).await;
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].global_tx_id, g);
     assert_eq!(done[0].sub_transactions, 3);
@@ -314,13 +308,7 @@ async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_sag
     // l0 (started earlier) is not compensated once l1 could not be.
     svc.none_within(Duration::from_millis(200)).await;
     server.coordinator.flush().await.unwrap();
-    let failed = store
-        .finished(SagaQuery {
-            state: Some(SagaState::Failed),
-            ..SagaQuery::default()
-        })
-        .await
-        .unwrap();
+    let failed = common::finished_in(&*store, SagaState::Failed).await;
     assert_eq!(failed.len(), 1);
     // The last attempt was given up by its failure report (not a timeout):
     // the metric counts it all the same.

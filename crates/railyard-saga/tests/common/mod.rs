@@ -270,3 +270,39 @@ impl SagaStore for GatedStore {
         self.inner.stats()
     }
 }
+
+/// The summaries `store` keeps of sagas that finished in `state`.
+pub async fn finished_in(store: &dyn SagaStore, state: SagaState) -> Vec<SagaSummary> {
+    store
+        .finished(SagaQuery {
+            state: Some(state),
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap()
+}
+
+/// A store whose second append (the first after a test's set-up call)
+/// waits until the returned sender says `true`, counting every append as it
+/// arrives (the returned counter).
+pub fn second_append_gated() -> (
+    Arc<GatedStore>,
+    Arc<std::sync::atomic::AtomicUsize>,
+    tokio::sync::watch::Sender<bool>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let appends = Arc::new(AtomicUsize::new(0));
+    let (open_tx, open_rx) = tokio::sync::watch::channel(false);
+    let a = appends.clone();
+    let store = Arc::new(GatedStore::new(move || {
+        let n = a.fetch_add(1, Ordering::SeqCst);
+        let mut o = open_rx.clone();
+        Box::pin(async move {
+            if n == 1 {
+                let _ = o.wait_for(|open| *open).await;
+            }
+            Ok(())
+        })
+    }));
+    (store, appends, open_tx)
+}
