@@ -64,6 +64,10 @@ pub(crate) struct LinkConfig {
     pub(crate) max_frame: usize,
     pub(crate) ping_interval: Duration,
     pub(crate) ping_timeout: Duration,
+    /// How long an acceptor may take over a HELLO (see the node's
+    /// handshake); a dialer does not call the peer dead for its silence
+    /// before that.
+    pub(crate) handshake_timeout: Duration,
     pub(crate) backoff_max: Duration,
 }
 
@@ -704,8 +708,17 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
         if sink.stalled.load(Ordering::Acquire) {
             // Not reading by choice: the peer's silence proves nothing.
             sink.heard();
-        } else if sink.silent_for() > cfg.ping_timeout {
-            return format!("no frame from the peer for {:?}", cfg.ping_timeout);
+        } else {
+            // Until the peer's first frame, the acceptor may still be in its
+            // handshake (waiting for its view to list us), silent by rule.
+            let deadline = if sink.heard_anything.load(Ordering::Relaxed) {
+                cfg.ping_timeout
+            } else {
+                cfg.ping_timeout.max(cfg.handshake_timeout)
+            };
+            if sink.silent_for() > deadline {
+                return format!("no frame from the peer for {deadline:?}");
+            }
         }
         link.forget_abandoned();
         nonce += 1;
@@ -1191,6 +1204,7 @@ mod tests {
             max_frame: 1 << 20,
             ping_interval: Duration::from_secs(60),
             ping_timeout: Duration::from_secs(60),
+            handshake_timeout: Duration::from_secs(60),
             backoff_max: Duration::from_secs(60),
         });
         // "a" < "b": this side dials a loopback port that refuses, and backs off.

@@ -49,7 +49,9 @@ pub struct ClusterConfig {
     pub max_frame: usize,
     /// How often a link pings its peer (default 1 s).
     pub ping_interval: Duration,
-    /// Silence after which a link is declared dead (default 3 s).
+    /// Silence after which a link is declared dead (default 3 s). Before
+    /// the peer's first frame on a connection, the larger of this and
+    /// `handshake_timeout`: the acceptor is silent during its handshake.
     pub ping_timeout: Duration,
     /// Longest wait between reconnect attempts (default 2 s).
     pub backoff_max: Duration,
@@ -351,6 +353,7 @@ impl ClusterNode {
             max_frame: cfg.max_frame,
             ping_interval: cfg.ping_interval,
             ping_timeout: cfg.ping_timeout,
+            handshake_timeout: cfg.handshake_timeout,
             backoff_max: cfg.backoff_max,
         });
         let inner = Arc::new(NodeInner {
@@ -1022,6 +1025,43 @@ mod tests {
         let _joiner = member(&reg, "a-joiner").await;
         assert_eq!(greeted(&mut s).await, Greeted::Pong);
         assert_eq!(node.link_ids(), vec!["a-joiner".to_string()]);
+    }
+
+    /// The dialer does not call an acceptor dead for the silence of its
+    /// handshake: a request sent while the acceptor's view does not list
+    /// the dialer yet is answered once it does, though that takes longer
+    /// than the ping deadline (it failed with "disconnected" when the ping
+    /// deadline applied from the start).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_waits_out_the_acceptors_handshake_past_the_ping_deadline() {
+        let config = |c: &mut ClusterConfig| {
+            c.ping_timeout = Duration::from_millis(300);
+            c.handshake_timeout = Duration::from_secs(4);
+        };
+        let mb = Scripted::new(&[], &[]);
+        let (b_bus, b) = start_node(mb.clone(), "b", config).await;
+        let _echo = b_bus
+            .local_consumer("svc")
+            .handler(|mut m| async move {
+                let body = m.take_body();
+                let _ = m.reply(body);
+            })
+            .await
+            .unwrap();
+        let ma = Scripted::new(&[("b", b.addr())], &[("svc", "b")]);
+        let (a_bus, a) = start_node(ma, "a", config).await;
+        let quick = railyard_bus::DeliveryOptions::new().timeout(Duration::from_secs(6));
+        let asked = tokio::spawn(async move {
+            a_bus
+                .request_with("svc", String::from("hi"), &quick)
+                .await
+                .map(|r| r.body::<String>().unwrap().clone())
+        });
+        // Three ping deadlines of silence: b holds a's HELLO, not listing a.
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        mb.set(&[("a", a.addr()), ("b", b.addr())], &[]);
+        let answer = asked.await.unwrap();
+        assert_eq!(answer.unwrap(), "hi");
     }
 
     /// A stopping node's clean-up, which may run late on the blocking pool,

@@ -109,9 +109,19 @@ async fn a_dead_node_disappears_when_its_lease_expires() {
 async fn routes_keep_working_while_etcd_is_down() {
     let mut etcd = EtcdServer::start().expect("etcd starts");
     let (a, na, ma) = start(&etcd, "node-a", Duration::from_secs(10)).await;
-    let (b, _nb, _mb) = start(&etcd, "node-b", Duration::from_secs(10)).await;
+    let (b, _nb, mb) = start(&etcd, "node-b", Duration::from_secs(10)).await;
     let _e = echo(&b, "svc").await;
     eventually(10, "a routes svc to b", || !a.remote_addresses().is_empty()).await;
+    // What the outage must not undo is in place first: b's view lists a
+    // (else b never accepts a's connection, and a's ping deadline drops it:
+    // CI once stopped etcd before b's first read), and a request crossed.
+    let b_view = mb.view();
+    eventually(10, "b knows a", || {
+        b_view.borrow().members.contains_key("node-a")
+    })
+    .await;
+    let r = a.request("svc", String::from("before")).await.unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "before");
     let observer = na.observer();
     assert!(observer.view().connected);
     assert_eq!(observer.counters().store_outages.get(), 0);
