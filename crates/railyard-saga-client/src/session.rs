@@ -509,7 +509,9 @@ impl Session {
                 local_tx_id: c.local_tx_id,
                 parent_tx_id: c.parent_tx_id,
                 compensation_method: c.compensation_method,
-                payloads: Bytes::from(c.payloads),
+                // Copied out: a decoded `Bytes` may share the whole
+                // received frame, which the handler could keep alive.
+                payloads: Bytes::copy_from_slice(&c.payloads),
                 attempt: c.attempt,
             };
             let (global, local, parent, method) = (

@@ -51,7 +51,7 @@ impl Outbound {
                     local_tx_id: cmd.local_tx_id,
                     parent_tx_id: cmd.parent_tx_id,
                     compensation_method: cmd.compensation_method,
-                    payloads: cmd.payloads.to_vec(),
+                    payloads: cmd.payloads,
                 }))
                 .map_err(|e| matches!(e, TrySendError::Full(_))),
             Outbound::Native(tx, participant) => tx
@@ -61,7 +61,7 @@ impl Outbound {
                         local_tx_id: cmd.local_tx_id,
                         parent_tx_id: cmd.parent_tx_id,
                         compensation_method: cmd.compensation_method,
-                        payloads: cmd.payloads.to_vec(),
+                        payloads: cmd.payloads,
                         attempt: cmd.attempt,
                         participant: *participant,
                     })),

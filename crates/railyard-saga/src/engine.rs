@@ -903,6 +903,22 @@ impl Engine {
         }
     }
 
+    /// [`on_instance`](Self::on_instance) off the async workers: it walks
+    /// every saga waiting for an instance, and drives those of `service`,
+    /// which grows with how many wait (a service away for long can leave
+    /// thousands). Inside a runtime it runs on the blocking pool; outside
+    /// one, here.
+    pub(crate) fn instance_arrived(self: &Arc<Self>, service: &str) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let engine = self.clone();
+                let service = service.to_owned();
+                drop(rt.spawn_blocking(move || engine.on_instance(&service)));
+            }
+            Err(_) => self.on_instance(service),
+        }
+    }
+
     /// An instance of `service` registered: commands waiting for one go now.
     pub(crate) fn on_instance(&self, service: &str) {
         let now = Instant::now();

@@ -147,7 +147,7 @@ impl Coordinator {
             .metrics
             .instances
             .set(self.engine.registry.len() as i64);
-        self.engine.on_instance(service);
+        self.engine.instance_arrived(service);
         rx
     }
 

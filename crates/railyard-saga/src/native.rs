@@ -94,7 +94,9 @@ pub fn from_native(
         service_name: service.clone(),
         instance_id: instance.clone(),
         compensation_method: e.compensation_method,
-        payloads: Bytes::from(e.payloads),
+        // Copied out: a decoded `Bytes` may share the whole received
+        // batch, which a live saga would then keep alive.
+        payloads: Bytes::copy_from_slice(&e.payloads),
         timestamp_ms: e.timestamp_ms,
         timeout_s: ceil_secs(e.timeout_ms),
         forward_timeout_s: 0,
@@ -246,7 +248,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     services.sort_unstable();
     services.dedup();
     for service in services {
-        engine.on_instance(service);
+        engine.instance_arrived(service);
     }
     let slots = Arc::new(Semaphore::new(engine.config.session_in_flight.max(1)));
     let closed = engine.closed();

@@ -55,7 +55,9 @@ pub fn from_grpc(e: GrpcTxEvent) -> Result<EventRecord, InvalidEvent> {
         service_name: e.service_name.into(),
         instance_id: e.instance_id.into(),
         compensation_method: e.compensation_method,
-        payloads: Bytes::from(e.payloads),
+        // Copied out: a decoded `Bytes` may share the whole received
+        // buffer, which a live saga would then keep alive.
+        payloads: Bytes::copy_from_slice(&e.payloads),
         timestamp_ms: e.timestamp,
         timeout_s: e.timeout,
         forward_timeout_s: e.forward_timeout,
@@ -153,7 +155,7 @@ impl TxEventService for OmegaService {
                         engine.metrics.instances.set(engine.registry.len() as i64);
                         tracing::debug!(service = %cfg.service_name, instance = %cfg.instance_id, "omega instance connected");
                         link = Some(id);
-                        engine.on_instance(&cfg.service_name);
+                        engine.instance_arrived(&cfg.service_name);
                     }
                     Some(Err(_)) | None => break,
                 }

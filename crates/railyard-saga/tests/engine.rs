@@ -131,7 +131,7 @@ async fn a_saga_timeout_compensates_every_ended_step_in_reverse() {
 
     let cmd = command(&mut rx).await;
     assert_eq!((cmd.local_tx_id.as_str(), cmd.attempt), ("l2", 1));
-    assert_eq!(cmd.payloads, b"two");
+    assert_eq!(cmd.payloads, &b"two"[..]);
     assert_eq!(cmd.compensation_method, "undo-l2");
     assert_eq!(c.state(g), Some(SagaState::Compensating));
     // The timeout was recorded durably before compensation began.
@@ -146,7 +146,7 @@ async fn a_saga_timeout_compensates_every_ended_step_in_reverse() {
     submit(&c, vec![rec(EventKind::TxCompensated, g, "l2")]).await;
     let cmd = command(&mut rx).await;
     assert_eq!(cmd.local_tx_id, "l1");
-    assert_eq!(cmd.payloads, b"one");
+    assert_eq!(cmd.payloads, &b"one"[..]);
     submit(&c, vec![rec(EventKind::TxCompensated, g, "l1")]).await;
     assert_eq!(c.state(g), Some(SagaState::Compensated));
     c.flush().await.unwrap();
@@ -213,7 +213,7 @@ async fn a_step_still_running_at_timeout_is_compensated_when_it_ends() {
     );
     let cmd = command(&mut rx).await;
     assert_eq!(
-        (cmd.local_tx_id.as_str(), cmd.payloads.as_slice()),
+        (cmd.local_tx_id.as_str(), &cmd.payloads[..]),
         ("l2", &b"two"[..])
     );
     submit(&c, vec![rec(EventKind::TxCompensated, g, "l2")]).await;
@@ -274,7 +274,7 @@ async fn a_restart_recovers_sagas_and_resumes_compensation_and_timeouts() {
         (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
         (a, "l2")
     );
-    assert_eq!(cmd.payloads, b"two");
+    assert_eq!(cmd.payloads, &b"two"[..]);
     submit(&second, vec![rec(EventKind::TxCompensated, a, "l2")]).await;
     let cmd = command(&mut rx).await;
     assert_eq!(cmd.local_tx_id, "l1");

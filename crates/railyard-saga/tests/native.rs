@@ -111,7 +111,7 @@ fn lifecycle(gid: &str) -> Vec<SagaEvent> {
     for l in ["a", "b", "c"] {
         v.push(SagaEvent {
             compensation_method: "undo".into(),
-            payloads: l.as_bytes().to_vec(),
+            payloads: l.as_bytes().to_vec().into(),
             ..e(EventType::TxStarted, gid, l)
         });
         v.push(e(EventType::TxEnded, gid, l));
@@ -168,13 +168,13 @@ async fn compensation_goes_down_the_session_and_comes_back_as_events() {
             e(EventType::SagaStarted, g, g),
             SagaEvent {
                 compensation_method: "undo-a".into(),
-                payloads: vec![1, 2, 3],
+                payloads: vec![1, 2, 3].into(),
                 ..e(EventType::TxStarted, g, "a")
             },
             e(EventType::TxEnded, g, "a"),
             SagaEvent {
                 compensation_method: "undo-b".into(),
-                payloads: vec![4, 5],
+                payloads: vec![4, 5].into(),
                 ..e(EventType::TxStarted, g, "b")
             },
             e(EventType::TxEnded, g, "b"),
@@ -200,7 +200,7 @@ async fn compensation_goes_down_the_session_and_comes_back_as_events() {
         ),
         ("b", "undo-b", 1)
     );
-    assert_eq!(cmd.payloads, [4, 5]);
+    assert_eq!(cmd.payloads, &[4u8, 5][..]);
     // The participant could not compensate: retried.
     s.send(2, vec![e(EventType::TxCompensateFailed, g, "b")])
         .await;
@@ -225,7 +225,7 @@ async fn compensation_goes_down_the_session_and_comes_back_as_events() {
     }
     let next = next.unwrap();
     assert_eq!(
-        (next.local_tx_id.as_str(), next.payloads.as_slice()),
+        (next.local_tx_id.as_str(), &next.payloads[..]),
         ("a", &[1u8, 2, 3][..])
     );
     s.send(4, vec![e(EventType::TxCompensated, g, "a")]).await;

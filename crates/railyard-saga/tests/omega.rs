@@ -141,7 +141,7 @@ async fn out_of_order_and_duplicate_events_are_idempotent() {
     assert!(send(&mut c, ev("TxAbortedEvent", g, g, "svc")).await);
     let cmd = svc.next().await;
     assert_eq!(cmd.local_tx_id, "l1");
-    assert_eq!(cmd.payloads, b"first");
+    assert_eq!(cmd.payloads, &b"first"[..]);
     // TxStarted for an aborted saga: aborted=true, recorded as aborted.
     assert!(send(&mut c, started(g, "l2", "svc", b"p")).await);
     // SagaEnded after the abort: aborted=true, the saga keeps compensating.
@@ -235,7 +235,7 @@ async fn a_compensation_waits_for_an_instance_that_registers_late() {
     let mut svc = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
     let cmd = svc.next().await;
     assert_eq!(cmd.local_tx_id, "l1");
-    assert_eq!(cmd.payloads, b"payload");
+    assert_eq!(cmd.payloads, &b"payload"[..]);
     send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
     server.wait_state(g, SagaState::Compensated).await;
     server.stop().await;
@@ -265,7 +265,7 @@ async fn a_participant_reconnecting_as_a_new_instance_gets_the_pending_compensat
     let mut second = OmegaInstance::connect(&mut c, "svc", "svc-new").await;
     let cmd = second.next().await;
     assert_eq!(cmd.local_tx_id, "l1");
-    assert_eq!(cmd.payloads, b"keep-me");
+    assert_eq!(cmd.payloads, &b"keep-me"[..]);
     send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
     server.wait_state(g, SagaState::Compensated).await;
     server.stop().await;
@@ -297,7 +297,7 @@ async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_sag
     // Attempt 2: no answer (reverse timeout 300 ms).
     let cmd = svc.next().await;
     assert_eq!(
-        (cmd.local_tx_id.as_str(), cmd.payloads.as_slice()),
+        (cmd.local_tx_id.as_str(), &cmd.payloads[..]),
         ("l1", &b"one"[..])
     );
     // Attempt 3: failed again.

@@ -30,9 +30,9 @@ fn event(kind: &str, g: &str, l: &str, service: &str) -> GrpcTxEvent {
             String::new()
         },
         payloads: if kind == "TxStartedEvent" {
-            format!("payload of {g}/{l}").into_bytes()
+            format!("payload of {g}/{l}").into_bytes().into()
         } else {
-            Vec::new()
+            Default::default()
         },
         ..GrpcTxEvent::default()
     }
@@ -200,7 +200,7 @@ async fn kill_under_load_then_recover(store_args: Vec<String>) {
         c.on_tx_event(event("TxCompensatedEvent", &g, "car-1", "car"))
             .await
             .expect("compensation acknowledged");
-        compensated.insert(g, cmd.payloads);
+        compensated.insert(g, cmd.payloads.to_vec());
     }
     for g in &aborted {
         assert_eq!(
