@@ -1144,6 +1144,15 @@ impl EventBus {
         env.body
     }
 
+    /// How many other nodes `address` is routed to (0 when none).
+    pub fn remote_node_count(&self, address: &str) -> usize {
+        self.inner
+            .table
+            .load()
+            .get(address)
+            .map_or(0, |e| e.remotes.len())
+    }
+
     /// Addresses that currently list at least one remote node.
     pub fn remote_addresses(&self) -> Vec<String> {
         self.inner

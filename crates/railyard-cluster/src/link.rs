@@ -71,6 +71,10 @@ pub(crate) struct LinkConfig {
     pub(crate) backoff_max: Duration,
 }
 
+/// Pending requests a lost connection fails on the link's task (each one a
+/// message and a wake-up); more are failed on the blocking pool.
+const FAIL_INLINE: usize = 512;
+
 /// Who opens the connection of a pair: the node with the smaller id dials,
 /// so a pair has exactly one connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,10 +372,19 @@ impl Link {
             return;
         }
         self.counters.failed_on_loss.add(drained.len() as u64);
-        for h in drained {
-            h.fail(BusError::Cluster {
-                reason: format!("node {} {why} before answering", self.peer),
-            });
+        let reason = format!("node {} {why} before answering", self.peer);
+        let fail_all = move || {
+            for h in drained {
+                h.fail(BusError::Cluster {
+                    reason: reason.clone(),
+                });
+            }
+        };
+        // Up to `max_in_flight` (65,536 by default) requesters to wake: more
+        // than a few hundred is too long for the link's async task.
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) if was > FAIL_INLINE => drop(rt.spawn_blocking(fail_all)),
+            _ => fail_all(),
         }
     }
 
@@ -550,9 +563,13 @@ async fn serve(
     // first read, with the writer already running (the reader may wait for
     // it, see `ConnSink::room_for_answers`).
     inbuf.extend_from_slice(&rest);
+    // The reader first: after a stall of the process, what the peer sent
+    // meanwhile is read (and counts as heard) before the ping deadline is
+    // checked, so a live peer is not called dead for our own stall.
     tokio::select! {
-        why = write_loop(sink, bus, replies, &mut wr, cfg.max_frame) => why,
+        biased;
         why = read_loop(sink, cfg, bus, &mut rd, &mut inbuf) => why,
+        why = write_loop(sink, bus, replies, &mut wr, cfg.max_frame) => why,
         why = ping_loop(sink, cfg) => why,
     }
 }
