@@ -972,6 +972,11 @@ async fn a_slow_reader_flooded_with_deliveries_is_still_read() {
 async fn flooded_client_is_read(slow: bool) {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    // The pong waits behind what is queued and in the socket buffers (up to
+    // several MB of deliveries, each parsed by this debug-built client on
+    // a loaded machine): a long bound, which a bridge that stopped reading
+    // would still miss.
+    const PONG_WAIT: Duration = Duration::from_secs(30);
     let bus = EventBus::new();
     let config = BridgeConfig {
         outbound_queue_bytes: if slow { 16 * 1024 } else { 1 << 20 },
@@ -988,7 +993,7 @@ async fn flooded_client_is_read(slow: bool) {
         .map(|_| {
             let (bus, stop) = (bus.clone(), stop.clone());
             tokio::task::spawn_blocking(move || {
-                let deadline = std::time::Instant::now() + 2 * WAIT;
+                let deadline = std::time::Instant::now() + 2 * PONG_WAIT;
                 let mut sent = 0u64;
                 while !stop.load(Ordering::Relaxed)
                     && sent < 50_000_000
@@ -1010,7 +1015,7 @@ async fn flooded_client_is_read(slow: bool) {
     }
     c.send(json!({"type":"ping"})).await;
     let mut after = 0u64;
-    let answered = tokio::time::timeout(WAIT, async {
+    let answered = tokio::time::timeout(PONG_WAIT, async {
         loop {
             let f = c.recv().await;
             if f["type"] == "pong" {
@@ -1031,7 +1036,7 @@ async fn flooded_client_is_read(slow: bool) {
     }
     assert!(
         answered.is_ok(),
-        "no pong within {WAIT:?}: {after} deliveries after the ping, {sent} published"
+        "no pong within {PONG_WAIT:?}: {after} deliveries after the ping, {sent} published"
     );
     bridge.shutdown().await;
 }

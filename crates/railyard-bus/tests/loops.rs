@@ -83,8 +83,8 @@ impl Loop {
         self.handle.spawn(async move {
             let _ = tx.send(fut.await);
         });
-        rx.recv_timeout(Duration::from_secs(30))
-            .expect("the loop answered within 30 s")
+        rx.recv_timeout(Duration::from_secs(120))
+            .expect("the loop answered within 120 s")
     }
 }
 

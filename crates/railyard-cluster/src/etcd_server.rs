@@ -29,8 +29,12 @@ pub struct EtcdServer {
     peer_port: u16,
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// Two distinct free loopback ports: both are held until both are picked,
+/// so the second bind cannot hand back the first.
+fn free_ports() -> std::io::Result<(u16, u16)> {
+    let a = TcpListener::bind("127.0.0.1:0")?;
+    let b = TcpListener::bind("127.0.0.1:0")?;
+    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
 }
 
 impl EtcdServer {
@@ -42,11 +46,12 @@ impl EtcdServer {
         let dir = tempfile::Builder::new()
             .prefix("railyard-etcd-")
             .tempdir()?;
+        let (client_port, peer_port) = free_ports()?;
         let mut s = Self {
             child: None,
             dir,
-            client_port: free_port()?,
-            peer_port: free_port()?,
+            client_port,
+            peer_port,
         };
         s.spawn()?;
         Ok(s)

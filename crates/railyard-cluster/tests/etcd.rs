@@ -12,7 +12,9 @@ use railyard_cluster::{
 async fn manager(etcd: &EtcdServer, ttl: Duration) -> Arc<EtcdManager> {
     let mut cfg = EtcdConfig::new(vec![etcd.endpoint()]);
     cfg.lease_ttl = ttl;
-    cfg.op_timeout = Duration::from_secs(2);
+    // Far above a loaded machine's etcd round trip (a put waits for its
+    // fsync); also the gRPC keep-alive timeout.
+    cfg.op_timeout = Duration::from_secs(5);
     Arc::new(EtcdManager::connect(cfg).await.expect("etcd reachable"))
 }
 

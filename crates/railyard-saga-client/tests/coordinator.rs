@@ -94,11 +94,14 @@ impl Node {
     }
 }
 
+/// Quick timers, and a reverse timeout no handler's answer misses on a
+/// loaded machine (a resent command would add to the exact lists the tests
+/// expect); the test of a command that comes again sets a short one.
 fn fast_config() -> CoordinatorConfig {
     CoordinatorConfig {
         timer_tick: Duration::from_millis(10),
         default_retry_delay: Duration::from_millis(20),
-        default_reverse_timeout: Duration::from_secs(2),
+        default_reverse_timeout: Duration::from_secs(10),
         ..CoordinatorConfig::default()
     }
 }
@@ -199,7 +202,11 @@ async fn a_failed_step_compensates_the_ended_ones_in_reverse_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compensation_commands_past_the_clients_room_are_dropped_and_come_again() {
-    let node = Node::memory().await;
+    let config = CoordinatorConfig {
+        default_reverse_timeout: Duration::from_secs(2),
+        ..fast_config()
+    };
+    let node = Node::start(Arc::new(MemoryStore::new()), config, 0).await;
     // Handlers block until the gate opens.
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let g = gate.clone();
@@ -240,9 +247,15 @@ async fn compensation_commands_past_the_clients_room_are_dropped_and_come_again(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Two taken (one running, one waiting), one or more dropped (more if
+    // the dropped one's reverse timeout passed meanwhile and it came again).
     let stats = client.stats();
-    assert_eq!(stats.compensations, 3, "{stats:?}");
-    assert_eq!(stats.compensations_dropped, 1, "{stats:?}");
+    assert_eq!(
+        stats.compensations - stats.compensations_dropped,
+        2,
+        "{stats:?}"
+    );
+    assert!(stats.compensations_dropped >= 1, "{stats:?}");
     // Open the gate: the two held run, the dropped one comes again after
     // its reverse timeout, and every saga ends compensated.
     gate.add_permits(1_000);

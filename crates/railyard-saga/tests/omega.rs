@@ -10,10 +10,13 @@ use common::{ev, send, started, GatedStore, OmegaInstance, Server};
 use railyard_saga::{CoordinatorConfig, EventKind, SagaQuery, SagaState, SagaStore, StoreError};
 use railyard_saga_proto::omega::{GrpcServiceConfig, GrpcTxEvent};
 
+/// Quick timers, and a reverse timeout no test's answer can miss on a
+/// loaded machine (a resent command would show up as an unexpected one);
+/// the test of unanswered commands sets a short one itself.
 fn fast() -> CoordinatorConfig {
     CoordinatorConfig {
         timer_tick: Duration::from_millis(10),
-        default_reverse_timeout: Duration::from_millis(300),
+        default_reverse_timeout: Duration::from_secs(30),
         default_retry_delay: Duration::from_millis(20),
         instance_wait: Duration::from_secs(20),
         ..CoordinatorConfig::default()
@@ -273,7 +276,11 @@ async fn a_participant_reconnecting_as_a_new_instance_gets_the_pending_compensat
 
 #[tokio::test]
 async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_saga() {
-    let (server, store) = Server::memory(fast()).await;
+    let config = CoordinatorConfig {
+        default_reverse_timeout: Duration::from_millis(1500),
+        ..fast()
+    };
+    let (server, store) = Server::memory(config).await;
     let registry = railyard_saga::MetricsRegistry::default();
     server.coordinator.register_metrics(&registry);
     let mut c = server.omega().await;
@@ -294,7 +301,7 @@ async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_sag
     let cmd = svc.next().await;
     assert_eq!(cmd.local_tx_id, "l1");
     send(&mut c, ev("TxCompensateAckFailedEvent", g, "l1", "svc")).await;
-    // Attempt 2: no answer (reverse timeout 300 ms).
+    // Attempt 2: no answer (reverse timeout 1.5 s).
     let cmd = svc.next().await;
     assert_eq!(
         (cmd.local_tx_id.as_str(), &cmd.payloads[..]),

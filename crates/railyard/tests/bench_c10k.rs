@@ -5,12 +5,14 @@
 
 use std::process::Command;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Two distinct free loopback ports (both held until both are picked).
+fn free_ports() -> (u16, u16) {
+    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    (
+        a.local_addr().unwrap().port(),
+        b.local_addr().unwrap().port(),
+    )
 }
 
 #[test]
@@ -22,7 +24,7 @@ fn a_small_c10k_run_writes_a_json_row() {
     let dir = std::env::temp_dir().join(format!("railyard-c10k-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("c10k.json");
-    let (port, admin) = (free_port(), free_port());
+    let (port, admin) = free_ports();
     let out = Command::new(env!("CARGO_BIN_EXE_railyard"))
         .args([
             "bench",

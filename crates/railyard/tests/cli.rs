@@ -438,6 +438,14 @@ fn nodes_cluster_on_etcd_and_a_killed_node_drops_out() {
         while std::net::TcpStream::connect(&beta_admin).is_err() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // Polled, bounded: a 2 s lease can lapse for a moment under load.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while (metric("railyard_cluster_members") != Some(3.0)
+            || metric("railyard_cluster_store_connected") != Some(1.0))
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         assert_eq!(metric("railyard_cluster_members"), Some(3.0));
         assert_eq!(metric("railyard_cluster_store_connected"), Some(1.0));
         assert!(metric("railyard_cluster_connects_total").unwrap_or(0.0) >= 1.0);

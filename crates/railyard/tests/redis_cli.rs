@@ -195,10 +195,17 @@ fn serves_the_seed_service(extra: &[&str]) {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!((status, body.as_str()), (200, "ok"));
-    std::thread::sleep(Duration::from_millis(400));
-    let (status, stats) = get(port, "/stats").unwrap();
-    assert_eq!(status, 200);
-    let v: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    // The node's first periodic check (every 100 ms) comes, bounded.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let v = loop {
+        let (status, stats) = get(port, "/stats").unwrap();
+        assert_eq!(status, 200);
+        let v: serde_json::Value = serde_json::from_str(&stats).unwrap();
+        if v["refresh"]["checks"].as_u64().unwrap() >= 1 || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert!(v["refresh"]["checks"].as_u64().unwrap() >= 1, "{v}");
     assert_eq!(v["shards"], 3);
 }
