@@ -4,11 +4,14 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     tonic_prost_build::configure()
-        // `bytes` fields (payloads, up to 16 MiB) as `Bytes`: a decoded
-        // payload shares the received buffer, and the coordinator hands a
-        // compensation's payload to its command by reference count instead
-        // of copying it (under a shard lock).
-        .bytes(".")
+        // A compensation command's payload (up to 16 MiB) as `Bytes`: the
+        // coordinator hands the payload it keeps to the command by reference
+        // count instead of copying it (under a shard lock). Events keep
+        // `Vec<u8>`: decoded into `Bytes` they would share the received
+        // buffer (a live saga would keep it alive), and copying them out
+        // cost the native path about 4 % in three alternating pairs.
+        .bytes(".GrpcCompensateCommand.payloads")
+        .bytes(".railyard.saga.v1.Compensate.payloads")
         .build_client(true)
         .build_server(true)
         .compile_protos(

@@ -123,7 +123,7 @@ mod tests {
             local_tx_id: format!("g-{i}-1"),
             parent_tx_id: format!("g-{i}"),
             compensation_method: "undo é".into(),
-            payloads: bytes::Bytes::from_static(&[0, 1, 2, 255]),
+            payloads: vec![0, 1, 2, 255],
             timestamp_ms: 1_700_000_000_000 + i64::from(i),
             timeout_ms: i,
             reverse_retries: 3,

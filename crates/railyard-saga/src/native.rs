@@ -94,9 +94,7 @@ pub fn from_native(
         service_name: service.clone(),
         instance_id: instance.clone(),
         compensation_method: e.compensation_method,
-        // Copied out: a decoded `Bytes` may share the whole received
-        // batch, which a live saga would then keep alive.
-        payloads: Bytes::copy_from_slice(&e.payloads),
+        payloads: Bytes::from(e.payloads),
         timestamp_ms: e.timestamp_ms,
         timeout_s: ceil_secs(e.timeout_ms),
         forward_timeout_s: 0,

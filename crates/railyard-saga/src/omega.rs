@@ -55,9 +55,7 @@ pub fn from_grpc(e: GrpcTxEvent) -> Result<EventRecord, InvalidEvent> {
         service_name: e.service_name.into(),
         instance_id: e.instance_id.into(),
         compensation_method: e.compensation_method,
-        // Copied out: a decoded `Bytes` may share the whole received
-        // buffer, which a live saga would then keep alive.
-        payloads: Bytes::copy_from_slice(&e.payloads),
+        payloads: Bytes::from(e.payloads),
         timestamp_ms: e.timestamp,
         timeout_s: e.timeout,
         forward_timeout_s: e.forward_timeout,

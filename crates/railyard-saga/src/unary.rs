@@ -249,7 +249,7 @@ mod tests {
         assert_eq!(GrpcTxEvent::decode(got).unwrap(), event);
         // A 4 MiB message in HTTP/2's default 16 KiB frames.
         let big = GrpcTxEvent {
-            payloads: vec![7; 4 << 20].into(),
+            payloads: vec![7; 4 << 20],
             ..event.clone()
         };
         let wire = framed(0, &big.encode_to_vec());

@@ -111,7 +111,7 @@ fn lifecycle(gid: &str) -> Vec<SagaEvent> {
     for l in ["a", "b", "c"] {
         v.push(SagaEvent {
             compensation_method: "undo".into(),
-            payloads: l.as_bytes().to_vec().into(),
+            payloads: l.as_bytes().to_vec(),
             ..e(EventType::TxStarted, gid, l)
         });
         v.push(e(EventType::TxEnded, gid, l));
@@ -168,13 +168,13 @@ async fn compensation_goes_down_the_session_and_comes_back_as_events() {
             e(EventType::SagaStarted, g, g),
             SagaEvent {
                 compensation_method: "undo-a".into(),
-                payloads: vec![1, 2, 3].into(),
+                payloads: vec![1, 2, 3],
                 ..e(EventType::TxStarted, g, "a")
             },
             e(EventType::TxEnded, g, "a"),
             SagaEvent {
                 compensation_method: "undo-b".into(),
-                payloads: vec![4, 5].into(),
+                payloads: vec![4, 5],
                 ..e(EventType::TxStarted, g, "b")
             },
             e(EventType::TxEnded, g, "b"),

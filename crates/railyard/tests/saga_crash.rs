@@ -30,9 +30,9 @@ fn event(kind: &str, g: &str, l: &str, service: &str) -> GrpcTxEvent {
             String::new()
         },
         payloads: if kind == "TxStartedEvent" {
-            format!("payload of {g}/{l}").into_bytes().into()
+            format!("payload of {g}/{l}").into_bytes()
         } else {
-            Default::default()
+            Vec::new()
         },
         ..GrpcTxEvent::default()
     }

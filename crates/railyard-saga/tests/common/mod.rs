@@ -172,7 +172,7 @@ pub fn ev(kind: &str, gid: &str, lid: &str, service: &str) -> GrpcTxEvent {
 pub fn started(gid: &str, lid: &str, service: &str, payload: &[u8]) -> GrpcTxEvent {
     GrpcTxEvent {
         compensation_method: format!("public void com.example.{service}.undo(java.lang.String)"),
-        payloads: bytes::Bytes::copy_from_slice(payload),
+        payloads: payload.to_vec(),
         parent_tx_id: gid.into(),
         ..ev("TxStartedEvent", gid, lid, service)
     }
