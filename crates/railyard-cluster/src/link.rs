@@ -75,6 +75,52 @@ pub(crate) struct LinkConfig {
 /// message and a wake-up); more are failed on the blocking pool.
 const FAIL_INLINE: usize = 512;
 
+/// How many maps [`Pending`] splits its requests over.
+const PENDING_SHARDS: usize = 16;
+
+/// A link's requests in flight, by id, split over [`PENDING_SHARDS`] maps
+/// (by id) under the link's one lock: a request still takes the lock once
+/// and looks in one map, while `forget_abandoned` walks one map at a time.
+#[derive(Default)]
+struct Pending {
+    maps: [HashMap<u64, ReplyHandle, foldhash::fast::RandomState>; PENDING_SHARDS],
+    /// Requests in all the maps.
+    len: usize,
+}
+
+impl Pending {
+    fn map(&mut self, id: u64) -> &mut HashMap<u64, ReplyHandle, foldhash::fast::RandomState> {
+        // Ids are consecutive: they spread evenly.
+        &mut self.maps[(id % PENDING_SHARDS as u64) as usize]
+    }
+
+    fn insert(&mut self, id: u64, handle: ReplyHandle) {
+        if self.map(id).insert(id, handle).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<ReplyHandle> {
+        let h = self.map(id).remove(&id);
+        if h.is_some() {
+            self.len -= 1;
+        }
+        h
+    }
+
+    /// Keeps the requests of map `shard` for which `keep` holds.
+    fn retain_in(&mut self, shard: usize, mut keep: impl FnMut(&ReplyHandle) -> bool) {
+        let map = &mut self.maps[shard];
+        let before = map.len();
+        map.retain(|_, h| keep(h));
+        self.len -= before - map.len();
+    }
+
+    fn into_handles(self) -> impl Iterator<Item = ReplyHandle> {
+        self.maps.into_iter().flat_map(|m| m.into_values())
+    }
+}
+
 /// Who opens the connection of a pair: the node with the smaller id dials,
 /// so a pair has exactly one connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,7 +177,7 @@ pub(crate) struct Link {
     /// Requests queued or written on this link and not yet answered, failed
     /// or given up on by their requester (see `forget_abandoned`): at most
     /// `max_in_flight`.
-    pending: Mutex<HashMap<u64, ReplyHandle, foldhash::fast::RandomState>>,
+    pending: Mutex<Pending>,
     max_in_flight: usize,
     /// Bumped (under the `pending` lock) each time every pending request is
     /// failed: a queued request registered under an older value was failed
@@ -179,7 +225,7 @@ impl RemoteNode for Link {
         let (id, epoch) = match msg.reply.take() {
             Some(handle) => {
                 let mut pending = self.pending.lock();
-                if pending.len() >= self.max_in_flight {
+                if pending.len >= self.max_in_flight {
                     drop(pending);
                     msg.reply = Some(handle);
                     self.counters.link_full.add(1);
@@ -230,7 +276,7 @@ impl RemoteNode for Link {
     fn poll_request_room(&self, cx: &mut Context<'_>) -> Poll<()> {
         // Only refused requests get here: the lock is off the hot path.
         self.poll_until(cx, |l| {
-            l.has_room() && l.pending.lock().len() < l.max_in_flight
+            l.has_room() && l.pending.lock().len < l.max_in_flight
         })
     }
 }
@@ -270,9 +316,9 @@ impl Link {
     fn take_pending(&self, id: u64) -> Option<ReplyHandle> {
         let (h, was, now) = {
             let mut pending = self.pending.lock();
-            let was = pending.len();
-            let h = pending.remove(&id);
-            (h, was, pending.len())
+            let was = pending.len;
+            let h = pending.remove(id);
+            (h, was, pending.len)
         };
         self.wake_if_room(was, now);
         h
@@ -309,7 +355,7 @@ impl Link {
             tx: OutQueue::new(cfg.queue),
             replies,
             waiting: AtomicUsize::new(0),
-            pending: Mutex::new(HashMap::default()),
+            pending: Mutex::new(Pending::default()),
             max_in_flight: cfg.max_in_flight.max(1),
             fail_epoch: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
@@ -361,20 +407,21 @@ impl Link {
     }
 
     fn fail_pending(&self, why: &str) {
-        let (drained, was): (Vec<ReplyHandle>, usize) = {
+        // Taken whole under the lock (no walk there), failed after.
+        let drained = {
             let mut pending = self.pending.lock();
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
-            let was = pending.len();
-            (pending.drain().map(|(_, h)| h).collect(), was)
+            std::mem::take(&mut *pending)
         };
+        let was = drained.len;
         self.wake_if_room(was, 0);
-        if drained.is_empty() {
+        if was == 0 {
             return;
         }
-        self.counters.failed_on_loss.add(drained.len() as u64);
+        self.counters.failed_on_loss.add(was as u64);
         let reason = format!("node {} {why} before answering", self.peer);
         let fail_all = move || {
-            for h in drained {
+            for h in drained.into_handles() {
                 h.fail(BusError::Cluster {
                     reason: reason.clone(),
                 });
@@ -391,14 +438,24 @@ impl Link {
     /// Drops requests whose requester stopped waiting (timed out or
     /// dropped); their slots under `max_in_flight` come back with them. The
     /// peer may still answer them: that answer finds nothing and is ignored.
-    fn forget_abandoned(&self) {
-        let (was, now) = {
-            let mut pending = self.pending.lock();
-            let was = pending.len();
-            pending.retain(|_, h| !h.is_abandoned());
-            (was, pending.len())
-        };
-        self.wake_if_room(was, now);
+    ///
+    /// One of [`Pending`]'s maps at a time, with the lock released (and,
+    /// when many are in flight, the task yielding) in between: one walk
+    /// over up to `max_in_flight` (65,536) requests held the link's task,
+    /// and every sender waiting for the lock, for the whole of it.
+    async fn forget_abandoned(&self) {
+        for shard in 0..PENDING_SHARDS {
+            let (was, now) = {
+                let mut pending = self.pending.lock();
+                let was = pending.len;
+                pending.retain_in(shard, |h| !h.is_abandoned());
+                (was, pending.len)
+            };
+            self.wake_if_room(was, now);
+            if was > FAIL_INLINE {
+                tokio::task::yield_now().await;
+            }
+        }
     }
 
     fn complete(&self, id: u64, result: Result<(Headers, Body), BusError>) {
@@ -741,7 +798,7 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
                 }
             }
         }
-        link.forget_abandoned();
+        link.forget_abandoned().await;
         nonce += 1;
         // Through the queue, so a ping never overtakes a batch.
         let _ = link.tx.try_push(Out::Frame(Frame::Ping(nonce)));
@@ -1207,6 +1264,64 @@ mod tests {
             codec: None,
             reply: None,
         }
+    }
+
+    /// Takes what the bus hands a remote node, to get real reply handles.
+    #[derive(Debug, Default)]
+    struct Capture(parking_lot::Mutex<Vec<RemoteMessage>>);
+
+    impl RemoteNode for Capture {
+        fn id(&self) -> &str {
+            "capture"
+        }
+        fn deliver(&self, msg: RemoteMessage) -> Result<(), Box<Undelivered>> {
+            self.0.lock().push(msg);
+            Ok(())
+        }
+    }
+
+    /// `Pending`'s count follows its maps through inserts, removals, the
+    /// walk that forgets abandoned requests, and the take that fails all.
+    #[tokio::test]
+    async fn pending_counts_requests_across_its_maps() {
+        let bus = EventBus::new();
+        let capture = Arc::new(Capture::default());
+        bus.set_remote_nodes("far", vec![capture.clone() as Arc<dyn RemoteNode>]);
+        // 40 requests: the first 20 kept waiting, the other 20 given up.
+        let mut waiting = Vec::new();
+        for i in 0..40 {
+            let mut call = Box::pin(bus.request("far", String::from("q")));
+            assert!(futures_util::poll!(call.as_mut()).is_pending());
+            if i < 20 {
+                waiting.push(call);
+            }
+        }
+        let handles: Vec<ReplyHandle> = capture
+            .0
+            .lock()
+            .drain(..)
+            .map(|m| m.reply.expect("a request carries its reply handle"))
+            .collect();
+        assert_eq!(handles.len(), 40);
+        let mut p = Pending::default();
+        for (id, h) in (1u64..).zip(handles) {
+            p.insert(id, h);
+        }
+        assert_eq!(p.len, 40);
+        assert!(p.remove(99).is_none());
+        assert_eq!(p.len, 40);
+        for shard in 0..PENDING_SHARDS {
+            p.retain_in(shard, |h| !h.is_abandoned());
+        }
+        assert_eq!(p.len, 20, "the 20 given up are forgotten");
+        assert!(p.remove(1).is_some());
+        assert!(p.remove(1).is_none());
+        assert_eq!(p.len, 19);
+        let taken = std::mem::take(&mut p);
+        assert_eq!(p.len, 0);
+        assert_eq!(taken.len, 19);
+        assert_eq!(taken.into_handles().count(), 19);
+        drop(waiting);
     }
 
     #[test]
