@@ -75,6 +75,34 @@ pub(crate) struct LinkConfig {
 /// message and a wake-up); more are failed on the blocking pool.
 const FAIL_INLINE: usize = 512;
 
+/// Fails the requests a lost connection took out of [`Pending`], with a
+/// reason: run on the blocking pool, or, if tokio drops it unrun (the
+/// runtime shutting down), when dropped, so no requester is left without
+/// its error.
+struct FailJob(Option<(Pending, String)>);
+
+impl FailJob {
+    fn run(mut self) {
+        self.fail();
+    }
+
+    fn fail(&mut self) {
+        if let Some((pending, reason)) = self.0.take() {
+            for h in pending.into_handles() {
+                h.fail(BusError::Cluster {
+                    reason: reason.clone(),
+                });
+            }
+        }
+    }
+}
+
+impl Drop for FailJob {
+    fn drop(&mut self) {
+        self.fail();
+    }
+}
+
 /// How many maps [`Pending`] splits its requests over.
 const PENDING_SHARDS: usize = 16;
 
@@ -419,19 +447,15 @@ impl Link {
             return;
         }
         self.counters.failed_on_loss.add(was as u64);
-        let reason = format!("node {} {why} before answering", self.peer);
-        let fail_all = move || {
-            for h in drained.into_handles() {
-                h.fail(BusError::Cluster {
-                    reason: reason.clone(),
-                });
-            }
-        };
+        let job = FailJob(Some((
+            drained,
+            format!("node {} {why} before answering", self.peer),
+        )));
         // Up to `max_in_flight` (65,536 by default) requesters to wake: more
         // than a few hundred is too long for the link's async task.
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) if was > FAIL_INLINE => drop(rt.spawn_blocking(fail_all)),
-            _ => fail_all(),
+            Ok(rt) if was > FAIL_INLINE => drop(rt.spawn_blocking(move || job.run())),
+            _ => job.run(),
         }
     }
 
@@ -728,7 +752,12 @@ async fn read_loop(
             match handle_buffered(sink, bus, inbuf, cfg.max_frame, READ_CHUNK).await {
                 Err(why) => return why,
                 Ok(false) => break,
-                Ok(true) => tokio::task::yield_now().await,
+                Ok(true) => {
+                    // Still working through what the peer sent: not
+                    // silence, whatever the socket holds meanwhile.
+                    sink.heard();
+                    tokio::task::yield_now().await;
+                }
             }
         }
         tokio::select! {

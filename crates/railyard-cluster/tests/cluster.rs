@@ -138,6 +138,14 @@ async fn sends_round_robin_over_nodes_and_publish_reaches_every_node() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(a.remote_node_count("work"), 2, "a routes work to b and c");
+    // b publishes below: its routes to a and c as well.
+    for _ in 0..1000 {
+        if b.remote_node_count("work") == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.remote_node_count("work"), 2, "b routes work to a and c");
     for i in 0..30u64 {
         a.send("work", format!("m{i}")).unwrap();
     }

@@ -388,6 +388,31 @@ pub(crate) struct Engine {
     tasks: Mutex<Vec<AbortHandle>>,
     /// Set once the server stops: participant streams end.
     closing: tokio::sync::watch::Sender<bool>,
+    /// Services an instance of which arrived, whose waiting sagas are not
+    /// driven yet, and whether a walk to drive them is scheduled (see
+    /// [`Engine::instance_arrived`]).
+    arrivals: Mutex<(std::collections::HashSet<String>, bool)>,
+}
+
+/// [`Engine::drive_arrivals`] as a job for the blocking pool. If tokio drops
+/// it unrun (the runtime shutting down), the walk is no longer scheduled, so
+/// a later arrival (on another runtime) schedules one again.
+struct ArrivalWalk(Option<Arc<Engine>>);
+
+impl ArrivalWalk {
+    fn run(mut self) {
+        if let Some(engine) = self.0.take() {
+            engine.drive_arrivals();
+        }
+    }
+}
+
+impl Drop for ArrivalWalk {
+    fn drop(&mut self) {
+        if let Some(engine) = self.0.take() {
+            engine.arrivals.lock().1 = false;
+        }
+    }
 }
 
 impl Drop for Engine {
@@ -437,6 +462,7 @@ impl Engine {
             finish_queue: Arc::new(FinishQueue::default()),
             tasks: Mutex::new(Vec::new()),
             closing: tokio::sync::watch::channel(false).0,
+            arrivals: Mutex::new(Default::default()),
         });
         engine.recover().await?;
         let timer = tokio::spawn(timer_loop(
@@ -903,24 +929,49 @@ impl Engine {
         }
     }
 
-    /// [`on_instance`](Self::on_instance) off the async workers: it walks
-    /// every saga waiting for an instance, and drives those of `service`,
-    /// which grows with how many wait (a service away for long can leave
-    /// thousands). Inside a runtime it runs on the blocking pool; outside
-    /// one, here.
+    /// An instance of `service` registered: the sagas waiting for one are
+    /// driven by [`on_instances`](Self::on_instances), off the async
+    /// workers (it walks every saga waiting for an instance, which grows
+    /// with how many wait: a service away for long can leave thousands).
+    /// Arrivals are coalesced: one walk at a time, on the blocking pool,
+    /// takes every service that arrived before it started, so a thousand
+    /// instances reconnecting at once cost a few walks, not a thousand.
+    /// Outside a runtime the walk runs here.
     pub(crate) fn instance_arrived(self: &Arc<Self>, service: &str) {
+        let schedule = {
+            let mut a = self.arrivals.lock();
+            a.0.insert(service.to_owned());
+            !std::mem::replace(&mut a.1, true)
+        };
+        if !schedule {
+            return; // the walk under way, or scheduled, takes it
+        }
+        let walk = ArrivalWalk(Some(self.clone()));
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let engine = self.clone();
-                let service = service.to_owned();
-                drop(rt.spawn_blocking(move || engine.on_instance(&service)));
-            }
-            Err(_) => self.on_instance(service),
+            Ok(rt) => drop(rt.spawn_blocking(move || walk.run())),
+            Err(_) => walk.run(),
         }
     }
 
-    /// An instance of `service` registered: commands waiting for one go now.
-    pub(crate) fn on_instance(&self, service: &str) {
+    /// Drives the sagas waiting for the services that arrived, until no
+    /// arrival is left; then a later arrival schedules a new walk.
+    fn drive_arrivals(&self) {
+        loop {
+            let services = {
+                let mut a = self.arrivals.lock();
+                if a.0.is_empty() {
+                    a.1 = false;
+                    return;
+                }
+                std::mem::take(&mut a.0)
+            };
+            self.on_instances(&services);
+        }
+    }
+
+    /// Instances of `services` registered: commands waiting for one go now.
+    fn on_instances(&self, services: &std::collections::HashSet<String>) {
+        let arrived = |service: &str| services.contains(service);
         let now = Instant::now();
         for m in self.shards.iter() {
             let mut shard = m.lock();
@@ -935,7 +986,7 @@ impl Engine {
                 };
                 let before = (saga.deadline, saga.state);
                 let mut stats = DriveStats::default();
-                saga.on_instance(service, now, &self.registry, &self.policy, &mut stats);
+                saga.on_instance(&arrived, now, &self.registry, &self.policy, &mut stats);
                 let after = After::of(saga);
                 self.settle(shard, &id, before, after, stats);
             }

@@ -637,19 +637,18 @@ impl Saga {
         self.drive(now, route, policy, stats);
     }
 
-    /// An instance of `service` connected: a command waiting for one is
-    /// tried again now.
+    /// Instances of the services for which `arrived` holds connected: a
+    /// command waiting for one of them is tried again now.
     pub(crate) fn on_instance(
         &mut self,
-        service: &str,
+        arrived: &dyn Fn(&str) -> bool,
         now: Instant,
         route: &dyn Route,
         policy: &Policy,
         stats: &mut DriveStats,
     ) {
         if let Some(c) = self.current {
-            if matches!(c.phase, Phase::NoInstance(_)) && &*self.subs[c.sub].service_name == service
-            {
+            if matches!(c.phase, Phase::NoInstance(_)) && arrived(&self.subs[c.sub].service_name) {
                 self.drive(now, route, policy, stats);
             }
         }

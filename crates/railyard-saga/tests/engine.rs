@@ -368,7 +368,10 @@ async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
         (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
         (g, "l1")
     );
-    // Its command went: it waits for the answer, not for an instance.
+    // Its command went: it waits for the answer, not for an instance. (The
+    // walk that sent it, on the blocking pool, updates the index under the
+    // saga's shard lock, which reading its state waits for.)
+    assert_eq!(c.state(g), Some(SagaState::Compensating));
     assert_eq!(waiting(), 0);
     submit(&c, vec![rec(EventKind::TxCompensated, g, "l1")]).await;
     assert_eq!(c.state(g), Some(SagaState::Compensated));
