@@ -394,6 +394,9 @@ pub(crate) struct Engine {
     arrivals: Mutex<(std::collections::HashSet<String>, bool)>,
 }
 
+/// Waiting sagas an arrival's walk drives per hold of a shard lock.
+const WALK_CHUNK: usize = 256;
+
 /// [`Engine::drive_arrivals`] as a job for the blocking pool. If tokio drops
 /// it unrun (the runtime shutting down), the walk is no longer scheduled, so
 /// a later arrival (on another runtime) schedules one again.
@@ -974,21 +977,29 @@ impl Engine {
         let arrived = |service: &str| services.contains(service);
         let now = Instant::now();
         for m in self.shards.iter() {
-            let mut shard = m.lock();
-            let shard = &mut *shard;
-            if shard.waiting.is_empty() {
-                continue;
-            }
-            let waiting: Vec<Arc<str>> = shard.waiting.iter().cloned().collect();
-            for id in waiting {
-                let Some(saga) = shard.live.get_mut(&id) else {
+            let waiting: Vec<Arc<str>> = {
+                let shard = m.lock();
+                if shard.waiting.is_empty() {
                     continue;
-                };
-                let before = (saga.deadline, saga.state);
-                let mut stats = DriveStats::default();
-                saga.on_instance(&arrived, now, &self.registry, &self.policy, &mut stats);
-                let after = After::of(saga);
-                self.settle(shard, &id, before, after, stats);
+                }
+                shard.waiting.iter().cloned().collect()
+            };
+            // The shard lock is let go between chunks: the calls and the
+            // timer that need this shard wait for one chunk at most. A saga
+            // that started waiting meanwhile saw the instance registered.
+            for chunk in waiting.chunks(WALK_CHUNK) {
+                let mut shard = m.lock();
+                let shard = &mut *shard;
+                for id in chunk {
+                    let Some(saga) = shard.live.get_mut(id) else {
+                        continue; // finished meanwhile
+                    };
+                    let before = (saga.deadline, saga.state);
+                    let mut stats = DriveStats::default();
+                    saga.on_instance(&arrived, now, &self.registry, &self.policy, &mut stats);
+                    let after = After::of(saga);
+                    self.settle(shard, id, before, after, stats);
+                }
             }
         }
     }
