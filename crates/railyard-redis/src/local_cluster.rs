@@ -101,8 +101,16 @@ fn have(tool: &'static str) -> Result<(), LocalClusterError> {
 }
 
 /// Finds `n` consecutive ports (and their bus ports) free on loopback, in
-/// 20000..=22767, starting from a pseudo-random point.
+/// 20000..=22767, starting from a pseudo-random point. A range handed out
+/// is never handed out again in this process: parallel tests could
+/// otherwise both find one free before either's servers bound it (a
+/// daemonized `redis-server` that fails to bind still exits 0), and mix
+/// two clusters.
 pub fn free_base_port(n: usize) -> Option<u16> {
+    static TAKEN: std::sync::Mutex<Vec<std::ops::Range<u16>>> = std::sync::Mutex::new(Vec::new());
+    let mut taken = TAKEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let span = usize::from(MAX_PORT - 20000) + 1;
     if n == 0 || n > span {
         return None;
@@ -113,12 +121,20 @@ pub fn free_base_port(n: usize) -> Option<u16> {
             .map_or(0, |d| d.subsec_nanos() as usize);
     for attempt in 0..50 {
         let base = 20000 + (seed.wrapping_add(attempt * 7919) % (span - n + 1)) as u16;
+        let range = base..base + n as u16;
+        if taken
+            .iter()
+            .any(|t| t.start < range.end && range.start < t.end)
+        {
+            continue;
+        }
         let free = (0..n as u16).all(|i| {
             [base + i, base + i + 10000]
                 .iter()
                 .all(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
         });
         if free {
+            taken.push(range);
             return Some(base);
         }
     }
