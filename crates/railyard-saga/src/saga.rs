@@ -691,3 +691,229 @@ impl Saga {
         }
     }
 }
+
+/// The state machine alone, on a recording route and a hand-moved clock
+/// (the engine tests cover it through the engine, its store and its timer).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::{Cell, RefCell};
+
+    /// Records every command; takes them only while `live`.
+    #[derive(Default)]
+    struct Recorder {
+        live: Cell<bool>,
+        sent: RefCell<Vec<(String, String, Command)>>,
+    }
+
+    impl Route for Recorder {
+        fn send(&self, service: &str, preferred: &str, cmd: Command) -> RouteResult {
+            if !self.live.get() {
+                return RouteResult::NoInstance;
+            }
+            self.sent
+                .borrow_mut()
+                .push((service.to_owned(), preferred.to_owned(), cmd));
+            RouteResult::Sent
+        }
+    }
+
+    impl Recorder {
+        fn live() -> Self {
+            let r = Self::default();
+            r.live.set(true);
+            r
+        }
+
+        /// The local ids and attempts of the commands sent so far, emptied.
+        fn take(&self) -> Vec<(String, u32)> {
+            self.sent
+                .borrow_mut()
+                .drain(..)
+                .map(|(_, _, c)| (c.local_tx_id, c.attempt))
+                .collect()
+        }
+    }
+
+    fn policy() -> Policy {
+        Policy {
+            default_reverse_retries: 3,
+            default_reverse_timeout: Duration::from_secs(5),
+            default_retry_delay: Duration::from_millis(100),
+            instance_wait: Duration::from_secs(60),
+            straggler_wait: Duration::from_secs(10),
+            orphan_wait: Duration::from_secs(60),
+        }
+    }
+
+    fn ev(kind: EventKind, lid: &str, service: &str) -> EventRecord {
+        EventRecord {
+            global_tx_id: "g".into(),
+            local_tx_id: lid.into(),
+            kind: Some(kind),
+            service_name: service.into(),
+            instance_id: format!("{service}-1").into(),
+            ..EventRecord::default()
+        }
+    }
+
+    fn started(lid: &str, service: &str) -> EventRecord {
+        EventRecord {
+            compensation_method: format!("undo-{lid}"),
+            payloads: Bytes::copy_from_slice(lid.as_bytes()),
+            parent_tx_id: "g".into(),
+            ..ev(EventKind::TxStarted, lid, service)
+        }
+    }
+
+    /// A started saga with `steps` ended sub-transactions of service `svc`.
+    fn saga_with(steps: &[&str], now: Instant) -> Saga {
+        let first = ev(EventKind::SagaStarted, "g", "booking");
+        let mut s = Saga::new("g".into(), &first);
+        let mut stats = DriveStats::default();
+        s.apply(&first, now, &mut stats);
+        for lid in steps {
+            s.apply(&started(lid, "svc"), now, &mut stats);
+            s.apply(&ev(EventKind::TxEnded, lid, "svc"), now, &mut stats);
+        }
+        s
+    }
+
+    fn apply_drive(s: &mut Saga, e: &EventRecord, now: Instant, r: &Recorder) -> DriveStats {
+        let mut stats = DriveStats::default();
+        s.apply(e, now, &mut stats);
+        s.drive(now, r, &policy(), &mut stats);
+        stats
+    }
+
+    #[test]
+    fn an_abort_compensates_ended_steps_one_at_a_time_in_reverse_order() {
+        let now = Instant::now();
+        let r = Recorder::live();
+        let mut s = saga_with(&["a", "b", "c"], now);
+        assert_eq!(s.state, SagaState::Running);
+        let stats = apply_drive(&mut s, &ev(EventKind::TxAborted, "g", "booking"), now, &r);
+        assert_eq!(s.state, SagaState::Compensating);
+        assert_eq!(stats.sent, 1);
+        {
+            let sent = r.sent.borrow();
+            let (service, preferred, cmd) = &sent[0];
+            assert_eq!((service.as_str(), preferred.as_str()), ("svc", "svc-1"));
+            assert_eq!(cmd.compensation_method, "undo-c");
+            assert_eq!(&cmd.payloads[..], b"c");
+            assert_eq!(cmd.parent_tx_id, "g");
+        }
+        assert_eq!(r.take(), vec![("c".to_owned(), 1)]);
+        apply_drive(&mut s, &ev(EventKind::TxCompensated, "c", "svc"), now, &r);
+        assert_eq!(r.take(), vec![("b".to_owned(), 1)]);
+        apply_drive(&mut s, &ev(EventKind::TxCompensated, "b", "svc"), now, &r);
+        assert_eq!(r.take(), vec![("a".to_owned(), 1)]);
+        assert_eq!(s.state, SagaState::Compensating);
+        apply_drive(&mut s, &ev(EventKind::TxCompensated, "a", "svc"), now, &r);
+        assert!(r.take().is_empty());
+        assert_eq!(s.state, SagaState::Compensated);
+        assert_eq!(s.compensated, 3);
+        // A duplicate report after the end changes nothing.
+        apply_drive(&mut s, &ev(EventKind::TxCompensated, "a", "svc"), now, &r);
+        assert_eq!(s.state, SagaState::Compensated);
+        assert!(r.take().is_empty());
+    }
+
+    #[test]
+    fn an_unanswered_command_is_resent_after_its_reverse_timeout_then_given_up() {
+        let now = Instant::now();
+        let r = Recorder::live();
+        let mut s = saga_with(&["a"], now);
+        // Two attempts in all, 2 s each, 10 ms apart.
+        let mut e = started("b", "svc");
+        e.reverse_retries = 1;
+        e.reverse_timeout_s = 2;
+        e.retry_delay_ms = 10;
+        let mut stats = DriveStats::default();
+        s.apply(&e, now, &mut stats);
+        s.apply(&ev(EventKind::TxEnded, "b", "svc"), now, &mut stats);
+        apply_drive(&mut s, &ev(EventKind::TxAborted, "g", "booking"), now, &r);
+        assert_eq!(r.take(), vec![("b".to_owned(), 1)]);
+        let (at, kind) = s.deadline.expect("the reverse timeout is armed");
+        assert_eq!(kind, DeadlineKind::AckTimeout);
+        assert_eq!(at, now + Duration::from_secs(2));
+        // Before the deadline nothing moves.
+        let mut stats = DriveStats::default();
+        s.on_timer(at - Duration::from_millis(1), &r, &policy(), &mut stats);
+        assert!(r.take().is_empty());
+        // At it, the attempt fails; after the retry delay the second goes.
+        s.on_timer(at, &r, &policy(), &mut stats);
+        let (retry_at, kind) = s.deadline.expect("the retry delay is armed");
+        assert_eq!(kind, DeadlineKind::RetryDelay);
+        s.on_timer(retry_at, &r, &policy(), &mut stats);
+        assert_eq!(r.take(), vec![("b".to_owned(), 2)]);
+        assert_eq!(stats.retried, 1);
+        // The second fails too: b is given up, and the saga ends FAILED
+        // without compensating a (the issue: no compensation past a failed one).
+        let stats = apply_drive(
+            &mut s,
+            &ev(EventKind::TxCompensateAckFailed, "b", "svc"),
+            retry_at,
+            &r,
+        );
+        assert_eq!(stats.failed, 1);
+        assert_eq!(s.state, SagaState::Failed);
+        assert!(r.take().is_empty(), "nothing is sent once one failed");
+    }
+
+    #[test]
+    fn a_command_with_no_instance_waits_until_one_of_its_service_arrives() {
+        let now = Instant::now();
+        let r = Recorder::default(); // nobody connected
+        let mut s = saga_with(&["a"], now);
+        apply_drive(&mut s, &ev(EventKind::TxAborted, "g", "booking"), now, &r);
+        assert!(s.waiting_for_instance());
+        assert_eq!(s.deadline.map(|d| d.1), Some(DeadlineKind::NoInstance));
+        r.live.set(true);
+        let mut stats = DriveStats::default();
+        // Another service's instance: still waiting.
+        s.on_instance(&|svc| svc == "other", now, &r, &policy(), &mut stats);
+        assert!(s.waiting_for_instance());
+        assert!(r.take().is_empty());
+        s.on_instance(&|svc| svc == "svc", now, &r, &policy(), &mut stats);
+        assert!(!s.waiting_for_instance());
+        assert_eq!(r.take(), vec![("a".to_owned(), 1)]);
+        assert_eq!(stats.sent, 1);
+    }
+
+    #[test]
+    fn a_command_still_without_an_instance_after_the_wait_counts_as_a_failed_attempt() {
+        let now = Instant::now();
+        let r = Recorder::default();
+        let mut s = saga_with(&["a"], now);
+        let mut e = started("b", "svc");
+        e.reverse_retries = 1; // two attempts
+        e.retry_delay_ms = 10;
+        let mut stats = DriveStats::default();
+        s.apply(&e, now, &mut stats);
+        s.apply(&ev(EventKind::TxEnded, "b", "svc"), now, &mut stats);
+        apply_drive(&mut s, &ev(EventKind::TxAborted, "g", "booking"), now, &r);
+        assert!(s.waiting_for_instance());
+        // Each attempt is polled until `instance_wait` has passed, then
+        // counts as failed; after the second, b is given up.
+        let mut t = now;
+        for _ in 0..100_000 {
+            let Some((at, _)) = s.deadline else { break };
+            if s.state.is_terminal() {
+                break;
+            }
+            t = at;
+            s.on_timer(t, &r, &policy(), &mut stats);
+        }
+        let wait = policy().instance_wait;
+        assert!(
+            t >= now + wait * 2,
+            "gave up after two waits: {:?}",
+            t - now
+        );
+        assert!(t < now + wait * 2 + Duration::from_secs(1), "{:?}", t - now);
+        assert_eq!(stats.failed, 1);
+        assert_eq!(s.state, SagaState::Failed);
+        assert!(r.take().is_empty());
+    }
+}
