@@ -381,6 +381,62 @@ async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
     assert!(try_command(&mut rx).is_none());
 }
 
+/// An instance arriving while the walk for an earlier arrival is under way
+/// still gets every command that waited for it: the coalesced walks lose no
+/// arrival. (The first service has many waiting sagas, so its walk is
+/// still going when the second arrives.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_arriving_during_another_arrivals_walk_gets_its_commands() {
+    const MANY: usize = 20_000;
+    const FEW: usize = 200;
+    let cfg = CoordinatorConfig {
+        // Nothing polls again before the arrivals: only they move the sagas.
+        default_retry_delay: Duration::from_secs(60),
+        ..config()
+    };
+    let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
+        .await
+        .unwrap();
+    let of = |service: &str, e: EventRecord| EventRecord {
+        service_name: service.into(),
+        instance_id: format!("{service}-1").into(),
+        ..e
+    };
+    let mut events = Vec::new();
+    for (service, n) in [("svc-a", MANY), ("svc-b", FEW)] {
+        for i in 0..n {
+            let g = format!("g-{service}-{i}");
+            events.extend([
+                start(&g, 0),
+                of(service, tx_started(&g, "l1", b"p")),
+                of(service, rec(EventKind::TxEnded, &g, "l1")),
+                rec(EventKind::TxAborted, &g, &g),
+            ]);
+        }
+    }
+    submit(&c, events).await;
+    let mut a = c.connect_local("svc-a", "svc-a-1", MANY);
+    // a's walk is under way once its first command is out.
+    let first = command(&mut a).await;
+    assert!(first.global_tx_id.starts_with("g-svc-a-"));
+    let mut b = c.connect_local("svc-b", "svc-b-1", FEW);
+    let mut got = std::collections::HashSet::new();
+    while got.len() < FEW {
+        let cmd = tokio::time::timeout(Duration::from_secs(20), command(&mut b))
+            .await
+            .unwrap_or_else(|_| panic!("svc-b got {} of {FEW}", got.len()));
+        assert!(cmd.global_tx_id.starts_with("g-svc-b-"));
+        got.insert(cmd.global_tx_id);
+    }
+    let mut got_a = 1;
+    while got_a < MANY {
+        tokio::time::timeout(Duration::from_secs(20), command(&mut a))
+            .await
+            .unwrap_or_else(|_| panic!("svc-a got {got_a} of {MANY}"));
+        got_a += 1;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn many_commands_are_in_flight_to_one_instance_at_once() {
     let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
