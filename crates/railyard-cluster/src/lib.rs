@@ -44,6 +44,7 @@ mod link;
 mod manager;
 mod metrics;
 mod node;
+mod offload;
 mod outq;
 
 pub use etcd::{EtcdConfig, EtcdManager};

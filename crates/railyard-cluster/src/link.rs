@@ -71,37 +71,10 @@ pub(crate) struct LinkConfig {
     pub(crate) backoff_max: Duration,
 }
 
-/// Pending requests a lost connection fails on the link's task (each one a
-/// message and a wake-up); more are failed on the blocking pool.
-const FAIL_INLINE: usize = 512;
-
-/// Fails the requests a lost connection took out of [`Pending`], with a
-/// reason: run on the blocking pool, or, if tokio drops it unrun (the
-/// runtime shutting down), when dropped, so no requester is left without
-/// its error.
-struct FailJob(Option<(Pending, String)>);
-
-impl FailJob {
-    fn run(mut self) {
-        self.fail();
-    }
-
-    fn fail(&mut self) {
-        if let Some((pending, reason)) = self.0.take() {
-            for h in pending.into_handles() {
-                h.fail(BusError::Cluster {
-                    reason: reason.clone(),
-                });
-            }
-        }
-    }
-}
-
-impl Drop for FailJob {
-    fn drop(&mut self) {
-        self.fail();
-    }
-}
+/// Pending requests beyond which work over all of them leaves the link's
+/// task: failing them (each one a message and a wake-up) goes to the
+/// blocking pool, and forgetting the given-up ones yields between maps.
+const MANY_PENDING: usize = 512;
 
 /// How many maps [`Pending`] splits its requests over.
 const PENDING_SHARDS: usize = 16;
@@ -447,15 +420,21 @@ impl Link {
             return;
         }
         self.counters.failed_on_loss.add(was as u64);
-        let job = FailJob(Some((
-            drained,
-            format!("node {} {why} before answering", self.peer),
-        )));
+        let reason = format!("node {} {why} before answering", self.peer);
+        let fail_all = move || {
+            for h in drained.into_handles() {
+                h.fail(BusError::Cluster {
+                    reason: reason.clone(),
+                });
+            }
+        };
         // Up to `max_in_flight` (65,536 by default) requesters to wake: more
-        // than a few hundred is too long for the link's async task.
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) if was > FAIL_INLINE => drop(rt.spawn_blocking(move || job.run())),
-            _ => job.run(),
+        // than a few hundred is too long for the link's async task. (Run
+        // there once in every case, also if the runtime is shutting down.)
+        if was > MANY_PENDING {
+            drop(crate::offload::run_blocking(fail_all));
+        } else {
+            fail_all();
         }
     }
 
@@ -476,7 +455,7 @@ impl Link {
                 (was, pending.len)
             };
             self.wake_if_room(was, now);
-            if was > FAIL_INLINE {
+            if was > MANY_PENDING {
                 tokio::task::yield_now().await;
             }
         }

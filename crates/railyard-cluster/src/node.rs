@@ -472,34 +472,8 @@ impl ClusterNode {
         {
             return None;
         }
-        let job = CloseJob(Some(self.inner.clone()));
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => Some(rt.spawn_blocking(move || job.run())),
-            Err(_) => {
-                job.run();
-                None
-            }
-        }
-    }
-}
-
-/// [`NodeInner::close`] as a job for the blocking pool: run, or else done
-/// when dropped (tokio drops a blocking job it never starts).
-struct CloseJob(Option<Arc<NodeInner>>);
-
-impl CloseJob {
-    fn run(mut self) {
-        if let Some(inner) = self.0.take() {
-            inner.close();
-        }
-    }
-}
-
-impl Drop for CloseJob {
-    fn drop(&mut self) {
-        if let Some(inner) = self.0.take() {
-            inner.close();
-        }
+        let inner = self.inner.clone();
+        crate::offload::run_blocking(move || inner.close())
     }
 }
 

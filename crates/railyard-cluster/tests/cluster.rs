@@ -70,6 +70,18 @@ async fn routed(bus: &EventBus, address: &str) {
     panic!("{address} never became routable to another node");
 }
 
+/// Waits (up to 10 s) until `bus` routes `address` to `n` other nodes.
+async fn routed_to(bus: &EventBus, address: &str, n: usize) {
+    for _ in 0..1000 {
+        if bus.remote_node_count(address) == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let now = bus.remote_node_count(address);
+    panic!("{address} is routed to {now} other nodes, expected {n}");
+}
+
 async fn echo(bus: &EventBus, address: &str) -> railyard_bus::Consumer {
     bus.consumer(address)
         .handler(|mut m| async move {
@@ -130,22 +142,11 @@ async fn sends_round_robin_over_nodes_and_publish_reaches_every_node() {
     let mut sb = b.consumer("work").stream().await.unwrap();
     let mut sc = c.consumer("work").stream().await.unwrap();
     // a routes `work` to both other nodes (its view applied on the
-    // blocking pool), and has its own consumer.
-    for _ in 0..1000 {
-        if a.remote_node_count("work") == 2 && a.consumer_count("work") == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(a.remote_node_count("work"), 2, "a routes work to b and c");
-    // b publishes below: its routes to a and c as well.
-    for _ in 0..1000 {
-        if b.remote_node_count("work") == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(b.remote_node_count("work"), 2, "b routes work to a and c");
+    // blocking pool), and has its own consumer; b, which publishes below,
+    // routes it to a and c.
+    routed_to(&a, "work", 2).await;
+    assert_eq!(a.consumer_count("work"), 1);
+    routed_to(&b, "work", 2).await;
     for i in 0..30u64 {
         a.send("work", format!("m{i}")).unwrap();
     }
@@ -1232,13 +1233,7 @@ async fn a_node_whose_connection_is_lost_is_skipped_before_it_leaves() {
     let (c, nc) = start(&reg, "c").await;
     let _ea = echo(&a, "x").await;
     let _eb = echo(&b, "x").await;
-    for _ in 0..1000 {
-        if c.remote_node_count("x") == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(c.remote_node_count("x"), 2, "c routes x to a and b");
+    routed_to(&c, "x", 2).await;
     // Both answer while both are up.
     let opts = DeliveryOptions::new().timeout(Duration::from_secs(30));
     for i in 0..4u32 {

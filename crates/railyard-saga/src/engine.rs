@@ -192,10 +192,6 @@ struct Marks<'a> {
     taken: Vec<u64>,
 }
 
-/// A call's answers so far (`None`: to be recorded) and which events are
-/// to be recorded.
-type Classified = (Vec<Option<Outcome>>, Vec<bool>);
-
 /// Another call's mark was met: saga hash `hash`, in shard `shard`.
 struct Conflict {
     shard: usize,
@@ -226,6 +222,25 @@ impl<'a> Marks<'a> {
         }
     }
 
+    /// Marks `h` as this call's (once more if it is already) in `busy`, its
+    /// shard's map; `false` if another call holds it.
+    fn try_take(&mut self, busy: &mut HashMap<u64, (u64, u32), Hasher>, h: u64) -> bool {
+        match busy.entry(h) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((self.holder, 1));
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let (who, count) = o.get_mut();
+                if *who != self.holder {
+                    return false;
+                }
+                *count += 1;
+            }
+        }
+        self.taken.push(h);
+        true
+    }
+
     fn release(&mut self) {
         for h in self.taken.drain(..) {
             let i = self.engine.shard_index(h);
@@ -243,25 +258,6 @@ impl<'a> Marks<'a> {
 impl Drop for Marks<'_> {
     fn drop(&mut self) {
         self.release();
-    }
-}
-
-/// Marks `h` as `holder`'s (once more if it is already); `false` if
-/// another call holds it.
-fn try_mark(busy: &mut HashMap<u64, (u64, u32), Hasher>, h: u64, holder: u64) -> bool {
-    match busy.entry(h) {
-        std::collections::hash_map::Entry::Vacant(v) => {
-            v.insert((holder, 1));
-            true
-        }
-        std::collections::hash_map::Entry::Occupied(mut o) => {
-            let (who, count) = o.get_mut();
-            if *who != holder {
-                return false;
-            }
-            *count += 1;
-            true
-        }
     }
 }
 
@@ -538,7 +534,8 @@ impl Engine {
         protocol: &'static str,
     ) -> Result<Vec<Outcome>, StoreError> {
         let n = events.len();
-        let invalid: Vec<Option<Outcome>> = events
+        // Refusals first; the other answers are found by classifying.
+        let mut outcomes: Vec<Option<Outcome>> = events
             .iter()
             .map(|ev| {
                 let e = validate(ev).err()?;
@@ -552,10 +549,18 @@ impl Engine {
         // Held until this call's events are applied (or it fails or is
         // dropped): see `Marks`.
         let mut marks = Marks::new(self);
-        let (mut outcomes, keep) = loop {
-            match self.classify_call(&events, &invalid, &mut marks) {
-                Ok(found) => break found,
-                Err(c) => self.wait_for_mark(c.shard, c.hash, &mut marks).await,
+        let keep = loop {
+            match self.classify_call(&events, &mut outcomes, &mut marks) {
+                Ok(keep) => break keep,
+                Err(c) => {
+                    // Classified again after the wait: only refusals stand.
+                    for o in &mut outcomes {
+                        if !matches!(o, Some(Outcome::Invalid(_))) {
+                            *o = None;
+                        }
+                    }
+                    self.wait_for_mark(c.shard, c.hash, &mut marks).await;
+                }
             }
         };
         let slots: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
@@ -609,18 +614,18 @@ impl Engine {
             .collect())
     }
 
-    /// Classifies a call's valid events (`invalid` holds the others'
-    /// answers): the answers of those not to be recorded, and which are to
-    /// be; marks the sagas of those (see [`Marks`]). `Err` when another
-    /// call's mark was met (`marks` still holds what this pass took).
+    /// Classifies a call's events that have no answer in `outcomes` yet
+    /// (the refused ones have): answers those not to be recorded, in
+    /// `outcomes`, and returns which are to be; marks the sagas of those
+    /// (see [`Marks`]). `Err` when another call's mark was met (`marks`
+    /// still holds what this pass took, `outcomes` what it answered).
     fn classify_call(
         &self,
         events: &[EventRecord],
-        invalid: &[Option<Outcome>],
+        outcomes: &mut [Option<Outcome>],
         marks: &mut Marks<'_>,
-    ) -> Result<Classified, Conflict> {
+    ) -> Result<Vec<bool>, Conflict> {
         let n = events.len();
-        let mut outcomes = invalid.to_vec();
         let mut keep = vec![false; n];
         // Sagas an earlier event of this call will create (a batch may
         // carry a saga's whole life): only creating events add to it, and
@@ -646,7 +651,7 @@ impl Engine {
                 Class::Answer(answer) => outcomes[i] = Some(answer),
             }
         }
-        Ok((outcomes, keep))
+        Ok(keep)
     }
 
     /// What the saga's state says of an event before it is recorded
@@ -679,10 +684,9 @@ impl Engine {
         } else {
             return Ok(Class::Unknown);
         };
-        if !try_mark(&mut shard.busy, h, marks.holder) {
+        if !marks.try_take(&mut shard.busy, h) {
             return Err(Conflict { shard: i, hash: h });
         }
-        marks.taken.push(h);
         Ok(class)
     }
 
@@ -851,14 +855,13 @@ impl Engine {
                 match saga.deadline {
                     Some((at, DeadlineKind::SagaTimeout)) if at <= now => {
                         let h = self.hasher.hash_one(&*id);
-                        if !try_mark(&mut shard.busy, h, marks.holder) {
+                        if !marks.try_take(&mut shard.busy, h) {
                             // Its events are being recorded: after them.
                             let next = now + self.config.timer_tick;
                             saga.deadline = Some((next, DeadlineKind::SagaTimeout));
                             postponed.push((next, id));
                             continue;
                         }
-                        marks.taken.push(h);
                         saga.deadline = None;
                         timeouts.push(EventRecord {
                             global_tx_id: id.to_string(),

@@ -779,6 +779,20 @@ mod tests {
         s
     }
 
+    /// Adds an ended step `lid` of `svc` compensated with `retries` and a
+    /// retry delay of 10 ms (`reverse_timeout_s` 0: the policy's).
+    fn ended_step(s: &mut Saga, lid: &str, retries: i32, reverse_timeout_s: i32, now: Instant) {
+        let e = EventRecord {
+            reverse_retries: retries,
+            reverse_timeout_s,
+            retry_delay_ms: 10,
+            ..started(lid, "svc")
+        };
+        let mut stats = DriveStats::default();
+        s.apply(&e, now, &mut stats);
+        s.apply(&ev(EventKind::TxEnded, lid, "svc"), now, &mut stats);
+    }
+
     fn apply_drive(s: &mut Saga, e: &EventRecord, now: Instant, r: &Recorder) -> DriveStats {
         let mut stats = DriveStats::default();
         s.apply(e, now, &mut stats);
@@ -825,13 +839,7 @@ mod tests {
         let r = Recorder::live();
         let mut s = saga_with(&["a"], now);
         // Two attempts in all, 2 s each, 10 ms apart.
-        let mut e = started("b", "svc");
-        e.reverse_retries = 1;
-        e.reverse_timeout_s = 2;
-        e.retry_delay_ms = 10;
-        let mut stats = DriveStats::default();
-        s.apply(&e, now, &mut stats);
-        s.apply(&ev(EventKind::TxEnded, "b", "svc"), now, &mut stats);
+        ended_step(&mut s, "b", 1, 2, now);
         apply_drive(&mut s, &ev(EventKind::TxAborted, "g", "booking"), now, &r);
         assert_eq!(r.take(), vec![("b".to_owned(), 1)]);
         let (at, kind) = s.deadline.expect("the reverse timeout is armed");
@@ -886,12 +894,8 @@ mod tests {
         let now = Instant::now();
         let r = Recorder::default();
         let mut s = saga_with(&["a"], now);
-        let mut e = started("b", "svc");
-        e.reverse_retries = 1; // two attempts
-        e.retry_delay_ms = 10;
+        ended_step(&mut s, "b", 1, 0, now); // two attempts
         let mut stats = DriveStats::default();
-        s.apply(&e, now, &mut stats);
-        s.apply(&ev(EventKind::TxEnded, "b", "svc"), now, &mut stats);
         apply_drive(&mut s, &ev(EventKind::TxAborted, "g", "booking"), now, &r);
         assert!(s.waiting_for_instance());
         // Each attempt is polled until `instance_wait` has passed, then
