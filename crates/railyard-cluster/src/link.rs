@@ -825,7 +825,11 @@ async fn handle_buffered(
 ) -> Result<bool, String> {
     for _ in 0..max {
         match Frame::decode(inbuf, max_frame) {
-            Ok(Some(f)) => handle(sink, bus, f).await,
+            Ok(Some(f)) => {
+                if let Some(later) = handle(sink, bus, f) {
+                    later.await;
+                }
+            }
             Ok(None) => return Ok(false),
             Err(e) => {
                 sink.link.counters.malformed.add(1);
@@ -1070,7 +1074,7 @@ impl ConnSink {
     /// Requests already taken may still add their answers meanwhile: at
     /// most the local consumers' buffers and `MAX_WAITING` more.
     async fn room_for_answers(&self) {
-        if self.queued.load(Ordering::SeqCst) < self.queue_limit {
+        if self.room_for_an_answer() {
             return;
         }
         let link = &self.link;
@@ -1089,6 +1093,11 @@ impl ConnSink {
         }
         self.paused.store(false, Ordering::SeqCst);
         self.stalled.store(false, Ordering::Release);
+    }
+
+    /// Whether one more answer may be queued without waiting.
+    fn room_for_an_answer(&self) -> bool {
+        self.queued.load(Ordering::SeqCst) < self.queue_limit
     }
 
     /// `n` queued answers were encoded for the peer.
@@ -1117,17 +1126,20 @@ impl ReplySink for ConnSink {
 }
 
 /// Delivers an inbound message whose every local buffer was full: in a task
-/// while few are waiting, inline (pausing the reader) beyond that.
-async fn wait_for_room<F>(sink: &ConnSink, deliver: F)
+/// while few are waiting; beyond that, the returned future delivers it and
+/// the reader awaits it (reading nothing meanwhile).
+fn wait_for_room<F>(sink: &Arc<ConnSink>, deliver: F) -> Option<Later>
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
     let link = &sink.link;
     if link.waiting.load(Ordering::Relaxed) >= MAX_WAITING {
-        sink.stalled.store(true, Ordering::Release);
-        deliver.await;
-        sink.stalled.store(false, Ordering::Release);
-        return;
+        let sink = sink.clone();
+        return Some(Box::pin(async move {
+            sink.stalled.store(true, Ordering::Release);
+            deliver.await;
+            sink.stalled.store(false, Ordering::Release);
+        }));
     }
     link.waiting.fetch_add(1, Ordering::Relaxed);
     let l = link.clone();
@@ -1135,12 +1147,43 @@ where
         deliver.await;
         l.waiting.fetch_sub(1, Ordering::Relaxed);
     });
+    None
 }
 
-/// Acts on one frame from the peer.
-async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
+/// What is left of handling a frame when it must wait (all local buffers
+/// full, or the peer not reading its answers): the reader awaits it before
+/// the next frame. Rare, so boxed; the common path is a plain call.
+type Later = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Acts on one frame from the peer without waiting; what must wait comes
+/// back as a [`Later`].
+fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<Later> {
+    sink.link.counters.frames_in.add(1);
+    match frame {
+        // A request or a ping queues one answer: with no room for it, wait
+        // (reading nothing) before taking it (see `room_for_answers`).
+        f @ (Frame::Msg {
+            mode: Mode::Request,
+            ..
+        }
+        | Frame::Ping(_))
+            if !sink.room_for_an_answer() =>
+        {
+            let (sink, bus) = (sink.clone(), bus.clone());
+            Some(Box::pin(async move {
+                sink.room_for_answers().await;
+                if let Some(later) = handle_ready(&sink, &bus, f) {
+                    later.await;
+                }
+            }))
+        }
+        f => handle_ready(sink, bus, f),
+    }
+}
+
+/// [`handle`] once there is room for the frame's answer, if it has one.
+fn handle_ready(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<Later> {
     let link = &sink.link;
-    link.counters.frames_in.add(1);
     match frame {
         Frame::Msg {
             mode,
@@ -1151,9 +1194,6 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
             codec,
             body,
         } => {
-            if mode == Mode::Request {
-                sink.room_for_answers().await;
-            }
             let body = match bus.decode_body(&codec, body) {
                 Ok(b) => b,
                 Err(e) => {
@@ -1167,14 +1207,14 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                         );
                         sink.answer(Out::Frame(f));
                     }
-                    return;
+                    return None;
                 }
             };
             let mut opts = DeliveryOptions::new().local_only(true);
             opts.headers = headers_from(headers);
             match mode {
                 Mode::Send => match bus.send_with(&address, body, &opts) {
-                    Ok(()) => {}
+                    Ok(()) => None,
                     Err(e) if matches!(e.error, BusError::Full { .. }) => {
                         let (l, bus) = (link.clone(), bus.clone());
                         let body = e.into_body();
@@ -1183,20 +1223,21 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                                 l.counters.inbound_undelivered.add(1);
                             }
                         })
-                        .await;
                     }
                     Err(e) => {
                         link.counters.inbound_undelivered.add(1);
                         tracing::debug!(%address, error = %e, "a message from another node found no consumer");
+                        None
                     }
                 },
                 Mode::Publish => {
                     let _ = bus.publish_with(&address, body, &opts);
+                    None
                 }
                 Mode::Request => {
                     opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
                     match bus.request_remote(&address, body, &opts, sink.clone(), id) {
-                        Ok(()) => {}
+                        Ok(()) => None,
                         Err(e) if matches!(e.error, BusError::Full { .. }) => {
                             let (bus, s) = (bus.clone(), sink.clone());
                             let body = e.into_body();
@@ -1208,10 +1249,10 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                                     s.answer(Out::Frame(fail_frame(id, &e.error)));
                                 }
                             })
-                            .await;
                         }
                         Err(e) => {
                             sink.answer(Out::Frame(fail_frame(id, &e.error)));
+                            None
                         }
                     }
                 }
@@ -1230,6 +1271,7 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                     reason: format!("cannot decode the reply body: {e}"),
                 });
             link.complete(id, result);
+            None
         }
         Frame::Fail {
             id,
@@ -1246,15 +1288,17 @@ async fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) {
                 FailKind::Error => BusError::Cluster { reason: message },
             };
             link.complete(id, Err(e));
+            None
         }
         Frame::Ping(n) => {
-            sink.room_for_answers().await;
             sink.answer(Out::Frame(Frame::Pong(n)));
+            None
         }
-        Frame::Pong(_) => {}
+        Frame::Pong(_) => None,
         Frame::Hello { .. } => {
             // Only valid as the first frame, which the acceptor consumed.
             tracing::warn!(peer = %link.peer, "unexpected HELLO on an open link; ignored");
+            None
         }
     }
 }
