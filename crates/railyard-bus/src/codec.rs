@@ -266,6 +266,17 @@ impl CodecRegistry {
         self.by_name.get(name)
     }
 
+    /// The codec named `name`, with its registered name.
+    pub(crate) fn get_key_value(&self, name: &str) -> Option<(&Arc<str>, &Arc<dyn MessageCodec>)> {
+        self.by_name.get_key_value(name)
+    }
+
+    /// The default codec for bodies of type `t`, with its name.
+    pub(crate) fn default_for(&self, t: TypeId) -> Option<(&Arc<str>, &Arc<dyn MessageCodec>)> {
+        let name = self.defaults.get(&t)?;
+        self.by_name.get_key_value(name)
+    }
+
     /// Encodes `body` with the named codec, or the default for its type.
     /// Returns the codec name used (to send along) and the bytes.
     ///

@@ -88,7 +88,7 @@ mod spin;
 mod timeouts;
 
 pub use body::Body;
-pub use bus::{Advertisement, EventBus, PublishReport};
+pub use bus::{Advertisement, CodecCache, EventBus, PublishReport};
 pub use codec::{BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec, StringCodec};
 pub use consumer::{Consumer, ConsumerBuilder, MessageStream};
 pub use dispatch::{enable_loop_dispatch, enable_loop_dispatch_relaying_wakes};

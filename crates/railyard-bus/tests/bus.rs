@@ -545,6 +545,68 @@ async fn many_concurrent_requesters_all_get_their_own_reply() {
     assert_eq!(m.reply_failures, [0; 4]);
 }
 
+/// A transport's codec cache answers as the registry does, and sees codecs
+/// registered and defaults changed after it was made.
+#[test]
+fn codec_cache_follows_the_registry() {
+    /// Sends strings upper-cased; decodes them as they came.
+    struct Upper;
+    impl MessageCodec for Upper {
+        fn name(&self) -> &str {
+            "upper"
+        }
+        fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
+            let s = body.downcast_ref::<String>().ok_or(CodecError::NoDefault("?"))?;
+            Ok(Bytes::from(s.to_uppercase()))
+        }
+        fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
+            Ok(Body::new(String::from_utf8_lossy(&bytes).into_owned()))
+        }
+    }
+    let bus = EventBus::new();
+    let mut cache = bus.codec_cache();
+    let hello = Body::new(String::from("hello"));
+
+    let (name, bytes) = cache.encode(&hello, None).unwrap();
+    assert_eq!((&*name, &bytes[..]), ("string", &b"hello"[..]));
+    // Twice: the second answer comes from the cache.
+    let (name, bytes) = cache.encode(&hello, None).unwrap();
+    assert_eq!((&*name, &bytes[..]), ("string", &b"hello"[..]));
+    assert!(matches!(
+        cache.decode("upper", Bytes::from_static(b"X")),
+        Err(CodecError::Unknown(n)) if n == "upper"
+    ));
+    assert!(matches!(
+        cache.encode(&hello, Some("upper")),
+        Err(CodecError::Unknown(n)) if n == "upper"
+    ));
+
+    bus.register_codec(Arc::new(Upper)).unwrap();
+    let (name, bytes) = cache.encode(&hello, Some("upper")).unwrap();
+    assert_eq!((&*name, &bytes[..]), ("upper", &b"HELLO"[..]));
+    let back = cache.decode("upper", bytes).unwrap();
+    assert_eq!(back.downcast_ref::<String>().unwrap(), "HELLO");
+    // Still the old default until it changes...
+    assert_eq!(&*cache.encode(&hello, None).unwrap().0, "string");
+    bus.set_default_codec::<String>("upper").unwrap();
+    // ...and the new one right after.
+    let (name, bytes) = cache.encode(&hello, None).unwrap();
+    assert_eq!((&*name, &bytes[..]), ("upper", &b"HELLO"[..]));
+
+    // A body of another type, and the empty body, as the registry answers.
+    assert_eq!(&*cache.encode(&Body::new(7u64), None).unwrap().0, "u64");
+    assert!(matches!(
+        cache.encode(&Body::new(1u32), None),
+        Err(CodecError::NoDefault(_))
+    ));
+    let (name, bytes) = cache.encode(&Body::default(), None).unwrap();
+    assert!(name.is_empty() && bytes.is_empty());
+    assert!(cache.decode("", Bytes::new()).unwrap().is_empty());
+    // The same answers from a new cache.
+    let mut fresh = bus.codec_cache();
+    assert_eq!(&*fresh.encode(&hello, None).unwrap().0, "upper");
+}
+
 #[test]
 fn codecs_round_trip_builtin_and_user_types() {
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]

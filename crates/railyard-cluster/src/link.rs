@@ -42,8 +42,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use parking_lot::Mutex;
 use railyard_bus::{
-    Body, BusError, DeliveryOptions, EventBus, Headers, RemoteKind, RemoteMessage, RemoteNode,
-    ReplyHandle, ReplySink, Undelivered,
+    Body, BusError, CodecCache, DeliveryOptions, EventBus, Headers, RemoteKind, RemoteMessage,
+    RemoteNode, ReplyHandle, ReplySink, Undelivered,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -649,9 +649,10 @@ async fn write_loop(
     let encoded = AtomicUsize::new(0);
     // An answer to an earlier connection's request is dropped: the peer
     // failed that request when the connection ended.
-    let answer = |(for_conn, out): (u64, Out), buf: &mut BytesMut| {
+    let mut codecs = bus.codec_cache();
+    let answer = |(for_conn, out): (u64, Out), buf: &mut BytesMut, codecs: &mut CodecCache| {
         if for_conn == sink.conn {
-            encode_out(link, bus, out, buf, max_frame);
+            encode_out(link, codecs, out, buf, max_frame);
             encoded.store(encoded.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         } else {
             link.counters.stale_answers.add(1);
@@ -664,7 +665,7 @@ async fn write_loop(
                     return "link queue closed".into();
                 }
                 for out in batch.drain(..) {
-                    encode_out(link, bus, out, &mut outbuf, max_frame);
+                    encode_out(link, &mut codecs, out, &mut outbuf, max_frame);
                 }
                 link.wake_room_waiters();
             }
@@ -673,12 +674,17 @@ async fn write_loop(
                     return "link closed".into();
                 }
                 for item in reply_batch.drain(..) {
-                    answer(item, &mut outbuf);
+                    answer(item, &mut outbuf, &mut codecs);
                 }
             }
         }
         // Answers that are ready go in the same write, up to a bound.
-        fill_to(&mut outbuf, MAX_WRITE, || replies.try_recv().ok(), answer);
+        fill_to(
+            &mut outbuf,
+            MAX_WRITE,
+            || replies.try_recv().ok(),
+            |item, buf| answer(item, buf, &mut codecs),
+        );
         sink.paid(encoded.load(Ordering::Relaxed));
         encoded.store(0, Ordering::Relaxed);
         let r = wr.write_all(&outbuf).await;
@@ -719,6 +725,7 @@ async fn read_loop(
     inbuf: &mut BytesMut,
 ) -> String {
     let link = &sink.link;
+    let mut codecs = bus.codec_cache();
     loop {
         // What is buffered (at first, what came with the HELLO) is handled
         // a chunk at a time: in between, this task yields, so the tasks and
@@ -728,7 +735,7 @@ async fn read_loop(
         // before writing anything made two nodes take turns, each idle
         // while the other worked (see `READ_CHUNK`).
         loop {
-            match handle_buffered(sink, bus, inbuf, cfg.max_frame, READ_CHUNK).await {
+            match handle_buffered(sink, bus, &mut codecs, inbuf, cfg.max_frame, READ_CHUNK).await {
                 Err(why) => return why,
                 Ok(false) => break,
                 Ok(true) => {
@@ -819,6 +826,7 @@ async fn ping_loop(sink: &Arc<ConnSink>, cfg: &LinkConfig) -> String {
 async fn handle_buffered(
     sink: &Arc<ConnSink>,
     bus: &EventBus,
+    codecs: &mut CodecCache,
     inbuf: &mut BytesMut,
     max_frame: usize,
     max: usize,
@@ -826,7 +834,7 @@ async fn handle_buffered(
     for _ in 0..max {
         match Frame::decode(inbuf, max_frame) {
             Ok(Some(f)) => {
-                if let Some(later) = handle(sink, bus, f) {
+                if let Some(later) = handle(sink, bus, codecs, f) {
                     later.await;
                 }
             }
@@ -902,7 +910,13 @@ fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
 /// in `bench pingpong --nodes 2` (two runs each, 0.89-0.93 s without it,
 /// 1.07-1.20 s with it; both builds read an environment switch per message,
 /// so the figures are indicative only), and the epoch costs one load.
-fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_frame: usize) {
+fn encode_out(
+    link: &Link,
+    codecs: &mut CodecCache,
+    out: Out,
+    buf: &mut BytesMut,
+    max_frame: usize,
+) {
     match out {
         Out::Frame(f) => f.encode(buf),
         Out::Msg { id, epoch, mut msg } => {
@@ -918,7 +932,7 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                 }
                 return;
             }
-            match bus.encode_body(&msg.body, msg.codec.as_deref()) {
+            match codecs.encode(&msg.body, msg.codec.as_deref()) {
                 Ok((codec, body)) => {
                     let (mode, timeout_ms) = match msg.kind {
                         RemoteKind::Send => (Mode::Send, 0),
@@ -974,7 +988,7 @@ fn encode_out(link: &Link, bus: &EventBus, out: Out, buf: &mut BytesMut, max_fra
                         return;
                     }
                     let body = m.take_body();
-                    match bus.encode_body(&body, None) {
+                    match codecs.encode(&body, None) {
                         Ok((codec, bytes)) => {
                             let start = buf.len();
                             frame::encode_reply(buf, id, m.headers().iter(), &codec, &bytes);
@@ -1157,7 +1171,12 @@ type Later = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// Acts on one frame from the peer without waiting; what must wait comes
 /// back as a [`Later`].
-fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<Later> {
+fn handle(
+    sink: &Arc<ConnSink>,
+    bus: &EventBus,
+    codecs: &mut CodecCache,
+    frame: Frame,
+) -> Option<Later> {
     sink.link.counters.frames_in.add(1);
     match frame {
         // A request or a ping queues one answer: with no room for it, wait
@@ -1172,17 +1191,23 @@ fn handle(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<Later> {
             let (sink, bus) = (sink.clone(), bus.clone());
             Some(Box::pin(async move {
                 sink.room_for_answers().await;
-                if let Some(later) = handle_ready(&sink, &bus, f) {
+                let mut codecs = bus.codec_cache();
+                if let Some(later) = handle_ready(&sink, &bus, &mut codecs, f) {
                     later.await;
                 }
             }))
         }
-        f => handle_ready(sink, bus, f),
+        f => handle_ready(sink, bus, codecs, f),
     }
 }
 
 /// [`handle`] once there is room for the frame's answer, if it has one.
-fn handle_ready(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<Later> {
+fn handle_ready(
+    sink: &Arc<ConnSink>,
+    bus: &EventBus,
+    codecs: &mut CodecCache,
+    frame: Frame,
+) -> Option<Later> {
     let link = &sink.link;
     match frame {
         Frame::Msg {
@@ -1194,7 +1219,7 @@ fn handle_ready(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<La
             codec,
             body,
         } => {
-            let body = match bus.decode_body(&codec, body) {
+            let body = match codecs.decode(&codec, body) {
                 Ok(b) => b,
                 Err(e) => {
                     link.counters.decode_failures.add(1);
@@ -1264,8 +1289,8 @@ fn handle_ready(sink: &Arc<ConnSink>, bus: &EventBus, frame: Frame) -> Option<La
             codec,
             body,
         } => {
-            let result = bus
-                .decode_body(&codec, body)
+            let result = codecs
+                .decode(&codec, body)
                 .map(|b| (headers_from(headers), b))
                 .map_err(|e| BusError::Cluster {
                     reason: format!("cannot decode the reply body: {e}"),
