@@ -556,7 +556,9 @@ fn codec_cache_follows_the_registry() {
             "upper"
         }
         fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
-            let s = body.downcast_ref::<String>().ok_or(CodecError::NoDefault("?"))?;
+            let s = body
+                .downcast_ref::<String>()
+                .ok_or(CodecError::NoDefault("?"))?;
             Ok(Bytes::from(s.to_uppercase()))
         }
         fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
