@@ -570,10 +570,10 @@ fn codec_cache_follows_the_registry() {
     let hello = Body::new(String::from("hello"));
 
     let (name, bytes) = cache.encode(&hello, None).unwrap();
-    assert_eq!((&*name, &bytes[..]), ("string", &b"hello"[..]));
+    assert_eq!((name, &bytes[..]), ("string", &b"hello"[..]));
     // Twice: the second answer comes from the cache.
     let (name, bytes) = cache.encode(&hello, None).unwrap();
-    assert_eq!((&*name, &bytes[..]), ("string", &b"hello"[..]));
+    assert_eq!((name, &bytes[..]), ("string", &b"hello"[..]));
     assert!(matches!(
         cache.decode("upper", Bytes::from_static(b"X")),
         Err(CodecError::Unknown(n)) if n == "upper"
@@ -585,18 +585,18 @@ fn codec_cache_follows_the_registry() {
 
     bus.register_codec(Arc::new(Upper)).unwrap();
     let (name, bytes) = cache.encode(&hello, Some("upper")).unwrap();
-    assert_eq!((&*name, &bytes[..]), ("upper", &b"HELLO"[..]));
+    assert_eq!((name, &bytes[..]), ("upper", &b"HELLO"[..]));
     let back = cache.decode("upper", bytes).unwrap();
     assert_eq!(back.downcast_ref::<String>().unwrap(), "HELLO");
     // Still the old default until it changes...
-    assert_eq!(&*cache.encode(&hello, None).unwrap().0, "string");
+    assert_eq!(cache.encode(&hello, None).unwrap().0, "string");
     bus.set_default_codec::<String>("upper").unwrap();
     // ...and the new one right after.
     let (name, bytes) = cache.encode(&hello, None).unwrap();
-    assert_eq!((&*name, &bytes[..]), ("upper", &b"HELLO"[..]));
+    assert_eq!((name, &bytes[..]), ("upper", &b"HELLO"[..]));
 
     // A body of another type, and the empty body, as the registry answers.
-    assert_eq!(&*cache.encode(&Body::new(7u64), None).unwrap().0, "u64");
+    assert_eq!(cache.encode(&Body::new(7u64), None).unwrap().0, "u64");
     assert!(matches!(
         cache.encode(&Body::new(1u32), None),
         Err(CodecError::NoDefault(_))
@@ -606,7 +606,7 @@ fn codec_cache_follows_the_registry() {
     assert!(cache.decode("", Bytes::new()).unwrap().is_empty());
     // The same answers from a new cache.
     let mut fresh = bus.codec_cache();
-    assert_eq!(&*fresh.encode(&hello, None).unwrap().0, "upper");
+    assert_eq!(fresh.encode(&hello, None).unwrap().0, "upper");
 }
 
 #[test]

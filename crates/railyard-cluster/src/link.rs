@@ -950,7 +950,7 @@ fn encode_out(
                         timeout_ms,
                         &msg.address,
                         msg.headers.iter(),
-                        &codec,
+                        codec,
                         &body,
                     );
                     if let Some(len) = take_back_if_over(buf, start, max_frame) {
@@ -991,7 +991,7 @@ fn encode_out(
                     match codecs.encode(&body, None) {
                         Ok((codec, bytes)) => {
                             let start = buf.len();
-                            frame::encode_reply(buf, id, m.headers().iter(), &codec, &bytes);
+                            frame::encode_reply(buf, id, m.headers().iter(), codec, &bytes);
                             let Some(len) = take_back_if_over(buf, start, max_frame) else {
                                 return;
                             };
