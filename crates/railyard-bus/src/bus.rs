@@ -503,7 +503,7 @@ impl EventBus {
         self.inner.shared.counters.published.add(1);
         let table = self.snapshot();
         let mut report = PublishReport::default();
-        if let Some(entry) = table.get(address) {
+        if let Some((key, entry)) = table.get_key_value(address) {
             for q in entry.consumers.iter() {
                 let copy = Envelope {
                     headers: env.headers.clone(),
@@ -518,10 +518,10 @@ impl EventBus {
                 }
             }
             if !options.local_only {
-                let address: Arc<str> = address.into();
                 for node in entry.remotes.iter() {
                     let msg = RemoteMessage {
-                        address: address.clone(),
+                        // The registry's own key: no copy of the address.
+                        address: key.clone(),
                         kind: RemoteKind::Publish,
                         headers: env.headers.clone(),
                         body: env.body.clone(),
@@ -699,8 +699,8 @@ impl EventBus {
         options: &DeliveryOptions,
     ) -> Result<(), (BusError, Envelope, Option<Room>)> {
         let table = self.snapshot();
-        let entry = table.get(address);
-        let (locals, remotes) = entry.map_or((0, 0), |e| {
+        let entry = table.get_key_value(address);
+        let (locals, remotes) = entry.map_or((0, 0), |(_, e)| {
             let remotes = if options.local_only {
                 0
             } else {
@@ -709,7 +709,7 @@ impl EventBus {
             (e.consumers.len(), remotes)
         });
         let n = locals + remotes;
-        let Some(entry) = entry.filter(|_| n > 0) else {
+        let Some((key, entry)) = entry.filter(|_| n > 0) else {
             self.inner.shared.counters.undeliverable.add(1);
             return Err((
                 BusError::NoHandlers {
@@ -739,7 +739,7 @@ impl EventBus {
                 }
             } else {
                 let node = &entry.remotes[idx - locals];
-                match self.route_remote(node, address, env, options) {
+                match self.route_remote(node, key, env, options) {
                     Ok(()) => return Ok(()),
                     Err((e, back)) => {
                         if matches!(e, BusError::Full { .. }) && full.is_none() {
@@ -777,7 +777,7 @@ impl EventBus {
     fn route_remote(
         &self,
         node: &Arc<dyn RemoteNode>,
-        address: &str,
+        address: &Arc<str>,
         env: Envelope,
         options: &DeliveryOptions,
     ) -> Result<(), (BusError, Envelope)> {
@@ -789,7 +789,8 @@ impl EventBus {
             RemoteKind::Send
         };
         let msg = RemoteMessage {
-            address: address.into(),
+            // The registry's own key: no copy of the address per message.
+            address: address.clone(),
             kind,
             headers: env.headers,
             body: env.body,
