@@ -457,8 +457,8 @@ async fn bursts_larger_than_a_read_chunk_keep_order_and_answers() {
     // would then wait forever (and fail the test) instead of being picked
     // up when the next ping arrives.
     let quiet = Duration::from_secs(3600);
-    let (a, _na) = start_pinging(&reg, "a", quiet).await;
-    let (b, _nb) = start_pinging(&reg, "b", quiet).await;
+    let (a, na) = start_pinging(&reg, "a", quiet).await;
+    let (b, nb) = start_pinging(&reg, "b", quiet).await;
     let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let s2 = seen.clone();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -515,6 +515,28 @@ async fn bursts_larger_than_a_read_chunk_keep_order_and_answers() {
     }
     assert_eq!(*seen.lock(), (0..SENDS).collect::<Vec<_>>());
     assert_eq!(back, (0..SENDS).collect::<Vec<_>>());
+    // Every frame is counted, answers included: a wrote the sends and the
+    // requests, b the sends back and the replies. (Counts are added once
+    // per read chunk or write, so the last ones may land just after.)
+    let both_ways = SENDS + REQUESTS;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (ca, cb) = (na.counters(), nb.counters());
+        let counts = [
+            ca.frames_out.get(),
+            cb.frames_in.get(),
+            cb.frames_out.get(),
+            ca.frames_in.get(),
+        ];
+        if counts.iter().all(|&n| n >= both_ways) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "frames counted (a out, b in, b out, a in): {counts:?}, expected {both_ways} each"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// 4,000 requests in flight at once, each answered with 1 KiB (4 MiB of
