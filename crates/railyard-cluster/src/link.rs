@@ -79,46 +79,95 @@ const MANY_PENDING: usize = 512;
 /// How many maps [`Pending`] splits its requests over.
 const PENDING_SHARDS: usize = 16;
 
-/// A link's requests in flight, by id, split over [`PENDING_SHARDS`] maps
-/// (by id) under the link's one lock: a request still takes the lock once
-/// and looks in one map, while `forget_abandoned` walks one map at a time.
+type PendingMap = HashMap<u64, ReplyHandle, foldhash::fast::RandomState>;
+
+/// One of [`Pending`]'s maps under its own lock, on cache lines of its own
+/// (so two threads working on neighbouring maps do not share a line).
+#[repr(align(128))]
+#[derive(Default)]
+struct PendingShard(Mutex<PendingMap>);
+
+/// A link's requests in flight, by id, split over [`PENDING_SHARDS`] maps,
+/// each under its own lock: the senders adding requests and the reader
+/// taking them out as answers arrive mostly work on different maps at once
+/// (ids are consecutive, the answered ones far behind the new ones).
+/// `forget_abandoned` walks one map at a time; failing them all takes every
+/// lock, in order, at once.
 #[derive(Default)]
 struct Pending {
-    maps: [HashMap<u64, ReplyHandle, foldhash::fast::RandomState>; PENDING_SHARDS],
-    /// Requests in all the maps.
-    len: usize,
+    maps: [PendingShard; PENDING_SHARDS],
+    /// Requests in the maps, plus the ones being added (counted before
+    /// their map's lock is taken, so `max_in_flight` holds under races).
+    len: AtomicUsize,
 }
 
 impl Pending {
-    fn map(&mut self, id: u64) -> &mut HashMap<u64, ReplyHandle, foldhash::fast::RandomState> {
+    fn map(&self, id: u64) -> &Mutex<PendingMap> {
         // Ids are consecutive: they spread evenly.
-        &mut self.maps[(id % PENDING_SHARDS as u64) as usize]
+        &self.maps[(id % PENDING_SHARDS as u64) as usize].0
     }
 
-    fn insert(&mut self, id: u64, handle: ReplyHandle) {
-        if self.map(id).insert(id, handle).is_none() {
-            self.len += 1;
-        }
+    fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
     }
 
-    fn remove(&mut self, id: u64) -> Option<ReplyHandle> {
-        let h = self.map(id).remove(&id);
-        if h.is_some() {
-            self.len -= 1;
-        }
-        h
+    /// Counts one more request, unless `max` are in flight already. (A
+    /// compare-and-swap, not an add undone on refusal: a count briefly over
+    /// the limit could make a removal that frees a slot miss waking the
+    /// senders waiting for one.)
+    fn reserve(&self, max: usize) -> bool {
+        self.len
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
     }
 
-    /// Keeps the requests of map `shard` for which `keep` holds.
-    fn retain_in(&mut self, shard: usize, mut keep: impl FnMut(&ReplyHandle) -> bool) {
-        let map = &mut self.maps[shard];
+    /// Adds request `id`, counted by [`reserve`](Self::reserve); returns
+    /// what `read` reads while the request's map is locked (the link's
+    /// failure epoch: see [`take_all`](Self::take_all)).
+    fn insert<R>(&self, id: u64, handle: ReplyHandle, read: impl FnOnce() -> R) -> R {
+        let mut map = self.map(id).lock();
+        map.insert(id, handle);
+        read()
+    }
+
+    /// Takes request `id` out, with the count before it went.
+    fn remove(&self, id: u64) -> Option<(ReplyHandle, usize)> {
+        let h = self.map(id).lock().remove(&id)?;
+        Some((h, self.len.fetch_sub(1, Ordering::AcqRel)))
+    }
+
+    /// Keeps the requests of map `shard` for which `keep` holds; the count
+    /// before and after.
+    fn retain_in(
+        &self,
+        shard: usize,
+        mut keep: impl FnMut(&ReplyHandle) -> bool,
+    ) -> (usize, usize) {
+        let mut map = self.maps[shard].0.lock();
         let before = map.len();
         map.retain(|_, h| keep(h));
-        self.len -= before - map.len();
+        let gone = before - map.len();
+        drop(map);
+        let was = self.len.fetch_sub(gone, Ordering::AcqRel);
+        (was, was - gone)
     }
 
-    fn into_handles(self) -> impl Iterator<Item = ReplyHandle> {
-        self.maps.into_iter().flat_map(|m| m.into_values())
+    /// Takes every request out, running `with_all_locked` while all the maps
+    /// are locked (a request added meanwhile is in them or reads what it
+    /// changed); the requests and the count before.
+    fn take_all(&self, with_all_locked: impl FnOnce()) -> (Vec<PendingMap>, usize) {
+        let mut guards: Vec<_> = self.maps.iter().map(|m| m.0.lock()).collect();
+        with_all_locked();
+        let taken: Vec<PendingMap> = guards
+            .iter_mut()
+            .map(|g| std::mem::take(&mut **g))
+            .collect();
+        drop(guards);
+        let n = taken.iter().map(HashMap::len).sum();
+        let was = self.len.fetch_sub(n, Ordering::AcqRel);
+        (taken, was)
     }
 }
 
@@ -178,7 +227,7 @@ pub(crate) struct Link {
     /// Requests queued or written on this link and not yet answered, failed
     /// or given up on by their requester (see `forget_abandoned`): at most
     /// `max_in_flight`.
-    pending: Mutex<Pending>,
+    pending: Pending,
     max_in_flight: usize,
     /// Bumped (under the `pending` lock) each time every pending request is
     /// failed: a queued request registered under an older value was failed
@@ -225,9 +274,7 @@ impl RemoteNode for Link {
         }
         let (id, epoch) = match msg.reply.take() {
             Some(handle) => {
-                let mut pending = self.pending.lock();
-                if pending.len >= self.max_in_flight {
-                    drop(pending);
+                if !self.pending.reserve(self.max_in_flight) {
                     msg.reply = Some(handle);
                     self.counters.link_full.add(1);
                     return Err(Box::new(Undelivered {
@@ -238,8 +285,10 @@ impl RemoteNode for Link {
                     }));
                 }
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                pending.insert(id, handle);
-                (id, self.fail_epoch.load(Ordering::Acquire))
+                let epoch = self
+                    .pending
+                    .insert(id, handle, || self.fail_epoch.load(Ordering::Acquire));
+                (id, epoch)
             }
             None => (0, 0),
         };
@@ -276,9 +325,7 @@ impl RemoteNode for Link {
 
     fn poll_request_room(&self, cx: &mut Context<'_>) -> Poll<()> {
         // Only refused requests get here: the lock is off the hot path.
-        self.poll_until(cx, |l| {
-            l.has_room() && l.pending.lock().len < l.max_in_flight
-        })
+        self.poll_until(cx, |l| l.has_room() && l.pending.len() < l.max_in_flight)
     }
 }
 
@@ -315,14 +362,9 @@ impl Link {
     /// Removes request `id` from `pending`, waking room waiters if that made
     /// room under the limit.
     fn take_pending(&self, id: u64) -> Option<ReplyHandle> {
-        let (h, was, now) = {
-            let mut pending = self.pending.lock();
-            let was = pending.len;
-            let h = pending.remove(id);
-            (h, was, pending.len)
-        };
-        self.wake_if_room(was, now);
-        h
+        let (h, was) = self.pending.remove(id)?;
+        self.wake_if_room(was, was - 1);
+        Some(h)
     }
 
     fn wake_if_room(&self, was: usize, now: usize) {
@@ -356,7 +398,7 @@ impl Link {
             tx: OutQueue::new(cfg.queue),
             replies,
             waiting: AtomicUsize::new(0),
-            pending: Mutex::new(Pending::default()),
+            pending: Pending::default(),
             max_in_flight: cfg.max_in_flight.max(1),
             fail_epoch: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
@@ -409,20 +451,18 @@ impl Link {
 
     fn fail_pending(&self, why: &str) {
         // Taken whole under the lock (no walk there), failed after.
-        let drained = {
-            let mut pending = self.pending.lock();
+        let (drained, before) = self.pending.take_all(|| {
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
-            std::mem::take(&mut *pending)
-        };
-        let was = drained.len;
-        self.wake_if_room(was, 0);
+        });
+        let was: usize = drained.iter().map(HashMap::len).sum();
+        self.wake_if_room(before, before - was);
         if was == 0 {
             return;
         }
         self.counters.failed_on_loss.add(was as u64);
         let reason = format!("node {} {why} before answering", self.peer);
         let fail_all = move || {
-            for h in drained.into_handles() {
+            for h in drained.into_iter().flat_map(HashMap::into_values) {
                 h.fail(BusError::Cluster {
                     reason: reason.clone(),
                 });
@@ -448,12 +488,7 @@ impl Link {
     /// and every sender waiting for the lock, for the whole of it.
     async fn forget_abandoned(&self) {
         for shard in 0..PENDING_SHARDS {
-            let (was, now) = {
-                let mut pending = self.pending.lock();
-                let was = pending.len;
-                pending.retain_in(shard, |h| !h.is_abandoned());
-                (was, pending.len)
-            };
+            let (was, now) = self.pending.retain_in(shard, |h| !h.is_abandoned());
             self.wake_if_room(was, now);
             if was > MANY_PENDING {
                 tokio::task::yield_now().await;
@@ -1406,24 +1441,30 @@ mod tests {
             .map(|m| m.reply.expect("a request carries its reply handle"))
             .collect();
         assert_eq!(handles.len(), 40);
-        let mut p = Pending::default();
+        let p = Pending::default();
         for (id, h) in (1u64..).zip(handles) {
-            p.insert(id, h);
+            assert!(p.reserve(40));
+            p.insert(id, h, || ());
         }
-        assert_eq!(p.len, 40);
+        assert_eq!(p.len(), 40);
+        assert!(!p.reserve(40), "at the limit, no more");
+        assert_eq!(p.len(), 40);
         assert!(p.remove(99).is_none());
-        assert_eq!(p.len, 40);
+        assert_eq!(p.len(), 40);
+        let mut last = (0, 0);
         for shard in 0..PENDING_SHARDS {
-            p.retain_in(shard, |h| !h.is_abandoned());
+            last = p.retain_in(shard, |h| !h.is_abandoned());
         }
-        assert_eq!(p.len, 20, "the 20 given up are forgotten");
-        assert!(p.remove(1).is_some());
+        assert_eq!(last.1, 20);
+        assert_eq!(p.len(), 20, "the 20 given up are forgotten");
+        assert_eq!(p.remove(1).map(|(_, was)| was), Some(20));
         assert!(p.remove(1).is_none());
-        assert_eq!(p.len, 19);
-        let taken = std::mem::take(&mut p);
-        assert_eq!(p.len, 0);
-        assert_eq!(taken.len, 19);
-        assert_eq!(taken.into_handles().count(), 19);
+        assert_eq!(p.len(), 19);
+        let mut saw_locked = false;
+        let (taken, before) = p.take_all(|| saw_locked = true);
+        assert!(saw_locked);
+        assert_eq!((before, p.len()), (19, 0));
+        assert_eq!(taken.into_iter().map(|m| m.len()).sum::<usize>(), 19);
         drop(waiting);
     }
 
