@@ -229,9 +229,10 @@ pub(crate) struct Link {
     /// `max_in_flight`.
     pending: Pending,
     max_in_flight: usize,
-    /// Bumped (under the `pending` lock) each time every pending request is
-    /// failed: a queued request registered under an older value was failed
-    /// and is not sent. Read by the writer without the lock.
+    /// Bumped (with every `pending` map locked) each time every pending
+    /// request is failed: a queued request registered under an older value
+    /// was failed and is not sent. Read by `deliver` under the request's map
+    /// lock, and by the writer without a lock.
     fail_epoch: AtomicU64,
     next_id: AtomicU64,
     closed: AtomicBool,
@@ -324,7 +325,8 @@ impl RemoteNode for Link {
     }
 
     fn poll_request_room(&self, cx: &mut Context<'_>) -> Poll<()> {
-        // Only refused requests get here: the lock is off the hot path.
+        // Only refused requests get here: the count's load is off the hot
+        // path.
         self.poll_until(cx, |l| l.has_room() && l.pending.len() < l.max_in_flight)
     }
 }
@@ -450,7 +452,7 @@ impl Link {
     }
 
     fn fail_pending(&self, why: &str) {
-        // Taken whole under the lock (no walk there), failed after.
+        // Taken whole with every map locked (no walk there), failed after.
         let (drained, before) = self.pending.take_all(|| {
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
         });
@@ -482,10 +484,11 @@ impl Link {
     /// dropped); their slots under `max_in_flight` come back with them. The
     /// peer may still answer them: that answer finds nothing and is ignored.
     ///
-    /// One of [`Pending`]'s maps at a time, with the lock released (and,
-    /// when many are in flight, the task yielding) in between: one walk
-    /// over up to `max_in_flight` (65,536) requests held the link's task,
-    /// and every sender waiting for the lock, for the whole of it.
+    /// One of [`Pending`]'s maps at a time, under that map's lock only (and,
+    /// when many are in flight, the task yielding in between): one walk over
+    /// up to `max_in_flight` (65,536) requests under one lock held the
+    /// link's task, and every sender waiting for the lock, for the whole of
+    /// it.
     async fn forget_abandoned(&self) {
         for shard in 0..PENDING_SHARDS {
             let (was, now) = self.pending.retain_in(shard, |h| !h.is_abandoned());
