@@ -579,11 +579,7 @@ impl EventBus {
     /// # Errors
     /// [`CodecError::Duplicate`] if the name is taken.
     pub fn register_codec(&self, codec: Arc<dyn MessageCodec>) -> Result<(), CodecError> {
-        let shared = &self.inner.shared;
-        let mut codecs = shared.codecs.write();
-        codecs.register(codec)?;
-        shared.codecs_changed.fetch_add(1, Ordering::Release);
-        Ok(())
+        self.change_codecs(|codecs| codecs.register(codec))
     }
 
     /// Makes a registered codec the default for bodies of type `T`.
@@ -591,9 +587,18 @@ impl EventBus {
     /// # Errors
     /// [`CodecError::Unknown`] if no codec has that name.
     pub fn set_default_codec<T: Any>(&self, name: &str) -> Result<(), CodecError> {
+        self.change_codecs(|codecs| codecs.set_default::<T>(name))
+    }
+
+    /// Applies `change` to the codec registry under its write lock and, if
+    /// it succeeded, tells every [`CodecCache`] to drop what it holds.
+    fn change_codecs(
+        &self,
+        change: impl FnOnce(&mut CodecRegistry) -> Result<(), CodecError>,
+    ) -> Result<(), CodecError> {
         let shared = &self.inner.shared;
         let mut codecs = shared.codecs.write();
-        codecs.set_default::<T>(name)?;
+        change(&mut codecs)?;
         shared.codecs_changed.fetch_add(1, Ordering::Release);
         Ok(())
     }
@@ -1249,9 +1254,7 @@ impl CodecCache {
         let hit = matches!(&self.named, Some((n, _)) if **n == *name);
         if !hit {
             let codecs = self.shared.codecs.read();
-            let (n, c) = codecs
-                .get_key_value(name)
-                .ok_or_else(|| CodecError::Unknown(name.to_owned()))?;
+            let (n, c) = codecs.named(name)?;
             self.named = Some((n.clone(), c.clone()));
         }
         self.named
@@ -1281,9 +1284,7 @@ impl CodecCache {
         let hit = matches!(&self.default, Some((seen, _, _)) if *seen == t);
         if !hit {
             let codecs = self.shared.codecs.read();
-            let (n, c) = codecs
-                .default_for(t)
-                .ok_or(CodecError::NoDefault(body.type_name()))?;
+            let (n, c) = codecs.default_of(body)?;
             self.default = Some((t, n.clone(), c.clone()));
         }
         let (_, name, c) = self

@@ -267,14 +267,30 @@ impl CodecRegistry {
     }
 
     /// The codec named `name`, with its registered name.
-    pub(crate) fn get_key_value(&self, name: &str) -> Option<(&Arc<str>, &Arc<dyn MessageCodec>)> {
-        self.by_name.get_key_value(name)
+    ///
+    /// # Errors
+    /// [`CodecError::Unknown`].
+    pub(crate) fn named(
+        &self,
+        name: &str,
+    ) -> Result<(&Arc<str>, &Arc<dyn MessageCodec>), CodecError> {
+        self.by_name
+            .get_key_value(name)
+            .ok_or_else(|| CodecError::Unknown(name.to_owned()))
     }
 
-    /// The default codec for bodies of type `t`, with its name.
-    pub(crate) fn default_for(&self, t: TypeId) -> Option<(&Arc<str>, &Arc<dyn MessageCodec>)> {
-        let name = self.defaults.get(&t)?;
-        self.by_name.get_key_value(name)
+    /// The default codec for `body`'s type, with its name.
+    ///
+    /// # Errors
+    /// [`CodecError::NoDefault`].
+    pub(crate) fn default_of(
+        &self,
+        body: &Body,
+    ) -> Result<(&Arc<str>, &Arc<dyn MessageCodec>), CodecError> {
+        self.defaults
+            .get(&body.value_type_id())
+            .and_then(|name| self.by_name.get_key_value(name))
+            .ok_or(CodecError::NoDefault(body.type_name()))
     }
 
     /// Encodes `body` with the named codec, or the default for its type.
@@ -287,20 +303,11 @@ impl CodecRegistry {
         body: &Body,
         codec: Option<&str>,
     ) -> Result<(Arc<str>, Bytes), CodecError> {
-        let name = match codec {
-            Some(n) => self
-                .by_name
-                .get_key_value(n)
-                .map(|(k, _)| k.clone())
-                .ok_or_else(|| CodecError::Unknown(n.to_owned()))?,
-            None => self
-                .defaults
-                .get(&body.value_type_id())
-                .cloned()
-                .ok_or(CodecError::NoDefault(body.type_name()))?,
+        let (name, c) = match codec {
+            Some(n) => self.named(n)?,
+            None => self.default_of(body)?,
         };
-        let bytes = self.by_name[&name].encode(body)?;
-        Ok((name, bytes))
+        Ok((name.clone(), c.encode(body)?))
     }
 
     /// Decodes bytes sent under codec `name`.
@@ -308,10 +315,7 @@ impl CodecRegistry {
     /// # Errors
     /// [`CodecError::Unknown`] or the codec's own error.
     pub fn decode(&self, name: &str, bytes: Bytes) -> Result<Body, CodecError> {
-        self.by_name
-            .get(name)
-            .ok_or_else(|| CodecError::Unknown(name.to_owned()))?
-            .decode(bytes)
+        self.named(name)?.1.decode(bytes)
     }
 }
 

@@ -156,8 +156,8 @@ impl Pending {
 
     /// Takes every request out, running `with_all_locked` while all the maps
     /// are locked (a request added meanwhile is in them or reads what it
-    /// changed); the requests and the count before.
-    fn take_all(&self, with_all_locked: impl FnOnce()) -> (Vec<PendingMap>, usize) {
+    /// changed); the requests, how many, and the count before.
+    fn take_all(&self, with_all_locked: impl FnOnce()) -> (Vec<PendingMap>, usize, usize) {
         let mut guards: Vec<_> = self.maps.iter().map(|m| m.0.lock()).collect();
         with_all_locked();
         let taken: Vec<PendingMap> = guards
@@ -167,7 +167,7 @@ impl Pending {
         drop(guards);
         let n = taken.iter().map(HashMap::len).sum();
         let was = self.len.fetch_sub(n, Ordering::AcqRel);
-        (taken, was)
+        (taken, n, was)
     }
 }
 
@@ -453,10 +453,9 @@ impl Link {
 
     fn fail_pending(&self, why: &str) {
         // Taken whole with every map locked (no walk there), failed after.
-        let (drained, before) = self.pending.take_all(|| {
+        let (drained, was, before) = self.pending.take_all(|| {
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
         });
-        let was: usize = drained.iter().map(HashMap::len).sum();
         self.wake_if_room(before, before - was);
         if was == 0 {
             return;
@@ -880,29 +879,29 @@ async fn handle_buffered(
     // Frames are counted once per chunk (or before a wait), not one atomic
     // add per frame.
     let frames_in = &sink.link.counters.frames_in;
-    let mut handled = 0u64;
-    let mut taken = 0;
-    let result = loop {
-        if taken == max {
-            break Ok(true);
-        }
+    let mut uncounted = 0u64;
+    let mut result = Ok(true);
+    for _ in 0..max {
         match Frame::decode(inbuf, max_frame) {
             Ok(Some(f)) => {
-                taken += 1;
-                handled += 1;
+                uncounted += 1;
                 if let Some(later) = handle(sink, bus, codecs, f) {
-                    frames_in.add(std::mem::take(&mut handled));
+                    frames_in.add(std::mem::take(&mut uncounted));
                     later.await;
                 }
             }
-            Ok(None) => break Ok(false),
+            Ok(None) => {
+                result = Ok(false);
+                break;
+            }
             Err(e) => {
                 sink.link.counters.malformed.add(1);
-                break Err(format!("malformed frame from the peer: {e}"));
+                result = Err(format!("malformed frame from the peer: {e}"));
+                break;
             }
         }
-    };
-    frames_in.add(handled);
+    }
+    frames_in.add(uncounted);
     result
 }
 
@@ -1464,9 +1463,9 @@ mod tests {
         assert!(p.remove(1).is_none());
         assert_eq!(p.len(), 19);
         let mut saw_locked = false;
-        let (taken, before) = p.take_all(|| saw_locked = true);
+        let (taken, n, before) = p.take_all(|| saw_locked = true);
         assert!(saw_locked);
-        assert_eq!((before, p.len()), (19, 0));
+        assert_eq!((n, before, p.len()), (19, 19, 0));
         assert_eq!(taken.into_iter().map(|m| m.len()).sum::<usize>(), 19);
         drop(waiting);
     }

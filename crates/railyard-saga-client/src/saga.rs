@@ -168,7 +168,8 @@ impl Saga {
             .unwrap_or_else(|| String::from(&*self.global_tx_id));
         let started = SagaEvent {
             compensation_method: step.compensation_method.clone(),
-            payloads: step.payloads.to_vec(),
+            // The step's own buffer when nothing else shares it (no copy).
+            payloads: Vec::from(step.payloads),
             reverse_retries: step.reverse_retries,
             reverse_timeout_ms: millis_u32(step.reverse_timeout),
             retry_delay_ms: millis_u32(step.retry_delay),

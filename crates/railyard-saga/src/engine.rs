@@ -384,32 +384,42 @@ pub(crate) struct Engine {
     tasks: Mutex<Vec<AbortHandle>>,
     /// Set once the server stops: participant streams end.
     closing: tokio::sync::watch::Sender<bool>,
-    /// Services an instance of which arrived, whose waiting sagas are not
-    /// driven yet, and whether a walk to drive them is scheduled (see
-    /// [`Engine::instance_arrived`]).
-    arrivals: Mutex<(std::collections::HashSet<String>, bool)>,
+    /// Instances that arrived and the walk that drives their waiting sagas
+    /// (see [`Engine::instance_arrived`]).
+    arrivals: Mutex<Arrivals>,
+}
+
+/// Services an instance of which arrived, whose waiting sagas are not
+/// driven yet, and whether a walk to drive them is scheduled.
+#[derive(Default)]
+struct Arrivals {
+    pending: std::collections::HashSet<String>,
+    walk_scheduled: bool,
 }
 
 /// Waiting sagas an arrival's walk drives per hold of a shard lock.
 const WALK_CHUNK: usize = 256;
 
 /// [`Engine::drive_arrivals`] as a job for the blocking pool. If tokio drops
-/// it unrun (the runtime shutting down), the walk is no longer scheduled, so
-/// a later arrival (on another runtime) schedules one again.
+/// it unrun (the runtime shutting down), or the walk panics, the walk is no
+/// longer scheduled, so a later arrival schedules one again.
 struct ArrivalWalk(Option<Arc<Engine>>);
 
 impl ArrivalWalk {
     fn run(mut self) {
-        if let Some(engine) = self.0.take() {
+        if let Some(engine) = &self.0 {
             engine.drive_arrivals();
         }
+        // Finished: the walk cleared the flag itself (a panic above leaves
+        // the engine here, for `drop` to clear it).
+        self.0 = None;
     }
 }
 
 impl Drop for ArrivalWalk {
     fn drop(&mut self) {
         if let Some(engine) = self.0.take() {
-            engine.arrivals.lock().1 = false;
+            engine.arrivals.lock().walk_scheduled = false;
         }
     }
 }
@@ -946,8 +956,8 @@ impl Engine {
     pub(crate) fn instance_arrived(self: &Arc<Self>, service: &str) {
         let schedule = {
             let mut a = self.arrivals.lock();
-            a.0.insert(service.to_owned());
-            !std::mem::replace(&mut a.1, true)
+            a.pending.insert(service.to_owned());
+            !std::mem::replace(&mut a.walk_scheduled, true)
         };
         if !schedule {
             return; // the walk under way, or scheduled, takes it
@@ -965,11 +975,11 @@ impl Engine {
         loop {
             let services = {
                 let mut a = self.arrivals.lock();
-                if a.0.is_empty() {
-                    a.1 = false;
+                if a.pending.is_empty() {
+                    a.walk_scheduled = false;
                     return;
                 }
-                std::mem::take(&mut a.0)
+                std::mem::take(&mut a.pending)
             };
             self.on_instances(&services);
         }

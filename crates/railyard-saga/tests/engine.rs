@@ -107,6 +107,22 @@ fn config() -> CoordinatorConfig {
     }
 }
 
+/// [`config`], except that a command waiting for an instance is tried again
+/// only once a minute: within a test, only an arrival moves it.
+fn polls_once_a_minute() -> CoordinatorConfig {
+    CoordinatorConfig {
+        default_retry_delay: Duration::from_secs(60),
+        ..config()
+    }
+}
+
+/// A coordinator on the in-memory store.
+async fn on_memory(cfg: CoordinatorConfig) -> Coordinator {
+    Coordinator::start(Arc::new(MemoryStore::new()), cfg)
+        .await
+        .unwrap()
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_saga_timeout_compensates_every_ended_step_in_reverse() {
     let store = Arc::new(MemoryStore::new());
@@ -186,9 +202,7 @@ async fn an_unanswered_command_is_resent_after_reverse_timeout_then_fails() {
 
 #[tokio::test(start_paused = true)]
 async fn a_step_still_running_at_timeout_is_compensated_when_it_ends() {
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
-        .await
-        .unwrap();
+    let c = on_memory(config()).await;
     let mut rx = c.connect_local("svc", "svc-1", 16);
     let g = "g-straggler";
     submit(
@@ -312,9 +326,7 @@ async fn a_command_with_no_instance_waits_then_counts_as_a_failed_attempt() {
         default_reverse_retries: 1,
         ..config()
     };
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
-        .await
-        .unwrap();
+    let c = on_memory(cfg).await;
     let g = "g-nobody";
     submit(&c, aborted_after_one_step(g)).await;
     // Two attempts of at most 2 s wait each, plus the retry delay.
@@ -331,13 +343,7 @@ async fn a_command_with_no_instance_waits_then_counts_as_a_failed_attempt() {
 /// exactly that saga while it waits and nothing after.
 #[tokio::test]
 async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
-    let cfg = CoordinatorConfig {
-        default_retry_delay: Duration::from_secs(60),
-        ..config()
-    };
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
-        .await
-        .unwrap();
+    let c = on_memory(polls_once_a_minute()).await;
     let registry = railyard_saga::MetricsRegistry::default();
     c.register_metrics(&registry);
     // The gauge counts the engine's index of waiting sagas.
@@ -389,14 +395,8 @@ async fn a_command_waiting_for_an_instance_goes_when_one_registers() {
 async fn an_instance_arriving_during_another_arrivals_walk_gets_its_commands() {
     const MANY: usize = 20_000;
     const FEW: usize = 200;
-    let cfg = CoordinatorConfig {
-        // Nothing polls again before the arrivals: only they move the sagas.
-        default_retry_delay: Duration::from_secs(60),
-        ..config()
-    };
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), cfg)
-        .await
-        .unwrap();
+    // Nothing polls again before the arrivals: only they move the sagas.
+    let c = on_memory(polls_once_a_minute()).await;
     let of = |service: &str, e: EventRecord| EventRecord {
         service_name: service.into(),
         instance_id: format!("{service}-1").into(),
@@ -439,9 +439,7 @@ async fn an_instance_arriving_during_another_arrivals_walk_gets_its_commands() {
 
 #[tokio::test(start_paused = true)]
 async fn many_commands_are_in_flight_to_one_instance_at_once() {
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
-        .await
-        .unwrap();
+    let c = on_memory(config()).await;
     let mut rx = c.connect_local("svc", "svc-1", 256);
     let mut events = Vec::new();
     for i in 0..100 {
@@ -464,9 +462,7 @@ async fn many_commands_are_in_flight_to_one_instance_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn a_step_whose_tx_started_never_came_cannot_be_compensated_and_fails_the_saga() {
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
-        .await
-        .unwrap();
+    let c = on_memory(config()).await;
     let mut rx = c.connect_local("svc", "svc-1", 16);
     let g = "g-no-start";
     let answers = submit(
@@ -768,9 +764,7 @@ async fn calls_about_one_saga_are_applied_in_the_order_they_are_logged() {
 /// rest are handled on the next ticks, none lost.
 #[tokio::test(start_paused = true)]
 async fn many_timeouts_at_once_are_all_handled_over_a_few_ticks() {
-    let c = Coordinator::start(Arc::new(MemoryStore::new()), config())
-        .await
-        .unwrap();
+    let c = on_memory(config()).await;
     let ids: Vec<String> = (0..5000).map(|i| format!("g-many-{i}")).collect();
     submit(&c, ids.iter().map(|g| start(g, 1)).collect()).await;
     tokio::time::sleep(Duration::from_millis(1050)).await;
