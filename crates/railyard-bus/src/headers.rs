@@ -27,6 +27,15 @@ impl Headers {
         Self { entries: None }
     }
 
+    /// An empty set of headers with room for `n` (none allocated for 0): for
+    /// a decoder that knows the count, so adding them does not grow the
+    /// vector.
+    pub fn with_capacity(n: usize) -> Self {
+        Self {
+            entries: (n > 0).then(|| Arc::new(Vec::with_capacity(n))),
+        }
+    }
+
     fn entries(&self) -> &Vec<(String, String)> {
         self.entries.as_deref().unwrap_or(&NO_ENTRIES)
     }

@@ -202,7 +202,7 @@ enum Out {
         id: u64,
         result: Result<railyard_bus::Message, BusError>,
     },
-    Frame(Frame),
+    Frame(Frame<'static>),
 }
 
 pub(crate) struct Link {
@@ -612,8 +612,8 @@ async fn dial(addr: SocketAddr, cfg: &LinkConfig) -> std::io::Result<TcpStream> 
     let mut buf = BytesMut::new();
     Frame::Hello {
         version: VERSION,
-        node: cfg.node_id.clone(),
-        cluster: cfg.cluster.clone(),
+        node: cfg.node_id.as_str().into(),
+        cluster: cfg.cluster.as_str().into(),
     }
     .encode(&mut buf);
     s.write_all(&buf).await?;
@@ -678,7 +678,7 @@ async fn write_loop(
 ) -> String {
     let link = &sink.link;
     let mut outbuf = BytesMut::with_capacity(64 * 1024);
-    let mut batch = Vec::with_capacity(BATCH);
+    let mut batch = std::collections::VecDeque::with_capacity(BATCH);
     let mut reply_batch = Vec::with_capacity(BATCH);
     // Messages and pings encoded since the last write (answers: `encoded`).
     let mut frames = 0u64;
@@ -882,10 +882,11 @@ async fn handle_buffered(
     let mut uncounted = 0u64;
     let mut result = Ok(true);
     for _ in 0..max {
-        match Frame::decode(inbuf, max_frame) {
-            Ok(Some(f)) => {
+        // The frame borrows its strings from `inbuf` while it is handled.
+        match Frame::decode_with(inbuf, max_frame, |f| handle(sink, bus, codecs, f)) {
+            Ok(Some(later)) => {
                 uncounted += 1;
-                if let Some(later) = handle(sink, bus, codecs, f) {
+                if let Some(later) = later {
                     frames_in.add(std::mem::take(&mut uncounted));
                     later.await;
                 }
@@ -905,15 +906,7 @@ async fn handle_buffered(
     result
 }
 
-fn headers_from(v: Vec<(String, String)>) -> Headers {
-    let mut h = Headers::new();
-    for (k, val) in v {
-        h.add(k, val);
-    }
-    h
-}
-
-fn fail_frame(id: u64, e: &BusError) -> Frame {
+fn fail_frame(id: u64, e: &BusError) -> Frame<'static> {
     // TIMEOUT carries the timeout in ms as its code; NO_HANDLERS the address
     // as its message, so the requester's error reads as a local one.
     let (kind, code, message) = match e {
@@ -932,7 +925,7 @@ fn fail_frame(id: u64, e: &BusError) -> Frame {
         id,
         kind,
         code,
-        message,
+        message: message.into(),
     }
 }
 
@@ -1239,7 +1232,7 @@ fn handle(
     sink: &Arc<ConnSink>,
     bus: &EventBus,
     codecs: &mut CodecCache,
-    frame: Frame,
+    frame: Frame<'_>,
 ) -> Option<Later> {
     match frame {
         // A request or a ping queues one answer: with no room for it, wait
@@ -1251,7 +1244,7 @@ fn handle(
         | Frame::Ping(_))
             if !sink.room_for_an_answer() =>
         {
-            let (sink, bus) = (sink.clone(), bus.clone());
+            let (sink, bus, f) = (sink.clone(), bus.clone(), f.into_owned());
             Some(Box::pin(async move {
                 sink.room_for_answers().await;
                 let mut codecs = bus.codec_cache();
@@ -1269,7 +1262,7 @@ fn handle_ready(
     sink: &Arc<ConnSink>,
     bus: &EventBus,
     codecs: &mut CodecCache,
-    frame: Frame,
+    frame: Frame<'_>,
 ) -> Option<Later> {
     let link = &sink.link;
     match frame {
@@ -1299,12 +1292,12 @@ fn handle_ready(
                 }
             };
             let mut opts = DeliveryOptions::new().local_only(true);
-            opts.headers = headers_from(headers);
+            opts.headers = headers;
             match mode {
                 Mode::Send => match bus.send_with(&address, body, &opts) {
                     Ok(()) => None,
                     Err(e) if matches!(e.error, BusError::Full { .. }) => {
-                        let (l, bus) = (link.clone(), bus.clone());
+                        let (l, bus, address) = (link.clone(), bus.clone(), address.into_owned());
                         let body = e.into_body();
                         wait_for_room(sink, async move {
                             if bus.send_wait(&address, body, &opts).await.is_err() {
@@ -1327,7 +1320,8 @@ fn handle_ready(
                     match bus.request_remote(&address, body, &opts, sink.clone(), id) {
                         Ok(()) => None,
                         Err(e) if matches!(e.error, BusError::Full { .. }) => {
-                            let (bus, s) = (bus.clone(), sink.clone());
+                            let (bus, s, address) =
+                                (bus.clone(), sink.clone(), address.into_owned());
                             let body = e.into_body();
                             wait_for_room(sink, async move {
                                 if let Err(e) = bus
@@ -1354,7 +1348,7 @@ fn handle_ready(
         } => {
             let result = codecs
                 .decode(&codec, body)
-                .map(|b| (headers_from(headers), b))
+                .map(|b| (headers, b))
                 .map_err(|e| BusError::Cluster {
                     reason: format!("cannot decode the reply body: {e}"),
                 });
@@ -1367,6 +1361,7 @@ fn handle_ready(
             code,
             message,
         } => {
+            let message = message.into_owned();
             let e = match kind {
                 FailKind::Timeout => BusError::Timeout {
                     after: Duration::from_millis(u64::try_from(code).unwrap_or(0)),

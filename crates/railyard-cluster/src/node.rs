@@ -596,7 +596,7 @@ async fn read_hello(
                 // Frames the dialer wrote right after its HELLO (its first
                 // PING, a batch) may share this read: the link parses them.
                 stream.set_nodelay(true).map_err(|e| e.to_string())?;
-                return Ok((stream, buf, node, cluster));
+                return Ok((stream, buf, node.into_owned(), cluster.into_owned()));
             }
             Ok(Some(other)) => return Err(format!("expected HELLO, got {other:?}")),
             Ok(None) => {}

@@ -971,7 +971,7 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
                 id,
                 timeout_ms: 60_000,
                 address: "echo".into(),
-                headers: Vec::new(),
+                headers: railyard_bus::Headers::new(),
                 codec: "bytes".into(),
                 body: body.clone(),
             }
