@@ -89,7 +89,10 @@ mod timeouts;
 
 pub use body::Body;
 pub use bus::{Advertisement, CodecCache, EventBus, PublishReport};
-pub use codec::{BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec, StringCodec};
+pub use codec::{
+    str_from_utf8, string_from_utf8, BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec,
+    StringCodec,
+};
 pub use consumer::{Consumer, ConsumerBuilder, MessageStream};
 pub use dispatch::{enable_loop_dispatch, enable_loop_dispatch_relaying_wakes};
 pub use error::{BusError, CodecError, FailureKind, SendError};

@@ -610,6 +610,36 @@ fn codec_cache_follows_the_registry() {
 }
 
 #[test]
+fn utf8_checks_answer_as_the_standard_ones_on_ascii_multibyte_and_invalid_bytes() {
+    let cases: [&[u8]; 8] = [
+        b"",
+        b"echo",
+        b"__railyard.reply.0123456789abcdef",
+        "héllo wörld, plus forty more ascii bytes after it".as_bytes(),
+        b"\xff",
+        b"twenty ascii bytes..\xc3",
+        b"an address\x80with a stray continuation byte",
+        b"\xed\xa0\x80 (a surrogate)",
+    ];
+    for bytes in cases {
+        assert_eq!(
+            str_from_utf8(bytes),
+            std::str::from_utf8(bytes),
+            "{bytes:?}"
+        );
+        assert_eq!(
+            string_from_utf8(bytes.to_vec()).map_err(|e| e.utf8_error()),
+            String::from_utf8(bytes.to_vec()).map_err(|e| e.utf8_error()),
+            "{bytes:?}"
+        );
+    }
+    let err = StringCodec
+        .decode(Bytes::from_static(b"abc\xff"))
+        .unwrap_err();
+    assert!(matches!(err, CodecError::Malformed { .. }), "{err:?}");
+}
+
+#[test]
 fn codecs_round_trip_builtin_and_user_types() {
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
     struct Order {

@@ -606,7 +606,7 @@ fn get_str<'a>(b: &mut &'a [u8], what: &'static str) -> Result<Cow<'a, str>, Fra
     need(b, n, what)?;
     let (s, rest) = b.split_at(n);
     *b = rest;
-    std::str::from_utf8(s)
+    railyard_bus::str_from_utf8(s)
         .map(Cow::Borrowed)
         .map_err(|_| FrameError::Utf8)
 }
