@@ -110,6 +110,7 @@ pub fn enable_loop_dispatch() -> bool {
     handle.spawn(DispatchTask {
         dispatcher: dispatcher.clone(),
         seen_waits: RELAYED_WAITS.with(Cell::get),
+        batch: VecDeque::new(),
     });
     THIS_LOOP.with(|d| *d.borrow_mut() = Some(dispatcher));
     // Relays made for an earlier dispatcher of this thread would go through it.
@@ -463,6 +464,10 @@ struct DispatchTask {
     dispatcher: Arc<Dispatcher>,
     /// `RELAYED_WAITS` at this dispatcher's last look (see [`linger`]).
     seen_waits: u64,
+    /// The batch being run, empty between batches. Kept across polls: a
+    /// consumer's queue takes it in exchange for its messages (a swap), so
+    /// a buffer made per poll left each queue to regrow from nothing.
+    batch: VecDeque<Envelope>,
 }
 
 impl Drop for DispatchTask {
@@ -548,7 +553,6 @@ impl Future for DispatchTask {
         if !on_owner {
             d.migrated.store(true, Ordering::Relaxed);
         }
-        let mut batch: VecDeque<Envelope> = VecDeque::new();
         let mut runs = 0;
         // Only what this poll's handlers send away counts.
         SENT_AWAY.with(|s| s.set(false));
@@ -593,7 +597,7 @@ impl Future for DispatchTask {
                 }
                 return Poll::Pending;
             };
-            run_consumer(&queue, &mut batch, cx);
+            run_consumer(&queue, &mut this.batch, cx);
             runs += 1;
             if runs >= RUNS_PER_POLL {
                 // Let the runtime's other tasks in, and come back at once.
@@ -875,6 +879,7 @@ mod tests {
             let mut task = DispatchTask {
                 dispatcher: d.clone(),
                 seen_waits: RELAYED_WAITS.with(Cell::get),
+                batch: VecDeque::new(),
             };
             let own = Arc::new(Counting(AtomicUsize::new(0)));
             let own_waker = Waker::from(own.clone());

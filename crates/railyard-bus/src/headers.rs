@@ -27,15 +27,6 @@ impl Headers {
         Self { entries: None }
     }
 
-    /// An empty set of headers with room for `n` (none allocated for 0): for
-    /// a decoder that knows the count, so adding them does not grow the
-    /// vector.
-    pub fn with_capacity(n: usize) -> Self {
-        Self {
-            entries: (n > 0).then(|| Arc::new(Vec::with_capacity(n))),
-        }
-    }
-
     fn entries(&self) -> &Vec<(String, String)> {
         self.entries.as_deref().unwrap_or(&NO_ENTRIES)
     }
@@ -120,6 +111,17 @@ impl fmt::Debug for Headers {
     }
 }
 
+/// Headers from (name, value) pairs in order, taken as they are: for a
+/// decoder that has built the vector already (no per-header copy-on-write
+/// check, no regrowth).
+impl From<Vec<(String, String)>> for Headers {
+    fn from(entries: Vec<(String, String)>) -> Self {
+        Self {
+            entries: (!entries.is_empty()).then(|| Arc::new(entries)),
+        }
+    }
+}
+
 impl<N: Into<String>, V: Into<String>> FromIterator<(N, V)> for Headers {
     fn from_iter<I: IntoIterator<Item = (N, V)>>(iter: I) -> Self {
         let mut h = Headers::new();
@@ -133,6 +135,25 @@ impl<N: Into<String>, V: Into<String>> FromIterator<(N, V)> for Headers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn headers_from_a_vector_keep_its_order_and_an_empty_one_allocates_nothing() {
+        let empty = Headers::from(Vec::new());
+        assert!(empty.entries.is_none() && empty == Headers::new());
+        let h = Headers::from(vec![
+            ("Reply-To".to_owned(), "a".to_owned()),
+            ("x".to_owned(), "1".to_owned()),
+            ("reply-to".to_owned(), "b".to_owned()),
+        ]);
+        assert_eq!(h.get_all("REPLY-TO").collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(h.len(), 3);
+        let mut added = Headers::new();
+        added
+            .add("Reply-To", "a")
+            .add("x", "1")
+            .add("reply-to", "b");
+        assert_eq!(h, added);
+    }
 
     #[test]
     fn names_are_case_insensitive_and_multi_valued() {

@@ -626,12 +626,15 @@ fn get_headers(b: &mut &[u8], what: &'static str) -> Result<Headers, FrameError>
     // Each header needs at least 4 bytes: refuse counts the frame cannot hold
     // before allocating for them.
     need(b, n * 4, what)?;
-    let mut h = Headers::with_capacity(n);
-    for _ in 0..n {
-        let name = get_str(b, what)?;
-        h.add(name, get_str(b, what)?);
+    if n == 0 {
+        return Ok(Headers::new());
     }
-    Ok(h)
+    let mut h = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = get_str(b, what)?.into_owned();
+        h.push((name, get_str(b, what)?.into_owned()));
+    }
+    Ok(Headers::from(h))
 }
 
 #[cfg(test)]
