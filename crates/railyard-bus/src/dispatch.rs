@@ -466,7 +466,8 @@ struct DispatchTask {
     seen_waits: u64,
     /// The batch being run, empty between batches. Kept across polls: a
     /// consumer's queue takes it in exchange for its messages (a swap), so
-    /// a buffer made per poll left each queue to regrow from nothing.
+    /// a buffer made per poll left each queue to regrow from nothing. One
+    /// larger than four batches is dropped after its batch.
     batch: VecDeque<Envelope>,
 }
 
@@ -598,6 +599,11 @@ impl Future for DispatchTask {
                 return Poll::Pending;
             };
             run_consumer(&queue, &mut this.batch, cx);
+            if this.batch.capacity() > 4 * BATCH {
+                // A buffer a burst grew (a consumer's whole queue, swapped
+                // in): freed here, not handed on to the next consumer.
+                this.batch = VecDeque::new();
+            }
             runs += 1;
             if runs >= RUNS_PER_POLL {
                 // Let the runtime's other tasks in, and come back at once.
@@ -610,6 +616,7 @@ impl Future for DispatchTask {
 
 /// Runs one batch of a scheduled consumer's messages.
 fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: &mut Context<'_>) {
+    debug_assert!(batch.is_empty(), "a batch left over from another consumer");
     let Some(runner) = queue.runner() else {
         return;
     };

@@ -308,8 +308,9 @@ impl Frame<'static> {
 impl<'a> Frame<'a> {
     /// Takes one frame off the front of `buf` if it is complete, and hands it
     /// to `f` with its strings borrowed from `buf`; returns what `f` returns.
-    /// The frame's bytes are consumed either way, also when they are not a
-    /// valid frame.
+    /// A complete frame's bytes are consumed whether or not they parse; a
+    /// length over `max` or of zero is refused before anything is consumed
+    /// (the connection is closed either way).
     ///
     /// # Errors
     /// [`FrameError`] when the bytes are not a valid frame (`f` is not
@@ -563,7 +564,7 @@ fn put_reply<'a>(
 }
 
 /// Frames up to this many bytes are parsed in place and their bodies
-/// copied (see [`Frame::decode`]); larger ones share the read buffer, so a
+/// copied (see [`Frame::decode_with`]); larger ones share the read buffer, so a
 /// large body is not copied. The in-place path was measured with `bench
 /// echo --cluster etcd --nodes 2 --method send-send`, whose frames are about
 /// 100 bytes; the bound itself (a copy of up to 4 KiB against two reference
@@ -598,9 +599,9 @@ fn get_u64(b: &mut &[u8], what: &'static str) -> Result<u64, FrameError> {
     Ok(b.get_u64())
 }
 
-/// Borrows the string from the frame: neither a copy nor a split of a
-/// shared buffer (a reference count taken and dropped per string), which
-/// were measured in that order, each cheaper than the one before.
+/// Borrows the string from the frame. Before, strings were split out of a
+/// shared buffer (a reference count taken and dropped per string), then
+/// copied out (cheaper than the split); borrowing allocates nothing.
 fn get_str<'a>(b: &mut &'a [u8], what: &'static str) -> Result<Cow<'a, str>, FrameError> {
     let n = get_u16(b, what)? as usize;
     need(b, n, what)?;
@@ -860,8 +861,21 @@ mod tests {
             Frame::decode(&mut trailing, 1024),
             Err(FrameError::Trailing(1))
         );
-        let mut bad_utf8 = BytesMut::from(&[0, 0, 0, 8, HELLO, 0, 1, 0, 2, 0xff, 0xfe, 0][..]);
-        assert!(Frame::decode(&mut bad_utf8, 1024).is_err());
+        // HELLO, version 1, node "\xff\xfe" (not UTF-8), cluster "".
+        let mut bad_utf8 = BytesMut::from(&[0, 0, 0, 9, HELLO, 0, 1, 0, 2, 0xff, 0xfe, 0, 0][..]);
+        assert_eq!(Frame::decode(&mut bad_utf8, 1024), Err(FrameError::Utf8));
+        // Valid multi-byte UTF-8 after ASCII passes the check.
+        let mut good = BytesMut::new();
+        Frame::Hello {
+            version: 1,
+            node: "nœud-é".into(),
+            cluster: "c".into(),
+        }
+        .encode(&mut good);
+        assert!(matches!(
+            Frame::decode(&mut good, 1024),
+            Ok(Some(Frame::Hello { node, .. })) if node == "nœud-é"
+        ));
         let mut huge_count = BytesMut::new();
         huge_count.put_u32(13);
         huge_count.put_u8(REPLY);

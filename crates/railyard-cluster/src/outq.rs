@@ -101,16 +101,18 @@ impl<T> OutQueue<T> {
     /// 0 once the queue is closed and empty. Cancel-safe: items are taken
     /// only when it returns.
     ///
-    /// When everything queued fits and `out` is empty, the two are swapped:
-    /// the lock is held for a pointer swap, not for a copy of every item
-    /// (a message is about a hundred bytes), and the queue goes on with the
-    /// reader's emptied buffer.
+    /// When everything queued fits, `out` is empty and the queue's buffer is
+    /// no larger than [`KEEP`], the two are swapped: the lock is held for a
+    /// pointer swap, not for a copy of every item (a message is about a
+    /// hundred bytes), and the queue goes on with the reader's emptied
+    /// buffer. A buffer a burst grew is drained instead, so it shrinks here
+    /// and never passes to the reader.
     pub(crate) async fn recv_many(&self, out: &mut VecDeque<T>, max: usize) -> usize {
         poll_fn(|cx| {
             let mut g = self.inner.lock();
             if !g.items.is_empty() {
                 let n = g.items.len().min(max.max(1));
-                if n == g.items.len() && out.is_empty() {
+                if n == g.items.len() && out.is_empty() && g.items.capacity() <= KEEP {
                     std::mem::swap(&mut g.items, out);
                 } else {
                     out.extend(g.items.drain(..n));
@@ -182,7 +184,9 @@ mod tests {
             // As the link's writer does: the batch is used up each time.
             out.clear();
         }
+        // Neither the queue nor the reader's batch keeps the burst's buffer.
         assert!(q.inner.lock().items.capacity() <= 2 * KEEP);
+        assert!(out.capacity() <= 2 * KEEP, "batch kept {}", out.capacity());
     }
 
     #[tokio::test]
