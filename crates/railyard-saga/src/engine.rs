@@ -564,6 +564,10 @@ impl Engine {
                 Ok(keep) => break keep,
                 Err(c) => {
                     // Classified again after the wait: only refusals stand.
+                    // Every `Invalid` here is validation's (above):
+                    // classifying never answers `Invalid`, so none of its
+                    // answers survive this reset. A classification that
+                    // could refuse would have to be told apart here.
                     for o in &mut outcomes {
                         if !matches!(o, Some(Outcome::Invalid(_))) {
                             *o = None;
@@ -1261,6 +1265,56 @@ async fn finish_loop(store: Arc<dyn SagaStore>, queue: Arc<FinishQueue>) {
                 queue.pending.lock().extend(batch);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    /// The arrivals' bookkeeping, driven by hand: while a walk is scheduled
+    /// an arrival only joins its set (no second walk); the walk takes the
+    /// set and clears the flag; a walk dropped unrun clears it too. (An
+    /// arrival landing inside a running walk's `on_instances` is left to
+    /// the integration test, which cannot force that timing either.)
+    #[tokio::test]
+    async fn an_arrival_during_a_walk_is_left_to_that_walk_and_the_flag_is_always_cleared() {
+        let engine = Engine::start(Arc::new(MemoryStore::new()), CoordinatorConfig::default())
+            .await
+            .unwrap();
+        // A walk under way: an arrival only adds its service for it.
+        engine.arrivals.lock().walk_scheduled = true;
+        engine.instance_arrived("billing");
+        {
+            let a = engine.arrivals.lock();
+            assert!(a.walk_scheduled);
+            assert!(a.pending.contains("billing"), "left for the walk under way");
+        }
+        // That walk's loop takes it before it ends, and clears the flag.
+        engine.drive_arrivals();
+        {
+            let a = engine.arrivals.lock();
+            assert!(a.pending.is_empty() && !a.walk_scheduled);
+        }
+        // A walk dropped unrun (the runtime shutting down) clears it too.
+        engine.arrivals.lock().walk_scheduled = true;
+        drop(ArrivalWalk(Some(engine.clone())));
+        assert!(!engine.arrivals.lock().walk_scheduled);
+        // With no walk scheduled, an arrival schedules one (here on the
+        // blocking pool), which empties the set and clears the flag.
+        engine.instance_arrived("shipping");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            {
+                let a = engine.arrivals.lock();
+                if a.pending.is_empty() && !a.walk_scheduled {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "the scheduled walk never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
