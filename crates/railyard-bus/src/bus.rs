@@ -1192,42 +1192,15 @@ impl EventBus {
             .map(|(a, _)| a.to_string())
             .collect()
     }
-
-    /// Encodes a body for the wire with the named codec, or the default codec
-    /// for its type; an empty body encodes as codec `""` and no bytes.
-    ///
-    /// # Errors
-    /// [`CodecError`] when no codec fits.
-    pub fn encode_body(
-        &self,
-        body: &Body,
-        codec: Option<&str>,
-    ) -> Result<(Arc<str>, bytes::Bytes), CodecError> {
-        if body.is_empty() && codec.is_none() {
-            return Ok((Arc::from(""), bytes::Bytes::new()));
-        }
-        self.inner.shared.codecs.read().encode(body, codec)
-    }
-
-    /// Decodes bytes that came off the wire; codec `""` is the empty body.
-    ///
-    /// # Errors
-    /// [`CodecError`] for an unknown codec or malformed bytes.
-    pub fn decode_body(&self, codec: &str, bytes: bytes::Bytes) -> Result<Body, CodecError> {
-        if codec.is_empty() {
-            return Ok(Body::default());
-        }
-        self.inner.shared.codecs.read().decode(codec, bytes)
-    }
 }
 
-/// The codecs one transport connection used last, so that encoding and
-/// decoding a body takes neither the registry's lock nor a look-up while the
-/// connection keeps using the same ones (a cluster link's messages nearly
-/// always do). Same results as [`EventBus::encode_body`] and
-/// [`EventBus::decode_body`]: the cache is dropped whenever a codec is
-/// registered or a default changes (one atomic load per call checks).
-/// Measured: two-process send-send, docs/benchmarks.md.
+/// How a transport connection encodes bodies for the wire and decodes them:
+/// with the codecs it used last, so that a body takes neither the registry's
+/// lock nor a look-up while the connection keeps using the same ones (a
+/// cluster link's messages nearly always do). Answers as the registry
+/// does: the cache is dropped whenever a codec is registered or a default
+/// changes (one atomic load per call checks). Measured: two-process
+/// send-send, docs/benchmarks.md.
 pub struct CodecCache {
     shared: Arc<Shared>,
     /// `codecs_changed` when the entries below were taken.
@@ -1251,18 +1224,20 @@ impl CodecCache {
     /// The codec named `name`, from the cache when it was the last one used
     /// by name. Borrowed, so a hit costs no reference count.
     fn by_name(&mut self, name: &str) -> Result<&(Arc<str>, Arc<dyn MessageCodec>), CodecError> {
-        let hit = matches!(&self.named, Some((n, _)) if **n == *name);
-        if !hit {
-            let codecs = self.shared.codecs.read();
-            let (n, c) = codecs.named(name)?;
-            self.named = Some((n.clone(), c.clone()));
-        }
-        self.named
-            .as_ref()
-            .ok_or_else(|| CodecError::Unknown(name.to_owned()))
+        let entry = match self.named.take() {
+            Some(e) if *e.0 == *name => e,
+            _ => {
+                let codecs = self.shared.codecs.read();
+                let (n, c) = codecs.named(name)?;
+                (n.clone(), c.clone())
+            }
+        };
+        Ok(self.named.insert(entry))
     }
 
-    /// As [`EventBus::encode_body`], the codec's name borrowed from the cache.
+    /// Encodes a body for the wire with the named codec, or the default codec
+    /// for its type; an empty body encodes as codec `""` and no bytes. The
+    /// codec's name is borrowed from the cache.
     ///
     /// # Errors
     /// [`CodecError`] for an unknown codec, a type without a default, or the
@@ -1281,20 +1256,19 @@ impl CodecCache {
             return Ok((name, c.encode(body)?));
         }
         let t = body.value_type_id();
-        let hit = matches!(&self.default, Some((seen, _, _)) if *seen == t);
-        if !hit {
-            let codecs = self.shared.codecs.read();
-            let (n, c) = codecs.default_of(body)?;
-            self.default = Some((t, n.clone(), c.clone()));
-        }
-        let (_, name, c) = self
-            .default
-            .as_ref()
-            .ok_or(CodecError::NoDefault(body.type_name()))?;
+        let entry = match self.default.take() {
+            Some(e) if e.0 == t => e,
+            _ => {
+                let codecs = self.shared.codecs.read();
+                let (n, c) = codecs.default_of(body)?;
+                (t, n.clone(), c.clone())
+            }
+        };
+        let (_, name, c) = self.default.insert(entry);
         Ok((name, c.encode(body)?))
     }
 
-    /// As [`EventBus::decode_body`].
+    /// Decodes bytes that came off the wire; codec `""` is the empty body.
     ///
     /// # Errors
     /// [`CodecError`] for an unknown codec or malformed bytes.

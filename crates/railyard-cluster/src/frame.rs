@@ -604,10 +604,7 @@ fn get_u64(b: &mut &[u8], what: &'static str) -> Result<u64, FrameError> {
 /// copied out (cheaper than the split); borrowing allocates nothing.
 fn get_str<'a>(b: &mut &'a [u8], what: &'static str) -> Result<Cow<'a, str>, FrameError> {
     let n = get_u16(b, what)? as usize;
-    need(b, n, what)?;
-    let (s, rest) = b.split_at(n);
-    *b = rest;
-    railyard_bus::str_from_utf8(s)
+    railyard_bus::str_from_utf8(take(b, n, what)?)
         .map(Cow::Borrowed)
         .map_err(|_| FrameError::Utf8)
 }
@@ -615,10 +612,15 @@ fn get_str<'a>(b: &mut &'a [u8], what: &'static str) -> Result<Cow<'a, str>, Fra
 /// The body's bytes, still in the frame.
 fn get_blob<'a>(b: &mut &'a [u8], what: &'static str) -> Result<&'a [u8], FrameError> {
     let n = get_u32(b, what)? as usize;
+    take(b, n, what)
+}
+
+/// The next `n` bytes of the frame, borrowed.
+fn take<'a>(b: &mut &'a [u8], n: usize, what: &'static str) -> Result<&'a [u8], FrameError> {
     need(b, n, what)?;
-    let (s, rest) = b.split_at(n);
+    let (taken, rest) = b.split_at(n);
     *b = rest;
-    Ok(s)
+    Ok(taken)
 }
 
 /// Headers, built straight into the bus's [`Headers`] (which owns them).

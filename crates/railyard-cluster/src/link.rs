@@ -507,14 +507,14 @@ impl Link {
 
     fn fail_pending(&self, why: &str) {
         // Taken whole with every map locked (no walk there), failed after.
-        let (drained, was, before) = self.pending.take_all(|| {
+        let (drained, taken, before) = self.pending.take_all(|| {
             self.fail_epoch.fetch_add(1, Ordering::AcqRel);
         });
-        self.wake_if_room(before, before - was);
-        if was == 0 {
+        self.wake_if_room(before, before - taken);
+        if taken == 0 {
             return;
         }
-        self.counters.failed_on_loss.add(was as u64);
+        self.counters.failed_on_loss.add(taken as u64);
         let reason = format!("node {} {why} before answering", self.peer);
         let fail_all = move || {
             for h in drained.into_iter().flat_map(HashMap::into_values) {
@@ -526,7 +526,7 @@ impl Link {
         // Up to `max_in_flight` (65,536 by default) requesters to wake: more
         // than a few hundred is too long for the link's async task. (Run
         // there once in every case, also if the runtime is shutting down.)
-        if was > MANY_PENDING {
+        if taken > MANY_PENDING {
             drop(crate::offload::run_blocking(fail_all));
         } else {
             fail_all();
@@ -1014,8 +1014,8 @@ fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
 /// in `bench pingpong --nodes 2` (two runs each, 0.89-0.93 s without it,
 /// 1.07-1.20 s with it; both builds read an environment switch per message,
 /// so the figures are indicative only), and the epoch costs one load.
-/// Encodes one item for the peer; whether a frame went into `buf` (a
-/// message can be refused: failed at the link, or unfit for a frame).
+/// Returns whether a frame went into `buf` (an answer's FAIL counts).
+/// Counted by the writer once per write, not here per frame.
 fn encode_out(
     link: &Link,
     codecs: &mut CodecCache,
