@@ -4,9 +4,27 @@
 
 use std::future::Future;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
+
+/// How long a loop keeps polling for events after it last handled messages
+/// before it sleeps (see `railyard_bus::spin_before_park`), unless
+/// `RAILYARD_IDLE_SPIN_US` says otherwise (in microseconds; 0 turns it
+/// off). Measured on 2026-11-27 with `bench echo --cluster etcd --nodes 2`,
+/// interleaved runs (docs/benchmarks.md): against no spinning, 20 µs gave
+/// send-send +9 % and send-reply -3 % (medians of 12 and 7 runs), 50 µs
+/// +11 % and +16 % (9 and 7 runs); pingpong and the one-process rows did
+/// not move outside the noise.
+pub const IDLE_SPIN: Duration = Duration::from_micros(50);
+
+fn idle_spin() -> Duration {
+    std::env::var("RAILYARD_IDLE_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(IDLE_SPIN, Duration::from_micros)
+}
 
 /// How scenario tasks are scheduled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -102,6 +120,7 @@ impl EventLoops {
             } else {
                 b.enable_time();
             }
+            railyard_bus::spin_before_park(&mut b, idle_spin());
             let rt = b.build().expect("create a current-thread runtime");
             handles.push(rt.handle().clone());
             let (stop_tx, stop_rx) = oneshot::channel::<()>();

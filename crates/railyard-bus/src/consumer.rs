@@ -162,6 +162,7 @@ where
         if !open {
             return;
         }
+        crate::idle_spin::note_loop_work();
         since_yield += batch.len();
         while let Some(env) = batch.pop_front() {
             let Some(msg) = admit(&queue, env) else {

@@ -599,6 +599,7 @@ impl Future for DispatchTask {
                 return Poll::Pending;
             };
             run_consumer(&queue, &mut this.batch, cx);
+            crate::idle_spin::note_loop_work();
             if this.batch.capacity() > 4 * BATCH {
                 // A buffer a burst grew (a consumer's whole queue, swapped
                 // in): freed here, not handed on to the next consumer.

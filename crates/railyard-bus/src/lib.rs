@@ -77,6 +77,7 @@ mod consumer;
 mod dispatch;
 mod error;
 mod headers;
+mod idle_spin;
 mod interceptor;
 mod message;
 mod metrics;
@@ -97,6 +98,7 @@ pub use consumer::{Consumer, ConsumerBuilder, MessageStream};
 pub use dispatch::{enable_loop_dispatch, enable_loop_dispatch_relaying_wakes};
 pub use error::{BusError, CodecError, FailureKind, SendError};
 pub use headers::Headers;
+pub use idle_spin::{note_loop_work, spin_before_park};
 pub use interceptor::{Interceptor, InterceptorId, MessageKind, Outbound, Verdict};
 pub use message::Message;
 pub use metrics::{ConsumerStats, MetricsSnapshot};
@@ -105,3 +107,4 @@ pub use remote::{
     ClusterHook, RemoteKind, RemoteMessage, RemoteNode, ReplyHandle, ReplySink, Undelivered,
 };
 pub use reply::PendingReply;
+pub use spin::{SpinGuard, SpinLock};

@@ -1,5 +1,5 @@
-//! The consumer queue's lock: a test-and-set spin lock whose release is a
-//! plain store.
+//! The lock of the consumer queues (and of `railyard-cluster`'s outbound
+//! link queues): a test-and-set spin lock whose release is a plain store.
 //!
 //! Why not `parking_lot::Mutex`: its unlock is a compare-and-swap (it must
 //! check for parked waiters), so every lock/unlock pair costs two locked
@@ -11,6 +11,10 @@
 //! never span an `.await` and never wake anything, so waiting by spinning
 //! (with `crossbeam_utils::Backoff`, which yields the thread after a few
 //! rounds) is cheaper than parking. Do not use it for anything longer.
+//!
+//! Exported for `railyard-cluster`'s outbound queue, which every message to
+//! another node goes through and whose sections are as short; it is not
+//! meant as a general-purpose lock.
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
@@ -23,7 +27,7 @@ use crossbeam_utils::Backoff;
 /// `repr(C)`: the flag comes first, so it shares a cache line with the
 /// first fields of `T` (the consumer queue puts its hottest ones there).
 #[repr(C)]
-pub(crate) struct SpinLock<T> {
+pub struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,
 }
@@ -33,8 +37,18 @@ unsafe impl<T: Send> Sync for SpinLock<T> {}
 // Safety: owning the lock owns the value.
 unsafe impl<T: Send> Send for SpinLock<T> {}
 
+impl<T> std::fmt::Debug for SpinLock<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The value is not shown: reading it would need the lock.
+        f.debug_struct("SpinLock")
+            .field("locked", &self.locked.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
 impl<T> SpinLock<T> {
-    pub(crate) const fn new(value: T) -> Self {
+    /// An unlocked lock around `value`.
+    pub const fn new(value: T) -> Self {
         Self {
             locked: AtomicBool::new(false),
             value: UnsafeCell::new(value),
@@ -43,7 +57,7 @@ impl<T> SpinLock<T> {
 
     /// Takes the lock, spinning (then yielding) while another thread has it.
     #[inline]
-    pub(crate) fn lock(&self) -> SpinGuard<'_, T> {
+    pub fn lock(&self) -> SpinGuard<'_, T> {
         if self
             .locked
             .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
@@ -74,8 +88,14 @@ impl<T> SpinLock<T> {
 }
 
 /// Access to the locked value; releases the lock when dropped.
-pub(crate) struct SpinGuard<'a, T> {
+pub struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
+}
+
+impl<T> std::fmt::Debug for SpinGuard<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpinGuard").finish_non_exhaustive()
+    }
 }
 
 impl<T> Deref for SpinGuard<'_, T> {

@@ -850,6 +850,9 @@ async fn read_loop(
                 Ok(0) => return "peer closed the connection".into(),
                 Ok(n) => {
                     link.counters.bytes_in.add(n as u64);
+                    // Traffic: an event loop that spins before parking keeps
+                    // polling for the next read (railyard_bus::spin_before_park).
+                    railyard_bus::note_loop_work();
                     sink.heard();
                     // Read after `serve` returns, on this same task.
                     if !sink.heard_anything.load(Ordering::Relaxed) {
