@@ -1235,6 +1235,35 @@ impl CodecCache {
         Ok(self.named.insert(entry))
     }
 
+    /// The codec for `body`: the one named, or the default for its type;
+    /// `None` for an empty body with no codec named (codec `""`, no bytes).
+    /// Borrowed from the cache.
+    fn resolve(
+        &mut self,
+        body: &Body,
+        codec: Option<&str>,
+    ) -> Result<Option<(&str, &dyn MessageCodec)>, CodecError> {
+        if body.is_empty() && codec.is_none() {
+            return Ok(None);
+        }
+        self.check();
+        if let Some(n) = codec {
+            let (name, c) = self.by_name(n)?;
+            return Ok(Some((name, &**c)));
+        }
+        let t = body.value_type_id();
+        let entry = match self.default.take() {
+            Some(e) if e.0 == t => e,
+            _ => {
+                let codecs = self.shared.codecs.read();
+                let (n, c) = codecs.default_of(body)?;
+                (t, n.clone(), c.clone())
+            }
+        };
+        let (_, name, c) = self.default.insert(entry);
+        Ok(Some((name, &**c)))
+    }
+
     /// Encodes a body for the wire with the named codec, or the default codec
     /// for its type; an empty body encodes as codec `""` and no bytes. The
     /// codec's name is borrowed from the cache.
@@ -1247,25 +1276,38 @@ impl CodecCache {
         body: &Body,
         codec: Option<&str>,
     ) -> Result<(&str, bytes::Bytes), CodecError> {
-        if body.is_empty() && codec.is_none() {
-            return Ok(("", bytes::Bytes::new()));
+        match self.resolve(body, codec)? {
+            None => Ok(("", bytes::Bytes::new())),
+            Some((name, c)) => Ok((name, c.encode(body)?)),
         }
-        self.check();
-        if let Some(n) = codec {
-            let (name, c) = self.by_name(n)?;
-            return Ok((name, c.encode(body)?));
-        }
-        let t = body.value_type_id();
-        let entry = match self.default.take() {
-            Some(e) if e.0 == t => e,
-            _ => {
-                let codecs = self.shared.codecs.read();
-                let (n, c) = codecs.default_of(body)?;
-                (t, n.clone(), c.clone())
+    }
+
+    /// Encodes a body straight into `out`, with the codec
+    /// [`encode`](Self::encode) would use: first `head(out, codec_name)`
+    /// (what a frame puts before the body: the codec's name, the body's
+    /// length), then the body's bytes ([`MessageCodec::encode_into`]). An
+    /// empty body with no codec named writes only the head, with codec `""`.
+    ///
+    /// # Errors
+    /// As [`encode`](Self::encode); `out` may then hold part of the head or
+    /// body, which the caller truncates.
+    pub fn encode_into(
+        &mut self,
+        body: &Body,
+        codec: Option<&str>,
+        out: &mut bytes::BytesMut,
+        head: impl FnOnce(&mut bytes::BytesMut, &str),
+    ) -> Result<(), CodecError> {
+        match self.resolve(body, codec)? {
+            None => {
+                head(out, "");
+                Ok(())
             }
-        };
-        let (_, name, c) = self.default.insert(entry);
-        Ok((name, c.encode(body)?))
+            Some((name, c)) => {
+                head(out, name);
+                c.encode_into(body, out)
+            }
+        }
     }
 
     /// Decodes bytes that came off the wire; codec `""` is the empty body.

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use railyard_bus::*;
 use tokio::sync::mpsc;
@@ -607,6 +607,74 @@ fn codec_cache_follows_the_registry() {
     // The same answers from a new cache.
     let mut fresh = bus.codec_cache();
     assert_eq!(fresh.encode(&hello, None).unwrap().0, "upper");
+}
+
+/// `encode_into` writes the head, then the very bytes `encode` gives, with
+/// the same codec, for every built-in codec, a codec that only has
+/// `encode`, and the empty body; a failure is the same error.
+#[test]
+fn encoding_into_a_buffer_gives_what_encode_gives() {
+    /// Only `encode`: `encode_into` is the trait's default.
+    struct Rev;
+    impl MessageCodec for Rev {
+        fn name(&self) -> &str {
+            "rev"
+        }
+        fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
+            let s = body
+                .downcast_ref::<String>()
+                .ok_or(CodecError::NoDefault("?"))?;
+            Ok(Bytes::from(s.chars().rev().collect::<String>()))
+        }
+        fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
+            Ok(Body::new(String::from_utf8_lossy(&bytes).into_owned()))
+        }
+    }
+    let bus = EventBus::new();
+    bus.register_codec(Arc::new(Rev)).unwrap();
+    let mut cache = bus.codec_cache();
+    let cases: Vec<(Body, Option<&str>)> = vec![
+        (Body::new(String::from("héllo")), None),
+        (Body::new("static"), None),
+        (Body::new(Bytes::from_static(b"\x00\x01")), None),
+        (Body::new(vec![9u8, 8, 7]), None),
+        (Body::new(u64::MAX - 3), None),
+        (Body::new(-5i64), None),
+        (Body::new(serde_json::json!({"a": [1, 2]})), None),
+        (Body::new(String::from("abc")), Some("rev")),
+        (Body::new(serde_json::json!("as json")), Some("json")),
+        (Body::default(), None),
+    ];
+    for (body, codec) in &cases {
+        let (name, bytes) = cache
+            .encode(body, *codec)
+            .map(|(n, b)| (n.to_owned(), b))
+            .unwrap_or_else(|e| panic!("{body:?}: {e}"));
+        let mut out = BytesMut::from(&b"head:"[..]);
+        let mut head = None;
+        cache
+            .encode_into(body, *codec, &mut out, |out, n| {
+                head = Some(n.to_owned());
+                out.extend_from_slice(b"|");
+            })
+            .unwrap();
+        assert_eq!(head.as_deref(), Some(name.as_str()), "{body:?}");
+        assert_eq!(&out[..6], b"head:|");
+        assert_eq!(&out[6..], &bytes[..], "{body:?} with {name}");
+    }
+    // Failures: a type without a default, an unknown codec, the codec's own.
+    for (body, codec) in [
+        (Body::new(1u32), None),
+        (Body::new(String::from("x")), Some("nope")),
+        (Body::new(7u64), Some("string")),
+    ] {
+        let want = cache.encode(&body, codec).unwrap_err().to_string();
+        let got = cache
+            .encode_into(&body, codec, &mut BytesMut::new(), |_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert_eq!(got, want);
+    }
 }
 
 #[test]

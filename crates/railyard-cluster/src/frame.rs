@@ -187,16 +187,9 @@ impl Frame<'_> {
                 codec,
                 body,
             } => {
-                put_msg(
-                    out,
-                    *mode,
-                    *id,
-                    *timeout_ms,
-                    address,
-                    headers.iter(),
-                    codec,
-                    body,
-                );
+                put_msg_head(out, *mode, *id, *timeout_ms, address, headers.iter());
+                put_str(out, codec);
+                put_blob(out, body);
             }
             Frame::Reply {
                 id,
@@ -204,7 +197,9 @@ impl Frame<'_> {
                 codec,
                 body,
             } => {
-                put_reply(out, *id, headers.iter(), codec, body);
+                put_reply_head(out, *id, headers.iter());
+                put_str(out, codec);
+                put_blob(out, body);
             }
             Frame::Fail {
                 id,
@@ -490,36 +485,60 @@ fn end_frame(out: &mut BytesMut, start: usize) {
     out[start..start + 4].copy_from_slice(&len.to_be_bytes());
 }
 
-/// Appends a [`Frame::Msg`] from borrowed parts: what a link writes for
-/// every message, without building an owned `Frame` (an address, codec
-/// name and header copy per message) first.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn encode_msg<'a>(
+/// Appends a [`Frame::Msg`]'s length prefix and its fields up to the codec
+/// name, from borrowed parts: what a link writes for every message, without
+/// an owned `Frame` (an address, codec name and header copy per message)
+/// first. The codec name and body follow ([`begin_body`], the body's bytes,
+/// [`end_body`]), so a codec can write the body straight into the frame.
+/// Returns where the frame starts.
+pub(crate) fn begin_msg<'a>(
     out: &mut BytesMut,
     mode: Mode,
     id: u64,
     timeout_ms: u32,
     address: &str,
     headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
-    codec: &str,
-    body: &[u8],
-) {
+) -> usize {
     let start = begin_frame(out);
-    put_msg(out, mode, id, timeout_ms, address, headers, codec, body);
-    end_frame(out, start);
+    put_msg_head(out, mode, id, timeout_ms, address, headers);
+    start
 }
 
-/// A `Msg` frame's kind and fields, without the length prefix.
-#[allow(clippy::too_many_arguments)]
-fn put_msg<'a>(
+/// As [`begin_msg`], for a [`Frame::Reply`].
+pub(crate) fn begin_reply<'a>(
+    out: &mut BytesMut,
+    id: u64,
+    headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+) -> usize {
+    let start = begin_frame(out);
+    put_reply_head(out, id, headers);
+    start
+}
+
+/// Appends the codec name and the place of the body's length; returns where
+/// the body starts.
+pub(crate) fn begin_body(out: &mut BytesMut, codec: &str) -> usize {
+    put_str(out, codec);
+    out.put_u32(0);
+    out.len()
+}
+
+/// Fills in the length of the body that starts at `body_start` (everything
+/// appended since) and of the frame that starts at `frame_start`.
+pub(crate) fn end_body(out: &mut BytesMut, frame_start: usize, body_start: usize) {
+    let len = (out.len() - body_start) as u32;
+    out[body_start - 4..body_start].copy_from_slice(&len.to_be_bytes());
+    end_frame(out, frame_start);
+}
+
+/// A `Msg` frame's kind and fields before the codec name.
+fn put_msg_head<'a>(
     out: &mut BytesMut,
     mode: Mode,
     id: u64,
     timeout_ms: u32,
     address: &str,
     headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
-    codec: &str,
-    body: &[u8],
 ) {
     out.put_u8(MSG);
     out.put_u8(match mode {
@@ -531,36 +550,17 @@ fn put_msg<'a>(
     out.put_u32(timeout_ms);
     put_str(out, address);
     put_headers(out, headers);
-    put_str(out, codec);
-    put_blob(out, body);
 }
 
-/// Appends a [`Frame::Reply`] from borrowed parts (see [`encode_msg`]).
-pub(crate) fn encode_reply<'a>(
+/// A `Reply` frame's kind and fields before the codec name.
+fn put_reply_head<'a>(
     out: &mut BytesMut,
     id: u64,
     headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
-    codec: &str,
-    body: &[u8],
-) {
-    let start = begin_frame(out);
-    put_reply(out, id, headers, codec, body);
-    end_frame(out, start);
-}
-
-/// A `Reply` frame's kind and fields, without the length prefix.
-fn put_reply<'a>(
-    out: &mut BytesMut,
-    id: u64,
-    headers: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
-    codec: &str,
-    body: &[u8],
 ) {
     out.put_u8(REPLY);
     out.put_u64(id);
     put_headers(out, headers);
-    put_str(out, codec);
-    put_blob(out, body);
 }
 
 /// Frames up to this many bytes are parsed in place and their bodies
@@ -676,6 +676,49 @@ mod tests {
         };
         assert_eq!(got.len(), 65_534, "the largest whole-character prefix");
         assert!(message.starts_with(&*got));
+    }
+
+    /// A message or reply written in parts (head, codec and body's place,
+    /// the body appended, lengths filled in) is byte for byte the frame
+    /// `encode` writes, after whatever the buffer held.
+    #[test]
+    fn frames_written_in_parts_equal_encoded_frames() {
+        let headers: Headers = [("replyTo", "x"), ("é", "")].into_iter().collect();
+        for body in [&b""[..], b":)", &[7u8; 300][..]] {
+            let whole = Frame::Msg {
+                mode: Mode::Send,
+                id: 9,
+                timeout_ms: 0,
+                address: "echo".into(),
+                headers: headers.clone(),
+                codec: "string".into(),
+                body: Bytes::copy_from_slice(body),
+            };
+            let mut want = BytesMut::from(&b"before"[..]);
+            whole.encode(&mut want);
+            let mut got = BytesMut::from(&b"before"[..]);
+            let start = begin_msg(&mut got, Mode::Send, 9, 0, "echo", headers.iter());
+            assert_eq!(start, 6);
+            let body_start = begin_body(&mut got, "string");
+            got.extend_from_slice(body);
+            end_body(&mut got, start, body_start);
+            assert_eq!(got, want);
+
+            let whole = Frame::Reply {
+                id: 3,
+                headers: headers.clone(),
+                codec: "".into(),
+                body: Bytes::copy_from_slice(body),
+            };
+            let mut want = BytesMut::new();
+            whole.encode(&mut want);
+            let mut got = BytesMut::new();
+            let start = begin_reply(&mut got, 3, headers.iter());
+            let body_start = begin_body(&mut got, "");
+            got.extend_from_slice(body);
+            end_body(&mut got, start, body_start);
+            assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -1044,27 +1044,24 @@ fn encode_out(
                 }
                 return false;
             }
-            match codecs.encode(&msg.body, msg.codec.as_deref()) {
-                Ok((codec, body)) => {
-                    let (mode, timeout_ms) = match msg.kind {
-                        RemoteKind::Send => (Mode::Send, 0),
-                        RemoteKind::Publish => (Mode::Publish, 0),
-                        RemoteKind::Request { timeout } => (
-                            Mode::Request,
-                            u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
-                        ),
-                    };
-                    let start = buf.len();
-                    frame::encode_msg(
-                        buf,
-                        mode,
-                        id,
-                        timeout_ms,
-                        &msg.address,
-                        msg.headers.iter(),
-                        codec,
-                        &body,
-                    );
+            let (mode, timeout_ms) = match msg.kind {
+                RemoteKind::Send => (Mode::Send, 0),
+                RemoteKind::Publish => (Mode::Publish, 0),
+                RemoteKind::Request { timeout } => (
+                    Mode::Request,
+                    u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+                ),
+            };
+            // The body is encoded straight into the batch, after the
+            // frame's head; on failure the frame is taken back whole.
+            let start =
+                frame::begin_msg(buf, mode, id, timeout_ms, &msg.address, msg.headers.iter());
+            let mut body_start = 0;
+            match codecs.encode_into(&msg.body, msg.codec.as_deref(), buf, |out, codec| {
+                body_start = frame::begin_body(out, codec);
+            }) {
+                Ok(()) => {
+                    frame::end_body(buf, start, body_start);
                     if let Some(len) = take_back_if_over(buf, start, max_frame) {
                         link.counters.encode_failures.add(1);
                         tracing::warn!(address = %msg.address, len, max_frame, "a message for another node is over the frame limit; not sent");
@@ -1076,6 +1073,7 @@ fn encode_out(
                     true
                 }
                 Err(e) => {
+                    buf.truncate(start);
                     link.counters.encode_failures.add(1);
                     tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
                     if id != 0 {
@@ -1101,22 +1099,28 @@ fn encode_out(
                         return true;
                     }
                     let body = m.take_body();
-                    match codecs.encode(&body, None) {
-                        Ok((codec, bytes)) => {
-                            let start = buf.len();
-                            frame::encode_reply(buf, id, m.headers().iter(), codec, &bytes);
+                    let start = frame::begin_reply(buf, id, m.headers().iter());
+                    let mut body_start = 0;
+                    match codecs.encode_into(&body, None, buf, |out, codec| {
+                        body_start = frame::begin_body(out, codec);
+                    }) {
+                        Ok(()) => {
+                            frame::end_body(buf, start, body_start);
                             let Some(len) = take_back_if_over(buf, start, max_frame) else {
                                 return true;
                             };
                             link.counters.encode_failures.add(1);
                             fail_frame(id, &too_large("the reply", len, max_frame))
                         }
-                        Err(e) => fail_frame(
-                            id,
-                            &BusError::Cluster {
-                                reason: format!("reply body cannot cross nodes: {e}"),
-                            },
-                        ),
+                        Err(e) => {
+                            buf.truncate(start);
+                            fail_frame(
+                                id,
+                                &BusError::Cluster {
+                                    reason: format!("reply body cannot cross nodes: {e}"),
+                                },
+                            )
+                        }
                     }
                 }
                 Err(e) => fail_frame(id, &e),
