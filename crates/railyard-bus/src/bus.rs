@@ -327,6 +327,45 @@ impl EventBus {
         self.send_body(address, Body::new(body), options)
     }
 
+    /// [`send_with`](Self::send_with) for a transport that builds options
+    /// per message (a cluster link, for each message it reads): the
+    /// headers move from `options` into the message instead of being
+    /// cloned (a reference count up, and down again when the options are
+    /// dropped, per message). When it fails, `options` is given back as it
+    /// was, for a retry that waits for room. With interceptors registered
+    /// the headers are cloned as `send_with` does, since an interceptor may
+    /// change the message's copy.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn send_moving_headers(
+        &self,
+        address: &str,
+        body: Body,
+        options: &mut DeliveryOptions,
+    ) -> Result<(), SendError> {
+        if self.inner.shared.has_interceptors.load(Ordering::Acquire) {
+            return self.send_body(address, body, options);
+        }
+        let mut env = Envelope {
+            headers: std::mem::take(&mut options.headers),
+            body,
+            reply: None,
+            send: true,
+        };
+        // No interceptor: only the address and codec are checked, and the
+        // headers come back untouched on a refusal.
+        if let Err(e) = self.prepare(address, MessageKind::Send, &mut env, options) {
+            options.headers = env.headers;
+            return Err(SendError::new(e, env.body));
+        }
+        self.inner.shared.counters.sent.add(1);
+        self.route(address, env, options).map_err(|(e, env, _)| {
+            options.headers = env.headers;
+            SendError::new(e, env.body)
+        })
+    }
+
     /// The non-generic body of [`send_with`](Self::send_with) (a [`Body`]
     /// passed to `send_with` is used as is, so transports call that).
     fn send_body(

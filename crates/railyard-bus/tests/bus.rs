@@ -355,6 +355,76 @@ async fn send_wait_and_request_wait_for_room() {
     }
 }
 
+/// `send_moving_headers` delivers the options' headers (leaving the options
+/// without them), gives them back untouched when the send is refused, and
+/// with an interceptor registered clones them as `send_with` does.
+#[tokio::test]
+async fn sending_with_moved_headers_gives_them_back_on_refusal() {
+    struct Stamp;
+    impl Interceptor for Stamp {
+        fn outbound(&self, msg: &mut Outbound<'_>) -> Verdict {
+            msg.headers.add("stamped", "yes");
+            Verdict::Continue
+        }
+    }
+    let bus = EventBus::new();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let c = bus
+        .consumer("seen")
+        .capacity(1)
+        .paused()
+        .handler(move |m| {
+            let h: Vec<(String, String)> = m
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+            tx.send(h).unwrap();
+            async {}
+        })
+        .await
+        .unwrap();
+    let headers = |o: &DeliveryOptions| {
+        o.headers
+            .iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect::<Vec<_>>()
+    };
+    let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+
+    let mut opts = DeliveryOptions::new().header("a", "1");
+    bus.send_moving_headers("seen", Body::new(1u64), &mut opts)
+        .unwrap();
+    assert!(opts.headers.is_empty(), "moved into the message");
+    // Refused: no consumer, then a full buffer (capacity 1, paused).
+    let mut opts = DeliveryOptions::new().header("b", "2");
+    let e = bus
+        .send_moving_headers("nobody", Body::new(2u64), &mut opts)
+        .unwrap_err();
+    assert!(matches!(e.error, BusError::NoHandlers { .. }));
+    assert_eq!(headers(&opts), [pair("b", "2")]);
+    let e = bus
+        .send_moving_headers("seen", Body::new(3u64), &mut opts)
+        .unwrap_err();
+    assert!(matches!(e.error, BusError::Full { .. }));
+    assert_eq!(headers(&opts), [pair("b", "2")]);
+
+    // With an interceptor: the message's copy is stamped, the options not.
+    bus.add_interceptor(Arc::new(Stamp));
+    let e = bus
+        .send_moving_headers("seen", Body::new(4u64), &mut opts)
+        .unwrap_err();
+    assert!(matches!(e.error, BusError::Full { .. }));
+    assert_eq!(headers(&opts), [pair("b", "2")]);
+
+    c.resume();
+    let got = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, [pair("a", "1")]);
+}
+
 #[tokio::test]
 async fn interceptors_see_rewrite_and_veto() {
     struct Stamp;

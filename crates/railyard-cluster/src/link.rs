@@ -1355,7 +1355,8 @@ fn handle_ready(
             let mut opts = DeliveryOptions::new().local_only(true);
             opts.headers = headers;
             match mode {
-                Mode::Send => match bus.send_with(&address, body, &opts) {
+                // The headers move into the message (given back on a refusal).
+                Mode::Send => match bus.send_moving_headers(&address, body, &mut opts) {
                     Ok(()) => None,
                     Err(e) if matches!(e.error, BusError::Full { .. }) => {
                         let (l, bus, address) = (link.clone(), bus.clone(), address.into_owned());
