@@ -29,6 +29,7 @@ use std::borrow::Cow;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use railyard_bus::Headers;
+use smallvec::SmallVec;
 
 /// Protocol version sent in HELLO.
 pub const VERSION: u16 = 1;
@@ -603,10 +604,13 @@ fn get_u64(b: &mut &[u8], what: &'static str) -> Result<u64, FrameError> {
 /// shared buffer (a reference count taken and dropped per string), then
 /// copied out (cheaper than the split); borrowing allocates nothing.
 fn get_str<'a>(b: &mut &'a [u8], what: &'static str) -> Result<Cow<'a, str>, FrameError> {
+    get_str_ref(b, what).map(Cow::Borrowed)
+}
+
+/// A string, borrowed from the frame.
+fn get_str_ref<'a>(b: &mut &'a [u8], what: &'static str) -> Result<&'a str, FrameError> {
     let n = get_u16(b, what)? as usize;
-    railyard_bus::str_from_utf8(take(b, n, what)?)
-        .map(Cow::Borrowed)
-        .map_err(|_| FrameError::Utf8)
+    railyard_bus::str_from_utf8(take(b, n, what)?).map_err(|_| FrameError::Utf8)
 }
 
 /// The body's bytes, still in the frame.
@@ -632,12 +636,14 @@ fn get_headers(b: &mut &[u8], what: &'static str) -> Result<Headers, FrameError>
     if n == 0 {
         return Ok(Headers::new());
     }
-    let mut h = Vec::with_capacity(n);
+    // Borrowed from the frame first (on the stack for a few), then copied
+    // into the headers' one block.
+    let mut h: SmallVec<[(&str, &str); 4]> = SmallVec::with_capacity(n);
     for _ in 0..n {
-        let name = get_str(b, what)?.into_owned();
-        h.push((name, get_str(b, what)?.into_owned()));
+        let name = get_str_ref(b, what)?;
+        h.push((name, get_str_ref(b, what)?));
     }
-    Ok(Headers::from(h))
+    Ok(Headers::from(&h[..]))
 }
 
 #[cfg(test)]
