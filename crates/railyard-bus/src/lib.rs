@@ -68,7 +68,9 @@
 //! The hot path (registry snapshot, queue, round-robin cursors, sharded
 //! counters, the event-loop dispatcher) is Railyard's own: it is the product. Everything else uses crates
 //! (`tokio` for tasks, timers and the reply slot, `arc-swap`, `parking_lot`,
-//! `serde_json`).
+//! `serde_json`, `smallvec` and `compact_str` for headers). Spinning before
+//! an event loop parks (`spin_before_park`) is built on tokio's public park
+//! hook.
 
 mod body;
 mod bus;
