@@ -15,8 +15,9 @@ use tokio::sync::oneshot;
 /// off). Measured on 2026-11-27 with `bench echo --cluster etcd --nodes 2`,
 /// interleaved runs (docs/benchmarks.md): against no spinning, 20 µs gave
 /// send-send +9 % and send-reply -3 % (medians of 12 and 7 runs), 50 µs
-/// +11 % and +16 % (9 and 7 runs); pingpong and the one-process rows did
-/// not move outside the noise.
+/// +11 % and +16 % (9 and 7 runs); the one-process rows did not move
+/// outside the noise. Multi-thread runtimes (`--runtime multi`, pingpong's
+/// default) do not spin.
 pub const IDLE_SPIN: Duration = Duration::from_micros(50);
 
 fn idle_spin() -> Duration {

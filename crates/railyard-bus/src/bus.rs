@@ -347,18 +347,18 @@ impl EventBus {
         if self.inner.shared.has_interceptors.load(Ordering::Acquire) {
             return self.send_body(address, body, options);
         }
-        let mut env = Envelope {
+        // No interceptor: only the address and codec are checked (an
+        // interceptor added meanwhile counts as added after this send), so
+        // the headers come back untouched on a refusal.
+        if let Err(e) = self.check_target(address, options) {
+            return Err(SendError::new(e, body));
+        }
+        let env = Envelope {
             headers: std::mem::take(&mut options.headers),
             body,
             reply: None,
             send: true,
         };
-        // No interceptor: only the address and codec are checked, and the
-        // headers come back untouched on a refusal.
-        if let Err(e) = self.prepare(address, MessageKind::Send, &mut env, options) {
-            options.headers = env.headers;
-            return Err(SendError::new(e, env.body));
-        }
         self.inner.shared.counters.sent.add(1);
         self.route(address, env, options).map_err(|(e, env, _)| {
             options.headers = env.headers;
@@ -705,6 +705,16 @@ impl EventBus {
         env: &mut Envelope,
         options: &DeliveryOptions,
     ) -> Result<(), BusError> {
+        self.check_target(address, options)?;
+        self.inner
+            .shared
+            .outbound_check(address, kind, &mut env.headers, &env.body)
+            .map_err(|e| self.refuse(e))
+    }
+
+    /// The checks of [`prepare`](Self::prepare) before the interceptors: a
+    /// valid address, a registered codec.
+    fn check_target(&self, address: &str, options: &DeliveryOptions) -> Result<(), BusError> {
         if address.is_empty() {
             return Err(self.refuse(BusError::InvalidAddress {
                 address: address.to_owned(),
@@ -717,10 +727,7 @@ impl EventBus {
                 }));
             }
         }
-        self.inner
-            .shared
-            .outbound_check(address, kind, &mut env.headers, &env.body)
-            .map_err(|e| self.refuse(e))
+        Ok(())
     }
 
     fn refuse(&self, e: BusError) -> BusError {

@@ -30,6 +30,7 @@ pub trait MessageCodec: Send + Sync + 'static {
     /// default goes through [`encode`](Self::encode); the built-in codecs
     /// write in place, without a buffer of their own per body (an
     /// allocation, a copy and a free per message that crosses nodes).
+    /// It must only append: what `out` held before belongs to other frames.
     /// On error, what was appended is not specified: the caller truncates.
     ///
     /// # Errors

@@ -20,9 +20,11 @@ use smallvec::SmallVec;
 ///
 /// Stored as one block: up to two pairs inline in the shared vector, and
 /// names and values of up to 24 bytes inline in their pair (`smallvec`,
-/// `compact_str`). A message's usual header or two then take one
-/// allocation instead of four (vector, shared cell, name, value): a cluster
-/// link builds headers for every message it reads, and frees them after.
+/// `compact_str`). Headers built from borrowed pairs (`From<&[(&str,
+/// &str)]>`, what a cluster link does for every message it reads) then take
+/// one allocation for a header or two instead of four (vector, shared cell,
+/// name, value). [`add`](Self::add) takes `String`s, so a hand-built set
+/// still allocates one per string before it is stored inline.
 #[derive(Clone, Default)]
 pub struct Headers {
     entries: Option<Arc<Entries>>,

@@ -17,6 +17,7 @@
 //! meant as a general-purpose lock.
 
 use std::cell::UnsafeCell;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -65,7 +66,10 @@ impl<T> SpinLock<T> {
         {
             self.lock_contended();
         }
-        SpinGuard { lock: self }
+        SpinGuard {
+            lock: self,
+            _access: PhantomData,
+        }
     }
 
     #[cold]
@@ -90,6 +94,10 @@ impl<T> SpinLock<T> {
 /// Access to the locked value; releases the lock when dropped.
 pub struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
+    /// The guard hands out `&mut T`: it may be shared between threads only
+    /// when `T` may (`&SpinLock<T>` alone would make it `Sync` for any
+    /// `T: Send`, and two threads could then use a `Cell` through it).
+    _access: PhantomData<&'a mut T>,
 }
 
 impl<T> std::fmt::Debug for SpinGuard<'_, T> {

@@ -409,7 +409,8 @@ async fn sending_with_moved_headers_gives_them_back_on_refusal() {
     assert!(matches!(e.error, BusError::Full { .. }));
     assert_eq!(headers(&opts), [pair("b", "2")]);
 
-    // With an interceptor: the message's copy is stamped, the options not.
+    // With an interceptor: the headers are cloned, so the options come back
+    // unstamped.
     bus.add_interceptor(Arc::new(Stamp));
     let e = bus
         .send_moving_headers("seen", Body::new(4u64), &mut opts)

@@ -1006,6 +1006,20 @@ fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
     }
 }
 
+/// Refuses a body whose codec took bytes out of the batch instead of only
+/// appending (`MessageCodec::encode_into` must append): the frame's lengths
+/// could not be filled in. (The frames before it may be damaged too; the
+/// peer then refuses them and the connection starts again.)
+fn appended_only(buf: &BytesMut, body_start: usize) -> Result<(), railyard_bus::CodecError> {
+    if buf.len() < body_start {
+        return Err(railyard_bus::CodecError::Malformed {
+            codec: "(the body's codec)".into(),
+            reason: "it removed bytes it had not written".into(),
+        });
+    }
+    Ok(())
+}
+
 /// Encodes one queued item into the batch buffer. A body no codec can
 /// encode, or one that would make a frame over `max_frame` (which the peer
 /// refuses, closing the link), fails its request (or its answer's request,
@@ -1057,9 +1071,12 @@ fn encode_out(
             let start =
                 frame::begin_msg(buf, mode, id, timeout_ms, &msg.address, msg.headers.iter());
             let mut body_start = 0;
-            match codecs.encode_into(&msg.body, msg.codec.as_deref(), buf, |out, codec| {
-                body_start = frame::begin_body(out, codec);
-            }) {
+            let encoded = codecs
+                .encode_into(&msg.body, msg.codec.as_deref(), buf, |out, codec| {
+                    body_start = frame::begin_body(out, codec);
+                })
+                .and_then(|()| appended_only(buf, body_start));
+            match encoded {
                 Ok(()) => {
                     frame::end_body(buf, start, body_start);
                     if let Some(len) = take_back_if_over(buf, start, max_frame) {
@@ -1101,9 +1118,12 @@ fn encode_out(
                     let body = m.take_body();
                     let start = frame::begin_reply(buf, id, m.headers().iter());
                     let mut body_start = 0;
-                    match codecs.encode_into(&body, None, buf, |out, codec| {
-                        body_start = frame::begin_body(out, codec);
-                    }) {
+                    let encoded = codecs
+                        .encode_into(&body, None, buf, |out, codec| {
+                            body_start = frame::begin_body(out, codec);
+                        })
+                        .and_then(|()| appended_only(buf, body_start));
+                    match encoded {
                         Ok(()) => {
                             frame::end_body(buf, start, body_start);
                             let Some(len) = take_back_if_over(buf, start, max_frame) else {

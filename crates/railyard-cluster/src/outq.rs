@@ -8,10 +8,12 @@
 //! [`SpinLock`], whose release is a plain store: with `parking_lot`'s
 //! mutex, whose release is a compare-and-swap, the two locked instructions
 //! of a send were about 3 % of each process's samples in that bench (the
-//! release the dearer, as it drains the stores of the push). Every section
-//! under it is a push, a swap or a waker's registration; only a reader
-//! that finds more than its batch (or a grown buffer) copies items out
-//! under it, at most one batch. tokio's bounded channel paid
+//! release the dearer, as it drains the stores of the push). The sections
+//! under it are short: a push (which may grow the buffer, copying what is
+//! queued, bounded by the capacity), a swap, a waker's registration; a
+//! reader that finds more than its batch (or a grown buffer) copies one
+//! batch out under it. Buffers and wakers given up are freed after the
+//! lock is released. tokio's bounded channel paid
 //! a semaphore permit, a slot in its block list and a waker notification
 //! per message, and a permit release per message taken: about 8 % of a
 //! serving process's CPU in `bench echo --cluster etcd --nodes 2 --method
@@ -29,8 +31,8 @@ use std::task::{Poll, Waker};
 
 use railyard_bus::SpinLock;
 
-/// Slots an emptied queue keeps; a burst that grew it past this gives the
-/// rest back.
+/// Slots an emptied queue keeps; a burst that grew it past this gives its
+/// buffer back.
 const KEEP: usize = 1024;
 
 /// Why an item was not queued; it comes back.
@@ -121,22 +123,28 @@ impl<T> OutQueue<T> {
                 let n = g.items.len().min(max.max(1));
                 if n == g.items.len() && out.is_empty() && g.items.capacity() <= KEEP {
                     std::mem::swap(&mut g.items, out);
-                } else {
-                    out.extend(g.items.drain(..n));
+                    return Poll::Ready(n);
                 }
+                out.extend(g.items.drain(..n));
                 if g.items.is_empty() && g.items.capacity() > KEEP {
-                    // A burst is over: give back what it grew.
-                    g.items.shrink_to(KEEP);
+                    // A burst is over: its buffer is freed after the lock
+                    // is released (a large free can be a system call).
+                    let grown = std::mem::take(&mut g.items);
+                    drop(g);
+                    drop(grown);
                 }
                 return Poll::Ready(n);
             }
             if g.closed {
                 return Poll::Ready(0);
             }
-            match &g.reader {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                _ => g.reader = Some(cx.waker().clone()),
-            }
+            // A waker replaced is dropped after the lock is released.
+            let old = match &g.reader {
+                Some(w) if w.will_wake(cx.waker()) => None,
+                _ => g.reader.replace(cx.waker().clone()),
+            };
+            drop(g);
+            drop(old);
             Poll::Pending
         })
         .await
@@ -147,12 +155,13 @@ impl<T> OutQueue<T> {
         let (left, reader) = {
             let mut g = self.inner.lock();
             g.closed = true;
-            (g.items.drain(..).collect(), g.reader.take())
+            // Taken whole under the lock, copied out after it.
+            (std::mem::take(&mut g.items), g.reader.take())
         };
         if let Some(w) = reader {
             w.wake();
         }
-        left
+        left.into()
     }
 }
 

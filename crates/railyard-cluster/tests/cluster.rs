@@ -1226,6 +1226,72 @@ async fn a_header_too_long_for_a_frame_fails_its_request_not_the_link() {
     }
 }
 
+/// A codec that fails after writing part of a body into the link's batch
+/// (`encode_into` appends straight to it) fails that message or answer
+/// alone: what it wrote is taken back, the frames around it go out whole,
+/// and the link stays up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codec_failing_midway_fails_its_message_not_the_link() {
+    use bytes::{Bytes, BytesMut};
+    use railyard_bus::{Body, CodecError, MessageCodec};
+
+    /// Writes half its body, then fails.
+    struct HalfThenFail;
+    impl MessageCodec for HalfThenFail {
+        fn name(&self) -> &str {
+            "half"
+        }
+        fn encode(&self, _: &Body) -> Result<Bytes, CodecError> {
+            Err(CodecError::NoDefault("half"))
+        }
+        fn encode_into(&self, _: &Body, out: &mut BytesMut) -> Result<(), CodecError> {
+            out.extend_from_slice(b"half a bo");
+            Err(CodecError::Malformed {
+                codec: "half".into(),
+                reason: "gave up midway".into(),
+            })
+        }
+        fn decode(&self, _: Bytes) -> Result<Body, CodecError> {
+            Err(CodecError::NoDefault("half"))
+        }
+    }
+    #[derive(Debug)]
+    struct Half;
+    let reg = InProcessRegistry::new();
+    let (a, na) = start(&reg, "a").await;
+    let (b, nb) = start(&reg, "b").await;
+    for bus in [&a, &b] {
+        bus.register_codec(Arc::new(HalfThenFail)).unwrap();
+        bus.set_default_codec::<Half>("half").unwrap();
+    }
+    let _e = echo(&b, "echo").await;
+    let _h = b
+        .consumer("half-answer")
+        .handler(|mut m| async move {
+            let _ = m.reply(Half);
+        })
+        .await
+        .unwrap();
+    routed(&a, "echo").await;
+    routed(&a, "half-answer").await;
+    let err = a.request("echo", Half).await.unwrap_err();
+    assert!(err.to_string().contains("cannot cross nodes"), "{err}");
+    let err = a.request("half-answer", ()).await.unwrap_err();
+    assert!(err.to_string().contains("reply body cannot cross"), "{err}");
+    // Messages queued around the failed one arrive intact.
+    let (first, second) = tokio::join!(
+        a.request("echo", String::from("before")),
+        a.request("echo", String::from("after"))
+    );
+    assert_eq!(first.unwrap().body::<String>().unwrap(), "before");
+    assert_eq!(second.unwrap().body::<String>().unwrap(), "after");
+    for n in [&na, &nb] {
+        assert_eq!(n.counters().malformed.get(), 0);
+        assert_eq!(n.counters().disconnects.get(), 0);
+    }
+    assert_eq!(na.counters().encode_failures.get(), 1);
+}
+
 /// A node listening on every interface with a port the system picks
 /// advertises the host it is told with the port it got, not `0.0.0.0`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
