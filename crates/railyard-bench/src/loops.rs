@@ -17,7 +17,8 @@ use tokio::sync::oneshot;
 /// send-send +9 % and send-reply -3 % (medians of 12 and 7 runs), 50 µs
 /// +11 % and +16 % (9 and 7 runs); the one-process rows did not move
 /// outside the noise. Multi-thread runtimes (`--runtime multi`, pingpong's
-/// default) do not spin.
+/// default in the driving process; its `--nodes 2` peer runs loops) do not
+/// spin.
 pub const IDLE_SPIN: Duration = Duration::from_micros(50);
 
 fn idle_spin() -> Duration {
