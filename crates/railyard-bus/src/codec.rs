@@ -53,6 +53,28 @@ fn wrong_type(codec: &str, body: &Body) -> CodecError {
     }
 }
 
+/// The bytes of a [`BytesCodec`] body (`Bytes` or `Vec<u8>`).
+fn bytes_of<'b>(codec: &BytesCodec, body: &'b Body) -> Result<&'b [u8], CodecError> {
+    if let Some(b) = body.downcast_ref::<Bytes>() {
+        Ok(b)
+    } else if let Some(v) = body.downcast_ref::<Vec<u8>>() {
+        Ok(v)
+    } else {
+        Err(wrong_type(codec.name(), body))
+    }
+}
+
+/// The text of a [`StringCodec`] body (`String` or `&'static str`).
+fn str_of<'b>(codec: &StringCodec, body: &'b Body) -> Result<&'b str, CodecError> {
+    if let Some(s) = body.downcast_ref::<String>() {
+        Ok(s)
+    } else if let Some(s) = body.downcast_ref::<&'static str>() {
+        Ok(s)
+    } else {
+        Err(wrong_type(codec.name(), body))
+    }
+}
+
 /// `bytes`: a [`Bytes`] or `Vec<u8>` body, as is. Decodes to [`Bytes`].
 #[derive(Debug, Default, Clone, Copy)]
 pub struct BytesCodec;
@@ -62,22 +84,14 @@ impl MessageCodec for BytesCodec {
         "bytes"
     }
     fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
-        if let Some(b) = body.downcast_ref::<Bytes>() {
-            Ok(b.clone())
-        } else if let Some(v) = body.downcast_ref::<Vec<u8>>() {
-            Ok(Bytes::copy_from_slice(v))
-        } else {
-            Err(wrong_type(self.name(), body))
+        match body.downcast_ref::<Bytes>() {
+            // Shared, not copied.
+            Some(b) => Ok(b.clone()),
+            None => bytes_of(self, body).map(Bytes::copy_from_slice),
         }
     }
     fn encode_into(&self, body: &Body, out: &mut BytesMut) -> Result<(), CodecError> {
-        if let Some(b) = body.downcast_ref::<Bytes>() {
-            out.extend_from_slice(b);
-        } else if let Some(v) = body.downcast_ref::<Vec<u8>>() {
-            out.extend_from_slice(v);
-        } else {
-            return Err(wrong_type(self.name(), body));
-        }
+        out.extend_from_slice(bytes_of(self, body)?);
         Ok(())
     }
     fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {
@@ -125,22 +139,14 @@ impl MessageCodec for StringCodec {
         "string"
     }
     fn encode(&self, body: &Body) -> Result<Bytes, CodecError> {
-        if let Some(s) = body.downcast_ref::<String>() {
-            Ok(Bytes::copy_from_slice(s.as_bytes()))
-        } else if let Some(s) = body.downcast_ref::<&'static str>() {
-            Ok(Bytes::from_static(s.as_bytes()))
-        } else {
-            Err(wrong_type(self.name(), body))
+        match body.downcast_ref::<&'static str>() {
+            // Static: referenced, not copied.
+            Some(s) => Ok(Bytes::from_static(s.as_bytes())),
+            None => str_of(self, body).map(|s| Bytes::copy_from_slice(s.as_bytes())),
         }
     }
     fn encode_into(&self, body: &Body, out: &mut BytesMut) -> Result<(), CodecError> {
-        if let Some(s) = body.downcast_ref::<String>() {
-            out.extend_from_slice(s.as_bytes());
-        } else if let Some(s) = body.downcast_ref::<&'static str>() {
-            out.extend_from_slice(s.as_bytes());
-        } else {
-            return Err(wrong_type(self.name(), body));
-        }
+        out.extend_from_slice(str_of(self, body)?.as_bytes());
         Ok(())
     }
     fn decode(&self, bytes: Bytes) -> Result<Body, CodecError> {

@@ -125,37 +125,29 @@ impl fmt::Debug for Headers {
     }
 }
 
-/// Headers from (name, value) pairs in order, taken as they are.
-impl From<Vec<(String, String)>> for Headers {
-    fn from(entries: Vec<(String, String)>) -> Self {
+impl Headers {
+    /// Headers holding `pairs` in order, built in one go (no copy-on-write
+    /// check per header, no regrowth); none allocated when there are none.
+    fn from_pairs(pairs: impl ExactSizeIterator<Item = (CompactString, CompactString)>) -> Self {
         Self {
-            entries: (!entries.is_empty()).then(|| {
-                Arc::new(
-                    entries
-                        .into_iter()
-                        .map(|(n, v)| (n.into(), v.into()))
-                        .collect(),
-                )
-            }),
+            entries: (pairs.len() > 0).then(|| Arc::new(pairs.collect())),
         }
     }
 }
 
+/// Headers from (name, value) pairs in order, taken as they are.
+impl From<Vec<(String, String)>> for Headers {
+    fn from(entries: Vec<(String, String)>) -> Self {
+        Self::from_pairs(entries.into_iter().map(|(n, v)| (n.into(), v.into())))
+    }
+}
+
 /// Headers copied from borrowed (name, value) pairs in order, in one go:
-/// for a decoder reading them out of a frame (no copy-on-write check per
-/// header, no regrowth, no `String` per name and value).
+/// for a decoder reading them out of a frame (no `String` per name and
+/// value).
 impl From<&[(&str, &str)]> for Headers {
     fn from(pairs: &[(&str, &str)]) -> Self {
-        Self {
-            entries: (!pairs.is_empty()).then(|| {
-                Arc::new(
-                    pairs
-                        .iter()
-                        .map(|&(n, v)| (CompactString::from(n), CompactString::from(v)))
-                        .collect(),
-                )
-            }),
-        }
+        Self::from_pairs(pairs.iter().map(|&(n, v)| (n.into(), v.into())))
     }
 }
 

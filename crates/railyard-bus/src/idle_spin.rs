@@ -19,11 +19,11 @@
 //! *Work* is what the bus's hot paths note with [`note_loop_work`]: the
 //! loop's dispatcher running handlers, a consumer's handler task taking a
 //! batch, a cluster link reading from its socket. `MessageStream`
-//! consumers and tasks awaiting replies do not note it. It is noted, not guessed from how long a turn took: on this
-//! project's VM an empty turn takes about 150 ns, but one in a few thousand
-//! takes over 2 µs (an interrupt, the hypervisor), and a timing rule made
-//! an idle loop spin for good. So other work on the loop (timers, sockets
-//! of the application's own) does not make it spin; messages do.
+//! consumers and tasks awaiting replies do not note it, nor do timers or
+//! the application's own sockets. It is noted, not guessed from how long a
+//! turn took: on this project's VM an empty turn takes about 150 ns, but
+//! one in a few thousand takes over 2 µs (an interrupt, the hypervisor),
+//! and a timing rule made an idle loop spin for good.
 //!
 //! How it works, with tokio's public hooks only: the park hook (run just
 //! before the loop would block) wakes a task of its own that does nothing;

@@ -1006,18 +1006,40 @@ fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
     }
 }
 
-/// Refuses a body whose codec took bytes out of the batch instead of only
-/// appending (`MessageCodec::encode_into` must append): the frame's lengths
-/// could not be filled in. (The frames before it may be damaged too; the
-/// peer then refuses them and the connection starts again.)
-fn appended_only(buf: &BytesMut, body_start: usize) -> Result<(), railyard_bus::CodecError> {
-    if buf.len() < body_start {
-        return Err(railyard_bus::CodecError::Malformed {
-            codec: "(the body's codec)".into(),
-            reason: "it removed bytes it had not written".into(),
-        });
+/// Ends the frame begun at `start` (its head written) with `body`'s codec
+/// name and bytes, encoded straight into `buf`; on failure the frame is
+/// taken back whole. A codec that took bytes out of the batch instead of
+/// only appending (`MessageCodec::encode_into` must append) fails too: the
+/// frame's lengths could not be filled in. (The frames before it may be
+/// damaged then; the peer refuses them and the connection starts again.)
+fn end_with_body(
+    buf: &mut BytesMut,
+    start: usize,
+    codecs: &mut CodecCache,
+    body: &Body,
+    codec: Option<&str>,
+) -> Result<(), railyard_bus::CodecError> {
+    let mut body_start = 0;
+    let encoded = codecs.encode_into(body, codec, buf, |out, name| {
+        body_start = frame::begin_body(out, name);
+    });
+    match encoded {
+        Ok(()) if buf.len() >= body_start => {
+            frame::end_body(buf, start, body_start);
+            Ok(())
+        }
+        Ok(()) => {
+            buf.truncate(start);
+            Err(railyard_bus::CodecError::Malformed {
+                codec: "(the body's codec)".into(),
+                reason: "it removed bytes it had not written".into(),
+            })
+        }
+        Err(e) => {
+            buf.truncate(start);
+            Err(e)
+        }
     }
-    Ok(())
 }
 
 /// Encodes one queued item into the batch buffer. A body no codec can
@@ -1067,18 +1089,11 @@ fn encode_out(
                 ),
             };
             // The body is encoded straight into the batch, after the
-            // frame's head; on failure the frame is taken back whole.
+            // frame's head (see `end_with_body`).
             let start =
                 frame::begin_msg(buf, mode, id, timeout_ms, &msg.address, msg.headers.iter());
-            let mut body_start = 0;
-            let encoded = codecs
-                .encode_into(&msg.body, msg.codec.as_deref(), buf, |out, codec| {
-                    body_start = frame::begin_body(out, codec);
-                })
-                .and_then(|()| appended_only(buf, body_start));
-            match encoded {
+            match end_with_body(buf, start, codecs, &msg.body, msg.codec.as_deref()) {
                 Ok(()) => {
-                    frame::end_body(buf, start, body_start);
                     if let Some(len) = take_back_if_over(buf, start, max_frame) {
                         link.counters.encode_failures.add(1);
                         tracing::warn!(address = %msg.address, len, max_frame, "a message for another node is over the frame limit; not sent");
@@ -1090,7 +1105,6 @@ fn encode_out(
                     true
                 }
                 Err(e) => {
-                    buf.truncate(start);
                     link.counters.encode_failures.add(1);
                     tracing::warn!(address = %msg.address, error = %e, "cannot encode a body for another node");
                     if id != 0 {
@@ -1117,30 +1131,20 @@ fn encode_out(
                     }
                     let body = m.take_body();
                     let start = frame::begin_reply(buf, id, m.headers().iter());
-                    let mut body_start = 0;
-                    let encoded = codecs
-                        .encode_into(&body, None, buf, |out, codec| {
-                            body_start = frame::begin_body(out, codec);
-                        })
-                        .and_then(|()| appended_only(buf, body_start));
-                    match encoded {
+                    match end_with_body(buf, start, codecs, &body, None) {
                         Ok(()) => {
-                            frame::end_body(buf, start, body_start);
                             let Some(len) = take_back_if_over(buf, start, max_frame) else {
                                 return true;
                             };
                             link.counters.encode_failures.add(1);
                             fail_frame(id, &too_large("the reply", len, max_frame))
                         }
-                        Err(e) => {
-                            buf.truncate(start);
-                            fail_frame(
-                                id,
-                                &BusError::Cluster {
-                                    reason: format!("reply body cannot cross nodes: {e}"),
-                                },
-                            )
-                        }
+                        Err(e) => fail_frame(
+                            id,
+                            &BusError::Cluster {
+                                reason: format!("reply body cannot cross nodes: {e}"),
+                            },
+                        ),
                     }
                 }
                 Err(e) => fail_frame(id, &e),

@@ -4,20 +4,21 @@
 //! Hand-written in place of `tokio::sync::mpsc` because every message to
 //! another node goes through it. A send here is one uncontended lock and a
 //! push, and only the send that finds the reader waiting wakes it; the
-//! reader takes a whole batch under one lock. The lock is the bus's
-//! [`SpinLock`], whose release is a plain store: with `parking_lot`'s
-//! mutex, whose release is a compare-and-swap, the two locked instructions
-//! of a send were about 3 % of each process's samples in that bench (the
-//! release the dearer, as it drains the stores of the push). The sections
-//! under it are short: a push (which may grow the buffer, copying what is
-//! queued, bounded by the capacity), a swap, a waker's registration; a
-//! reader that finds more than its batch (or a grown buffer) copies one
-//! batch out under it. Buffers and wakers given up are freed after the
-//! lock is released. tokio's bounded channel paid
+//! reader takes a whole batch under one lock. tokio's bounded channel paid
 //! a semaphore permit, a slot in its block list and a waker notification
 //! per message, and a permit release per message taken: about 8 % of a
 //! serving process's CPU in `bench echo --cluster etcd --nodes 2 --method
 //! send-send` (docs/benchmarks.md).
+//!
+//! The lock is the bus's [`SpinLock`], whose release is a plain store: with
+//! `parking_lot`'s mutex, whose release is a compare-and-swap, the two
+//! locked instructions of a send were about 3 % of each process's samples
+//! in that bench (the release the dearer, as it drains the stores of the
+//! push). The sections under it are short: a push (which may grow the
+//! buffer, copying what is queued, bounded by the capacity), a swap, a
+//! waker's registration; a reader that finds more than its batch (or a
+//! grown buffer) copies one batch out under it. Buffers and wakers given
+//! up are freed after the lock is released.
 //!
 //! When full, a send is refused with the item back ([`Refused::Full`]); the
 //! link turns that into `BusError::Full` and the sender may wait for room
@@ -31,8 +32,8 @@ use std::task::{Poll, Waker};
 
 use railyard_bus::SpinLock;
 
-/// Slots an emptied queue keeps; a burst that grew it past this gives its
-/// buffer back.
+/// Slots of buffer the queue may keep or hand to the reader; a buffer a
+/// burst grew past this is freed once the queue has emptied.
 const KEEP: usize = 1024;
 
 /// Why an item was not queued; it comes back.
@@ -114,8 +115,8 @@ impl<T> OutQueue<T> {
     /// no larger than [`KEEP`], the two are swapped: the lock is held for a
     /// pointer swap, not for a copy of every item (a message is about a
     /// hundred bytes), and the queue goes on with the reader's emptied
-    /// buffer. A buffer a burst grew is drained instead, so it shrinks here
-    /// and never passes to the reader.
+    /// buffer. A buffer a burst grew is drained instead, then freed once
+    /// empty, and never passes to the reader.
     pub(crate) async fn recv_many(&self, out: &mut VecDeque<T>, max: usize) -> usize {
         poll_fn(|cx| {
             let mut g = self.inner.lock();
