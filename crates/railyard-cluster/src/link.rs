@@ -1012,6 +1012,9 @@ fn too_large(what: &str, len: usize, max_frame: usize) -> BusError {
 /// only appending (`MessageCodec::encode_into` must append) fails too: the
 /// frame's lengths could not be filled in. (The frames before it may be
 /// damaged then; the peer refuses them and the connection starts again.)
+/// Inlined: it runs per message, and left to itself the compiler kept it
+/// out of line, a call the code it replaced did not make.
+#[inline(always)]
 fn end_with_body(
     buf: &mut BytesMut,
     start: usize,
