@@ -18,7 +18,7 @@ use railyard_saga_proto::native::{
     client_frame, server_frame, Ack, ClientFrame, Compensate, EventType, Hello, Participant,
     SagaEvent, ServerFrame,
 };
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http::uri::PathAndQuery;
@@ -333,6 +333,14 @@ impl Session {
         mut inbound: Streaming<ServerFrame>,
     ) -> End {
         let max_batch = self.settings.max_batch_events;
+        // One wait for the stop for the whole session, polled last: a fresh
+        // `cancelled()` polled first on every turn of the loop (a turn per
+        // event when events trickle in) took the token's lock and its waiter
+        // list's twice a turn. Polled last it is seen once the session has
+        // nothing ready, which `close` brings about (no new events; the
+        // batches in flight are answered or failed).
+        let stopped = self.stop.clone().cancelled_owned();
+        tokio::pin!(stopped);
         loop {
             if !self.accepting && self.pending.is_empty() && self.unacked.is_empty() {
                 return End::Done;
@@ -341,7 +349,6 @@ impl Session {
                 // Acks first: they free in-flight room and wake the sagas
                 // whose next events make the next batch.
                 biased;
-                _ = self.stop.cancelled() => return End::Done,
                 frame = inbound.message() => match frame {
                     Ok(Some(frame)) => self.on_frame(frame),
                     Ok(None) => return End::Lost("the coordinator ended the stream".into()),
@@ -349,7 +356,10 @@ impl Session {
                 },
                 // Then take everything already queued, up to a full batch...
                 sub = self.submit_rx.recv(), if self.accepting && self.pending.len() < max_batch => match sub {
-                    Some(s) => self.pending.push_back(s),
+                    Some(s) => {
+                        self.pending.push_back(s);
+                        self.take_queued(max_batch);
+                    }
                     None => self.accepting = false,
                 },
                 // ...and send it once the transport took the previous batch.
@@ -360,19 +370,26 @@ impl Session {
                         // the sagas the last ack woke) queue its next event
                         // first: one pass of the scheduler, not a timer.
                         tokio::task::yield_now().await;
-                        while self.accepting && self.pending.len() < max_batch {
-                            match self.submit_rx.try_recv() {
-                                Ok(s) => self.pending.push_back(s),
-                                Err(mpsc::error::TryRecvError::Empty) => break,
-                                Err(mpsc::error::TryRecvError::Disconnected) => {
-                                    self.accepting = false;
-                                }
-                            }
-                        }
+                        self.take_queued(max_batch);
                         permit.send(self.next_batch());
                     }
                     Err(_) => return End::Lost("the request stream closed".into()),
                 },
+                () = &mut stopped => return End::Done,
+            }
+        }
+    }
+
+    /// Moves what is already queued into `pending`, up to `max_batch`
+    /// events, without waiting.
+    fn take_queued(&mut self, max_batch: usize) {
+        while self.accepting && self.pending.len() < max_batch {
+            match self.submit_rx.try_recv() {
+                Ok(s) => self.pending.push_back(s),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.accepting = false;
+                }
             }
         }
     }
@@ -441,10 +458,19 @@ impl Session {
             }
             return;
         }
-        for ((w, r), event) in waiters.into_iter().zip(ack.results).zip(events.iter()) {
-            let Waiter { reply, _permit } = w;
-            // Room first, so a caller woken by the answer sees it.
-            drop(_permit);
+        // Room first, so a caller woken by an answer sees it; released in
+        // one piece (each permit dropped alone took the semaphore's lock).
+        let mut replies = Vec::with_capacity(waiters.len());
+        let mut room: Option<OwnedSemaphorePermit> = None;
+        for Waiter { reply, _permit } in waiters {
+            match &mut room {
+                Some(r) => r.merge(_permit),
+                None => room = Some(_permit),
+            }
+            replies.push(reply);
+        }
+        drop(room);
+        for ((reply, r), event) in replies.into_iter().zip(ack.results).zip(events.iter()) {
             let answer = if r.error.is_empty() {
                 Ok(Outcome { aborted: r.aborted })
             } else {

@@ -29,6 +29,8 @@
 //! new version bumps the stores' schema version, so that an older
 //! Railyard refuses a store it could not read.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use crate::event::{EventKind, EventRecord};
@@ -39,11 +41,22 @@ const VERSION_2: u8 = 2;
 /// The hasher of the string table (short names).
 type Hasher = foldhash::fast::RandomState;
 
+/// The most shared copies a table remembers by address (a session's
+/// participants have two names each, and a segment spans many sessions).
+const SHARED_NAMES: usize = 256;
+
 /// A segment's string table being built: each distinct name once, in
 /// first-use order, numbered from 0.
 #[derive(Debug, Default)]
 pub(crate) struct Strings {
     at: std::collections::HashMap<Box<str>, u32, Hasher>,
+    /// Numbers of shared names (service and instance: every event of a
+    /// session points at one copy) by the address of that copy, so that
+    /// most look-ups neither hash nor compare the name's bytes, which sit
+    /// cold in another thread's cache. `held` keeps each copy alive while
+    /// the table lives, so no address here can be reused by another name.
+    shared: std::collections::HashMap<usize, u32, Hasher>,
+    held: Vec<Arc<str>>,
     /// The table as stored: each string as length + UTF-8.
     packed: Vec<u8>,
 }
@@ -57,7 +70,25 @@ impl Strings {
     /// Empties the table, keeping its memory.
     pub(crate) fn clear(&mut self) {
         self.at.clear();
+        self.shared.clear();
+        self.held.clear();
         self.packed.clear();
+    }
+
+    /// The number of a shared name, added if new.
+    fn index_shared(&mut self, s: &Arc<str>) -> u32 {
+        let addr = Arc::as_ptr(s).cast::<u8>() as usize;
+        if let Some(&i) = self.shared.get(&addr) {
+            return i;
+        }
+        let i = self.index(s);
+        // A reporter that does not share its names (Omega's events each
+        // bring their own copy) would only fill the map: stop at a bound.
+        if self.held.len() < SHARED_NAMES {
+            self.shared.insert(addr, i);
+            self.held.push(s.clone());
+        }
+        i
     }
 
     /// The number of `s`, added if new.
@@ -134,12 +165,9 @@ pub(crate) fn encode_v2_into(
         out.push(e.kind.map_or(u8::MAX, EventKind::code));
         put_ref(out, global_tx_id, &e.local_tx_id);
         put_ref(out, global_tx_id, &e.parent_tx_id);
-        for s in [
-            &*e.service_name,
-            &*e.instance_id,
-            &e.compensation_method,
-            &e.retry_method,
-        ] {
+        put_len(out, strings.index_shared(&e.service_name) as usize);
+        put_len(out, strings.index_shared(&e.instance_id) as usize);
+        for s in [&e.compensation_method, &e.retry_method] {
             put_len(out, strings.index(s) as usize);
         }
         put_bytes(out, &e.payloads);
@@ -481,6 +509,35 @@ mod tests {
             retry_delay_ms: -1,
             retry_method: String::new(),
         }
+    }
+
+    #[test]
+    fn shared_names_are_numbered_by_content_whoever_holds_them() {
+        let mut strings = Strings::default();
+        let a: Arc<str> = "orders".into();
+        let same_text: Arc<str> = "orders".into();
+        let other: Arc<str> = "payments".into();
+        let first = strings.index_shared(&a);
+        assert_eq!(strings.index_shared(&a), first, "by address");
+        assert_eq!(strings.index_shared(&same_text), first, "another copy");
+        assert_eq!(strings.index("orders"), first, "by content");
+        let second = strings.index_shared(&other);
+        assert_ne!(second, first);
+        // Past the bound, copies are still numbered by their content.
+        let copies: Vec<Arc<str>> = (0..SHARED_NAMES * 2)
+            .map(|i| Arc::from(format!("n{}", i % 3)))
+            .collect();
+        let numbers: Vec<u32> = copies.iter().map(|c| strings.index_shared(c)).collect();
+        for (c, n) in copies.iter().zip(&numbers) {
+            assert_eq!(strings.index(c), *n);
+        }
+        assert_eq!(strings.held.len(), SHARED_NAMES);
+        assert_eq!(strings.len(), 5);
+        // A cleared table forgets the addresses and lets the copies go.
+        strings.clear();
+        assert!(strings.shared.is_empty() && strings.held.is_empty());
+        assert_eq!(Arc::strong_count(&a), 1);
+        assert_eq!(strings.index_shared(&other), 0);
     }
 
     #[test]
