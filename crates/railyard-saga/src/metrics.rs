@@ -78,18 +78,42 @@ pub(crate) struct SagaMetrics {
     pub(crate) compensations_failed: Counter,
     pub(crate) instances: Gauge,
     pub(crate) waiting_for_instance: Gauge,
+    /// `sagas`' series for RUNNING and COMPENSATING, and `finished`'s for
+    /// COMMITTED, COMPENSATED and FAILED, taken once: a transition (three
+    /// a saga) then costs no label hashing and no lock of the family.
+    live: [Gauge; 2],
+    done: [Counter; 3],
 }
 
 impl SagaMetrics {
     pub(crate) fn new() -> Self {
+        let sagas = Family::<StateLabels, Gauge>::default();
+        let finished = Family::<StateLabels, Counter>::default();
+        let live = [SagaState::Running, SagaState::Compensating].map(|s| {
+            sagas
+                .get_or_create(&StateLabels { state: s.as_str() })
+                .clone()
+        });
+        let done = [
+            SagaState::Committed,
+            SagaState::Compensated,
+            SagaState::Failed,
+        ]
+        .map(|s| {
+            finished
+                .get_or_create(&StateLabels { state: s.as_str() })
+                .clone()
+        });
         Self {
             events: Family::default(),
             acks: Family::default(),
             rejected: Family::default(),
             append_seconds: Histogram::new(LATENCY_BUCKETS),
             append_events: Histogram::new(BATCH_BUCKETS),
-            sagas: Family::default(),
-            finished: Family::default(),
+            sagas,
+            finished,
+            live,
+            done,
             compensations_sent: Counter::default(),
             compensations_retried: Counter::default(),
             compensations_failed: Counter::default(),
@@ -167,19 +191,36 @@ impl SagaMetrics {
         if from == Some(to) {
             return;
         }
-        if let Some(f) = from.filter(|f| !f.is_terminal()) {
-            self.sagas
-                .get_or_create(&StateLabels { state: f.as_str() })
-                .dec();
+        if let Some(f) = from {
+            if let Some(g) = self.live_of(f) {
+                g.dec();
+            }
         }
-        if to.is_terminal() {
-            self.finished
-                .get_or_create(&StateLabels { state: to.as_str() })
-                .inc();
-        } else {
-            self.sagas
-                .get_or_create(&StateLabels { state: to.as_str() })
-                .inc();
+        match to {
+            SagaState::Running => {
+                self.live[0].inc();
+            }
+            SagaState::Compensating => {
+                self.live[1].inc();
+            }
+            SagaState::Committed => {
+                self.done[0].inc();
+            }
+            SagaState::Compensated => {
+                self.done[1].inc();
+            }
+            SagaState::Failed => {
+                self.done[2].inc();
+            }
+        }
+    }
+
+    /// `sagas`' series for a live state (a terminal one has none).
+    fn live_of(&self, s: SagaState) -> Option<&Gauge> {
+        match s {
+            SagaState::Running => Some(&self.live[0]),
+            SagaState::Compensating => Some(&self.live[1]),
+            SagaState::Committed | SagaState::Compensated | SagaState::Failed => None,
         }
     }
 }
@@ -191,4 +232,52 @@ pub fn encode(registry: &MetricsRegistry) -> String {
     // Writing into a String cannot fail.
     prometheus_client::encoding::text::encode(&mut out, &reg).expect("writing to a String");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(m: &SagaMetrics) -> String {
+        let registry: MetricsRegistry = Arc::new(Mutex::new(Registry::default()));
+        m.register(&registry);
+        encode(&registry)
+    }
+
+    #[test]
+    fn transitions_move_sagas_between_the_state_series() {
+        let m = SagaMetrics::new();
+        // Every state's series is there from the start, at zero.
+        let start = text(&m);
+        for line in [
+            "railyard_saga_sagas{state=\"RUNNING\"} 0",
+            "railyard_saga_sagas{state=\"COMPENSATING\"} 0",
+            "railyard_saga_finished_total{state=\"COMMITTED\"} 0",
+            "railyard_saga_finished_total{state=\"COMPENSATED\"} 0",
+            "railyard_saga_finished_total{state=\"FAILED\"} 0",
+        ] {
+            assert!(start.contains(line), "{line} missing from:\n{start}");
+        }
+        for _ in 0..3 {
+            m.transition(None, SagaState::Running);
+        }
+        m.transition(Some(SagaState::Running), SagaState::Committed);
+        m.transition(Some(SagaState::Running), SagaState::Compensating);
+        m.transition(Some(SagaState::Compensating), SagaState::Compensated);
+        m.transition(Some(SagaState::Running), SagaState::Compensating);
+        m.transition(Some(SagaState::Compensating), SagaState::Compensating);
+        m.transition(Some(SagaState::Compensating), SagaState::Failed);
+        let end = text(&m);
+        for line in [
+            "railyard_saga_sagas{state=\"RUNNING\"} 0",
+            "railyard_saga_sagas{state=\"COMPENSATING\"} 0",
+            "railyard_saga_finished_total{state=\"COMMITTED\"} 1",
+            "railyard_saga_finished_total{state=\"COMPENSATED\"} 1",
+            "railyard_saga_finished_total{state=\"FAILED\"} 1",
+        ] {
+            assert!(end.contains(line), "{line} missing from:\n{end}");
+        }
+        m.transition(None, SagaState::Running);
+        assert!(text(&m).contains("railyard_saga_sagas{state=\"RUNNING\"} 1"));
+    }
 }
