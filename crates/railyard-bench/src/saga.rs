@@ -116,7 +116,8 @@ pub struct SagaBenchConfig {
     /// [`SagaBenchConfig::sessions`]): the
     /// simulated participant processes.
     pub channels: usize,
-    /// Threads of the load generator's own runtime.
+    /// Threads of the load generator's own runtime (1: a current-thread
+    /// runtime on a thread of its own; more: a multi-thread runtime).
     pub client_threads: usize,
     /// After the load, how long to wait for outstanding compensations.
     pub drain_timeout: Duration,
@@ -427,20 +428,40 @@ pub async fn run(
         ));
     }
     // The load generator runs on its own threads, apart from the
-    // coordinator's runtime, so the two only share the cores.
+    // coordinator's runtime, so the two only share the cores. One thread is
+    // a current-thread runtime on a thread of its own: its tasks wake and
+    // queue each other without the work-stealing scheduler's atomics.
+    let endpoint = endpoint.to_owned();
+    let cfg2 = cfg.clone();
+    let load = async move {
+        match cfg2.protocol {
+            Protocol::Omega => run_omega(&endpoint, &cfg2, progress).await,
+            Protocol::Native => run_native(&endpoint, &cfg2, progress).await,
+        }
+    };
+    if cfg.client_threads <= 1 {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("saga-load".into())
+            .spawn(move || {
+                let _ = tx.send(rt.block_on(load));
+                rt.shutdown_timeout(Duration::from_secs(2));
+            })?;
+        return rx.await.unwrap_or_else(|_| {
+            Err(SagaBenchError::Runtime(std::io::Error::other(
+                "the load generator's thread ended without a result",
+            )))
+        });
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.client_threads.max(1))
         .thread_name("saga-load")
         .enable_all()
         .build()?;
-    let endpoint = endpoint.to_owned();
-    let cfg2 = cfg.clone();
-    let handle = rt.spawn(async move {
-        match cfg2.protocol {
-            Protocol::Omega => run_omega(&endpoint, &cfg2, progress).await,
-            Protocol::Native => run_native(&endpoint, &cfg2, progress).await,
-        }
-    });
+    let handle = rt.spawn(load);
     let result = handle.await;
     let _ = tokio::task::spawn_blocking(move || rt.shutdown_timeout(Duration::from_secs(2))).await;
     match result {

@@ -38,7 +38,8 @@ pub(crate) struct SagaArgs {
     /// connections of the native SDK (see --sessions); workers are spread over them.
     #[arg(long, default_value_t = 4)]
     channels: usize,
-    /// Threads of the load generator's own runtime (apart from the coordinator's).
+    /// Threads of the load generator's own runtime (apart from the coordinator's); 1 is a
+    /// current-thread runtime, more a multi-thread one.
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
     /// Worker threads of the in-process coordinator's runtime (default: the
