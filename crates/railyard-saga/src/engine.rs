@@ -1228,7 +1228,7 @@ fn view_of(saga: &Saga) -> SagaView {
                 instance_id: s.instance_id.to_string(),
                 state: s.state,
                 attempts: s.attempts,
-                compensation_method: s.compensation_method.clone(),
+                compensation_method: s.compensation_method.to_string(),
             })
             .collect(),
     }

@@ -113,8 +113,9 @@ pub struct EventRecord {
     pub service_name: Arc<str>,
     /// The reporting instance of that service (shared likewise).
     pub instance_id: Arc<str>,
-    /// The compensation method, opaque, sent back verbatim.
-    pub compensation_method: String,
+    /// The compensation method, opaque, sent back verbatim (shared: a
+    /// session's events that name one method point at one copy).
+    pub compensation_method: Arc<str>,
     /// The sub-transaction's arguments, opaque, sent back byte for byte.
     pub payloads: Bytes,
     /// The reporter's clock, milliseconds since the Unix epoch.
@@ -133,4 +134,11 @@ pub struct EventRecord {
     pub retry_delay_ms: i32,
     /// Omega's retry method, recorded only.
     pub retry_method: String,
+}
+
+/// The empty name, shared: one allocation for every event and
+/// sub-transaction that has no compensation method.
+pub(crate) fn no_name() -> Arc<str> {
+    static EMPTY: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
+    EMPTY.clone()
 }

@@ -85,7 +85,18 @@ pub fn from_native(
     service: &Arc<str>,
     instance: &Arc<str>,
 ) -> Result<EventRecord, InvalidEvent> {
+    convert(e, service, instance, Arc::from)
+}
+
+/// [`from_native`], the compensation method's copy made by `method`.
+fn convert(
+    mut e: SagaEvent,
+    service: &Arc<str>,
+    instance: &Arc<str>,
+    method: impl FnOnce(String) -> Arc<str>,
+) -> Result<EventRecord, InvalidEvent> {
     let kind = kind_of(e.r#type)?;
+    let compensation_method = method(std::mem::take(&mut e.compensation_method));
     Ok(EventRecord {
         global_tx_id: e.global_tx_id,
         local_tx_id: e.local_tx_id,
@@ -93,7 +104,7 @@ pub fn from_native(
         kind: Some(kind),
         service_name: service.clone(),
         instance_id: instance.clone(),
-        compensation_method: e.compensation_method,
+        compensation_method,
         payloads: Bytes::from(e.payloads),
         timestamp_ms: e.timestamp_ms,
         timeout_s: ceil_secs(e.timeout_ms),
@@ -158,6 +169,7 @@ fn participants_of(hello: &Hello) -> Result<Participants, String> {
 fn participant_event(
     e: SagaEvent,
     participants: &Participants,
+    names: &mut Names,
 ) -> Result<EventRecord, InvalidEvent> {
     let Some((service, instance)) = participants.get(e.participant as usize) else {
         return Err(InvalidEvent::UnknownParticipant {
@@ -165,7 +177,36 @@ fn participant_event(
             count: participants.len(),
         });
     };
-    from_native(e, service, instance)
+    convert(e, service, instance, |m| names.intern(m))
+}
+
+/// The most compensation method names a session keeps one copy of; a
+/// session that names more gets a copy per event for the others.
+const SESSION_NAMES: usize = 1024;
+
+/// A session's compensation method names, one shared copy each: events
+/// and sub-transactions point at it instead of a copy per event, and the
+/// store's writer numbers it by address, without reading its bytes (which
+/// sit in this thread's cache, not the writer's).
+#[derive(Debug, Default)]
+struct Names {
+    known: std::collections::HashSet<Arc<str>, foldhash::fast::RandomState>,
+}
+
+impl Names {
+    fn intern(&mut self, name: String) -> Arc<str> {
+        if name.is_empty() {
+            return crate::event::no_name();
+        }
+        if let Some(known) = self.known.get(name.as_str()) {
+            return known.clone();
+        }
+        let copy: Arc<str> = Arc::from(name);
+        if self.known.len() < SESSION_NAMES {
+            self.known.insert(copy.clone());
+        }
+        copy
+    }
 }
 
 #[tonic::async_trait]
@@ -249,6 +290,8 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         engine.instance_arrived(service);
     }
     let slots = Arc::new(Semaphore::new(engine.config.session_in_flight.max(1)));
+    // Taken once per batch, by that batch's task.
+    let names = Arc::new(parking_lot::Mutex::new(Names::default()));
     let closed = engine.closed();
     tokio::pin!(closed);
     loop {
@@ -303,23 +346,27 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         let engine = engine.clone();
         let tx = tx.clone();
         let participants = participants.clone();
+        let names = names.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let seq = batch.seq;
             // Valid events go to the engine (moved, not copied); the
             // invalid ones keep their error for their slot in the ack.
             let mut valid: Vec<EventRecord> = Vec::with_capacity(batch.events.len());
-            let invalid: Vec<Option<InvalidEvent>> = batch
-                .events
-                .into_iter()
-                .map(|e| match participant_event(e, &participants) {
-                    Ok(ev) => {
-                        valid.push(ev);
-                        None
-                    }
-                    Err(e) => Some(e),
-                })
-                .collect();
+            let invalid: Vec<Option<InvalidEvent>> = {
+                let mut names = names.lock();
+                batch
+                    .events
+                    .into_iter()
+                    .map(|e| match participant_event(e, &participants, &mut names) {
+                        Ok(ev) => {
+                            valid.push(ev);
+                            None
+                        }
+                        Err(e) => Some(e),
+                    })
+                    .collect()
+            };
             let outcomes = match engine.handle(valid, "native").await {
                 Ok(o) => o,
                 Err(e) => {
@@ -361,4 +408,60 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     }
     engine.registry.unregister_all(&links);
     engine.metrics.instances.set(engine.registry.len() as i64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_keeps_one_copy_of_each_method_name() {
+        let mut names = Names::default();
+        let a = names.intern("undo-order".to_owned());
+        let b = names.intern("undo-order".to_owned());
+        assert!(Arc::ptr_eq(&a, &b), "the same name, the same copy");
+        let c = names.intern("undo-payment".to_owned());
+        assert_eq!(&*c, "undo-payment");
+        assert!(!Arc::ptr_eq(&a, &c));
+        // The empty name is the one shared everywhere.
+        let e = names.intern(String::new());
+        assert!(Arc::ptr_eq(&e, &crate::event::no_name()));
+        // Past the bound, names still come back right, a copy each.
+        for i in 0..SESSION_NAMES * 2 {
+            let name = format!("m{i}");
+            assert_eq!(&*names.intern(name.clone()), name);
+        }
+        assert_eq!(names.known.len(), SESSION_NAMES);
+        let late = format!("m{}", SESSION_NAMES * 2 - 1);
+        assert!(!Arc::ptr_eq(
+            &names.intern(late.clone()),
+            &names.intern(late)
+        ));
+    }
+
+    #[test]
+    fn converted_events_share_the_session_copy() {
+        let participants: Participants = Arc::from(vec![(Arc::from("svc"), Arc::from("i1"))]);
+        let mut names = Names::default();
+        let event = |m: &str| SagaEvent {
+            r#type: EventType::TxStarted as i32,
+            global_tx_id: "g".into(),
+            local_tx_id: "l".into(),
+            compensation_method: m.into(),
+            ..SagaEvent::default()
+        };
+        let one = participant_event(event("undo"), &participants, &mut names).unwrap();
+        let two = participant_event(event("undo"), &participants, &mut names).unwrap();
+        assert_eq!(&*one.compensation_method, "undo");
+        assert!(Arc::ptr_eq(
+            &one.compensation_method,
+            &two.compensation_method
+        ));
+        assert!(Arc::ptr_eq(&one.service_name, &two.service_name));
+        let unknown = SagaEvent {
+            participant: 3,
+            ..event("undo")
+        };
+        assert!(participant_event(unknown, &participants, &mut names).is_err());
+    }
 }

@@ -54,7 +54,7 @@ pub fn from_grpc(e: GrpcTxEvent) -> Result<EventRecord, InvalidEvent> {
         kind: Some(kind),
         service_name: e.service_name.into(),
         instance_id: e.instance_id.into(),
-        compensation_method: e.compensation_method,
+        compensation_method: e.compensation_method.into(),
         payloads: Bytes::from(e.payloads),
         timestamp_ms: e.timestamp,
         timeout_s: e.timeout,

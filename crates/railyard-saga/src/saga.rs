@@ -89,7 +89,7 @@ pub(crate) struct Sub {
     pub(crate) parent_tx_id: String,
     pub(crate) service_name: Arc<str>,
     pub(crate) instance_id: Arc<str>,
-    pub(crate) compensation_method: String,
+    pub(crate) compensation_method: Arc<str>,
     pub(crate) payloads: Bytes,
     /// Whether its `TxStarted` was seen (method and payloads known).
     pub(crate) has_start: bool,
@@ -263,7 +263,7 @@ impl Saga {
             compensation_method: if start {
                 ev.compensation_method.clone()
             } else {
-                String::new()
+                crate::event::no_name()
             },
             payloads: if start {
                 ev.payloads.clone()
@@ -520,7 +520,7 @@ impl Saga {
                         global_tx_id: self.global_tx_id.to_string(),
                         local_tx_id: sub.local_tx_id.clone(),
                         parent_tx_id: sub.parent_tx_id.clone(),
-                        compensation_method: sub.compensation_method.clone(),
+                        compensation_method: sub.compensation_method.to_string(),
                         payloads: sub.payloads.clone(),
                         attempt: sub.attempts + 1,
                     };
@@ -759,7 +759,7 @@ mod tests {
 
     fn started(lid: &str, service: &str) -> EventRecord {
         EventRecord {
-            compensation_method: format!("undo-{lid}"),
+            compensation_method: format!("undo-{lid}").into(),
             payloads: Bytes::copy_from_slice(lid.as_bytes()),
             parent_tx_id: "g".into(),
             ..ev(EventKind::TxStarted, lid, service)

@@ -48,7 +48,7 @@ fn start(gid: &str, timeout_s: i32) -> EventRecord {
 
 fn tx_started(gid: &str, lid: &str, payload: &'static [u8]) -> EventRecord {
     EventRecord {
-        compensation_method: format!("undo-{lid}"),
+        compensation_method: format!("undo-{lid}").into(),
         payloads: Bytes::from_static(payload),
         ..rec(EventKind::TxStarted, gid, lid)
     }

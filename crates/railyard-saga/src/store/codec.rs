@@ -165,11 +165,10 @@ pub(crate) fn encode_v2_into(
         out.push(e.kind.map_or(u8::MAX, EventKind::code));
         put_ref(out, global_tx_id, &e.local_tx_id);
         put_ref(out, global_tx_id, &e.parent_tx_id);
-        put_len(out, strings.index_shared(&e.service_name) as usize);
-        put_len(out, strings.index_shared(&e.instance_id) as usize);
-        for s in [&e.compensation_method, &e.retry_method] {
-            put_len(out, strings.index(s) as usize);
+        for s in [&e.service_name, &e.instance_id, &e.compensation_method] {
+            put_len(out, strings.index_shared(s) as usize);
         }
+        put_len(out, strings.index(&e.retry_method) as usize);
         put_bytes(out, &e.payloads);
         put_u64(out, zigzag(e.timestamp_ms));
         for n in numbers(e) {
@@ -412,7 +411,7 @@ fn decode_event(
         kind: Some(kind),
         service_name: service_name.into(),
         instance_id: instance_id.into(),
-        compensation_method,
+        compensation_method: compensation_method.into(),
         payloads,
         timestamp_ms,
         timeout_s: int(r)?,

@@ -25,7 +25,7 @@ pub fn ev(global: &str, local: &str, kind: EventKind, n: i32) -> EventRecord {
         kind: Some(kind),
         service_name: format!("svc-{}", n % 3).into(),
         instance_id: format!("inst-{n}").into(),
-        compensation_method: format!("public void Svc.cancel{n}(java.lang.String)"),
+        compensation_method: format!("public void Svc.cancel{n}(java.lang.String)").into(),
         payloads: Bytes::from(vec![0u8, 1, 2, 255, (n & 0xff) as u8]),
         timestamp_ms: 1_700_000_000_000 + i64::from(n),
         timeout_s: n,
