@@ -57,6 +57,11 @@ pub(crate) struct Strings {
     /// the table lives, so no address here can be reused by another name.
     shared: std::collections::HashMap<usize, u32, Hasher>,
     held: Vec<Arc<str>>,
+    /// The number of the empty name (most events' retry method), once
+    /// used: looking it up compared two zero-length strings through
+    /// `memcmp`, whose masked load of their dangling pointers cost as much
+    /// as a cache miss, on every event.
+    empty: Option<u32>,
     /// The table as stored: each string as length + UTF-8.
     packed: Vec<u8>,
 }
@@ -72,6 +77,7 @@ impl Strings {
         self.at.clear();
         self.shared.clear();
         self.held.clear();
+        self.empty = None;
         self.packed.clear();
     }
 
@@ -93,12 +99,19 @@ impl Strings {
 
     /// The number of `s`, added if new.
     fn index(&mut self, s: &str) -> u32 {
-        if let Some(&i) = self.at.get(s) {
+        if s.is_empty() {
+            if let Some(i) = self.empty {
+                return i;
+            }
+        } else if let Some(&i) = self.at.get(s) {
             return i;
         }
         let i = u32::try_from(self.at.len()).unwrap_or(u32::MAX);
         self.at.insert(s.into(), i);
         put_bytes(&mut self.packed, s.as_bytes());
+        if s.is_empty() {
+            self.empty = Some(i);
+        }
         i
     }
 
@@ -537,6 +550,19 @@ mod tests {
         assert!(strings.shared.is_empty() && strings.held.is_empty());
         assert_eq!(Arc::strong_count(&a), 1);
         assert_eq!(strings.index_shared(&other), 0);
+        // The empty name is numbered once, kept across other names, and
+        // forgotten with the table.
+        let empty = strings.index("");
+        assert_eq!(empty, 1);
+        assert_eq!(strings.index("x"), 2);
+        assert_eq!(strings.index(""), empty);
+        assert_eq!(strings.len(), 3);
+        strings.clear();
+        assert_eq!(strings.index("y"), 0);
+        assert_eq!(strings.index(""), 1, "added again after a clear");
+        let mut table = Vec::new();
+        strings.write(&mut table);
+        assert_eq!(read_strings(&table).unwrap(), ["y", ""]);
     }
 
     #[test]
