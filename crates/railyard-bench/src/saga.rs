@@ -443,18 +443,24 @@ pub async fn run(
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("saga-load".into())
             .spawn(move || {
-                let _ = tx.send(rt.block_on(load));
+                let result = rt.block_on(load);
+                // Its sessions and connections are gone before the result
+                // is: a next run starts on a quiet machine.
                 rt.shutdown_timeout(Duration::from_secs(2));
+                result
             })?;
-        return rx.await.unwrap_or_else(|_| {
-            Err(SagaBenchError::Runtime(std::io::Error::other(
-                "the load generator's thread ended without a result",
-            )))
-        });
+        // Joined off the async workers: the thread runs the whole load.
+        return match tokio::task::spawn_blocking(move || thread.join()).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => Err(SagaBenchError::Runtime(std::io::Error::other(format!(
+                "the load generator panicked: {}",
+                panic_text(&*panic)
+            )))),
+            Err(e) => Err(SagaBenchError::Runtime(std::io::Error::other(e))),
+        };
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.client_threads.max(1))
@@ -468,6 +474,15 @@ pub async fn run(
         Ok(r) => r,
         Err(e) => Err(SagaBenchError::Runtime(std::io::Error::other(e))),
     }
+}
+
+/// What a panic said, if it said it with a string.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 /// Splits `n` transactions over `workers`: worker `w`'s range of indices.

@@ -333,15 +333,19 @@ impl Session {
         mut inbound: Streaming<ServerFrame>,
     ) -> End {
         let max_batch = self.settings.max_batch_events;
-        // One wait for the stop for the whole session, polled last: a fresh
-        // `cancelled()` polled first on every turn of the loop (a turn per
-        // event when events trickle in) took the token's lock and its waiter
-        // list's twice a turn. Polled last it is seen once the session has
-        // nothing ready, which `close` brings about (no new events; the
-        // batches in flight are answered or failed).
+        // One wait for the stop for the whole session, polled last, only to
+        // wake the task: a fresh `cancelled()` polled first on every turn of
+        // the loop (a turn per event when events trickle in) took the token's
+        // lock and its waiter list's twice a turn. Whether the client was
+        // closed is read at the top of every turn instead (`close` sets
+        // `closed` before it cancels), so nothing queued before a close is
+        // sent after it.
         let stopped = self.stop.clone().cancelled_owned();
         tokio::pin!(stopped);
         loop {
+            if self.closed.get().is_some() {
+                return End::Done;
+            }
             if !self.accepting && self.pending.is_empty() && self.unacked.is_empty() {
                 return End::Done;
             }
@@ -462,10 +466,14 @@ impl Session {
         // one piece (each permit dropped alone took the semaphore's lock).
         let mut replies = Vec::with_capacity(waiters.len());
         let mut room: Option<OwnedSemaphorePermit> = None;
-        for Waiter { reply, _permit } in waiters {
+        for Waiter {
+            reply,
+            _permit: permit,
+        } in waiters
+        {
             match &mut room {
-                Some(r) => r.merge(_permit),
-                None => room = Some(_permit),
+                Some(r) => r.merge(permit),
+                None => room = Some(permit),
             }
             replies.push(reply);
         }

@@ -448,6 +448,55 @@ async fn an_event_over_the_size_limit_fails_alone_and_the_client_goes_on() {
     node.wait_state(saga.id(), SagaState::Committed).await;
 }
 
+/// Polls `f` once, in this task, without yielding to any other: a report
+/// is queued by its first poll.
+fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    std::pin::Pin::new(f).poll(&mut cx)
+}
+
+/// `close` fails every event not yet acknowledged, including those queued
+/// but not yet sent, and sends nothing after it. (A current-thread runtime:
+/// the session task cannot run between the reports and the close.)
+#[tokio::test]
+async fn closing_fails_queued_events_and_sends_nothing_after() {
+    let node = Node::memory().await;
+    let client = SagaClient::builder(node.endpoint.clone(), "orders")
+        .connect()
+        .await
+        .expect("connect");
+    let saga = client.start_saga(None).await.expect("the session is up");
+    let batches = client.stats().batches;
+    let mut queued = Vec::new();
+    for i in 0..50 {
+        let event = railyard_saga_client::SagaEvent {
+            r#type: railyard_saga_client::EventType::SagaStarted as i32,
+            global_tx_id: format!("{}-{i}", saga.id()),
+            local_tx_id: format!("{}-{i}", saga.id()),
+            ..Default::default()
+        };
+        let mut call = Box::pin(client.report(event));
+        assert!(poll_once(&mut call).is_pending(), "queued, not answered");
+        queued.push(call);
+    }
+    client.close();
+    for call in queued {
+        let answer = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("answered at once after the close");
+        assert!(
+            matches!(answer, Err(SagaError::Closed(_))),
+            "an event queued before the close fails with Closed: {answer:?}"
+        );
+    }
+    assert_eq!(
+        client.stats().batches,
+        batches,
+        "no batch was sent after the close"
+    );
+    assert!(matches!(saga.end().await, Err(SagaError::Closed(_))));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_token_is_refused_and_closes_the_client() {
     let cfg = CoordinatorConfig {

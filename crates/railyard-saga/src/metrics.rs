@@ -8,14 +8,15 @@
 //! | `railyard_saga_append_seconds` | histogram (50 us .. 10 s) | |
 //! | `railyard_saga_append_events` | histogram | (events per `append` call) |
 //! | `railyard_saga_sagas` | gauge | `state` (`RUNNING`, `COMPENSATING`: live sagas in memory) |
-//! | `railyard_saga_finished_total` | counter | `state` (terminal states) |
+//! | `railyard_saga_finished_total` | counter | `state` (`COMMITTED`, `COMPENSATED`, `FAILED`) |
 //! | `railyard_saga_compensations_sent_total` | counter | (first attempts) |
 //! | `railyard_saga_compensations_retried_total` | counter | (later attempts) |
 //! | `railyard_saga_compensations_failed_total` | counter | (sub-transactions given up) |
 //! | `railyard_saga_instances` | gauge | (participant connections registered) |
 //! | `railyard_saga_waiting_for_instance` | gauge | (live sagas with a compensation waiting for a live instance of its service) |
 //!
-//! Label values are fixed sets, so cardinality is bounded.
+//! Label values are fixed sets, so cardinality is bounded. The five state
+//! series exist from the start, at zero.
 
 use std::sync::{Arc, Mutex};
 
@@ -186,7 +187,7 @@ impl SagaMetrics {
         );
     }
 
-    /// A saga moved from `from` (None: new) to `to` (None: forgotten).
+    /// A saga moved from `from` (None: new) to `to`.
     pub(crate) fn transition(&self, from: Option<SagaState>, to: SagaState) {
         if from == Some(to) {
             return;

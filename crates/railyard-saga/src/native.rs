@@ -180,29 +180,43 @@ fn participant_event(
     convert(e, service, instance, |m| names.intern(m))
 }
 
-/// The most compensation method names a session keeps one copy of; a
-/// session that names more gets a copy per event for the others.
+/// The most compensation method names a session keeps one copy of, and
+/// the longest name it keeps (so a session holds at most 256 KiB of them);
+/// other names get a copy per event, freed with their events and sagas.
 const SESSION_NAMES: usize = 1024;
+const SESSION_NAME_BYTES: usize = 256;
 
 /// A session's compensation method names, one shared copy each: events
 /// and sub-transactions point at it instead of a copy per event, and the
 /// store's writer numbers it by address, without reading its bytes (which
-/// sit in this thread's cache, not the writer's).
-#[derive(Debug, Default)]
+/// sit in this thread's cache, not the writer's). The empty name (most
+/// events') is the session's own copy too, so that its reference count is
+/// not one cache line every session and the writer update in turn.
+#[derive(Debug)]
 struct Names {
     known: std::collections::HashSet<Arc<str>, foldhash::fast::RandomState>,
+    empty: Arc<str>,
+}
+
+impl Default for Names {
+    fn default() -> Self {
+        Self {
+            known: std::collections::HashSet::default(),
+            empty: Arc::from(""),
+        }
+    }
 }
 
 impl Names {
     fn intern(&mut self, name: String) -> Arc<str> {
         if name.is_empty() {
-            return crate::event::no_name();
+            return self.empty.clone();
         }
         if let Some(known) = self.known.get(name.as_str()) {
             return known.clone();
         }
         let copy: Arc<str> = Arc::from(name);
-        if self.known.len() < SESSION_NAMES {
+        if self.known.len() < SESSION_NAMES && copy.len() <= SESSION_NAME_BYTES {
             self.known.insert(copy.clone());
         }
         copy
@@ -290,7 +304,8 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         engine.instance_arrived(service);
     }
     let slots = Arc::new(Semaphore::new(engine.config.session_in_flight.max(1)));
-    // Taken once per batch, by that batch's task.
+    // Taken once per batch, by that batch's task, to convert its events;
+    // never held across an await.
     let names = Arc::new(parking_lot::Mutex::new(Names::default()));
     let closed = engine.closed();
     tokio::pin!(closed);
@@ -423,9 +438,17 @@ mod tests {
         let c = names.intern("undo-payment".to_owned());
         assert_eq!(&*c, "undo-payment");
         assert!(!Arc::ptr_eq(&a, &c));
-        // The empty name is the one shared everywhere.
+        // The empty name is the session's one copy.
         let e = names.intern(String::new());
-        assert!(Arc::ptr_eq(&e, &crate::event::no_name()));
+        assert!(Arc::ptr_eq(&e, &names.intern(String::new())));
+        assert!(e.is_empty());
+        // A long name is not kept: a copy each.
+        let long = "x".repeat(SESSION_NAME_BYTES + 1);
+        assert!(!Arc::ptr_eq(
+            &names.intern(long.clone()),
+            &names.intern(long.clone())
+        ));
+        assert!(!names.known.contains(long.as_str()));
         // Past the bound, names still come back right, a copy each.
         for i in 0..SESSION_NAMES * 2 {
             let name = format!("m{i}");

@@ -50,8 +50,9 @@ const SHARED_NAMES: usize = 256;
 #[derive(Debug, Default)]
 pub(crate) struct Strings {
     at: std::collections::HashMap<Box<str>, u32, Hasher>,
-    /// Numbers of shared names (service and instance: every event of a
-    /// session points at one copy) by the address of that copy, so that
+    /// Numbers of shared names (service, instance and, from a native
+    /// session, compensation method: its events point at one copy of each)
+    /// by the address of that copy, so that
     /// most look-ups neither hash nor compare the name's bytes, which sit
     /// cold in another thread's cache. `held` keeps each copy alive while
     /// the table lives, so no address here can be reused by another name.
@@ -528,7 +529,9 @@ mod tests {
         let same_text: Arc<str> = "orders".into();
         let other: Arc<str> = "payments".into();
         let first = strings.index_shared(&a);
+        assert_eq!(strings.shared.len(), 1, "its address is remembered");
         assert_eq!(strings.index_shared(&a), first, "by address");
+        assert_eq!(strings.shared.len(), 1);
         assert_eq!(strings.index_shared(&same_text), first, "another copy");
         assert_eq!(strings.index("orders"), first, "by content");
         let second = strings.index_shared(&other);
@@ -561,6 +564,35 @@ mod tests {
         let mut table = Vec::new();
         strings.write(&mut table);
         assert_eq!(read_strings(&table).unwrap(), ["y", ""]);
+    }
+
+    #[test]
+    fn shared_and_separate_copies_of_names_encode_to_the_same_bytes() {
+        // One copy of each name for every event, as a native session has.
+        let services: [Arc<str>; 2] = ["svc é".into(), "other".into()];
+        let instance: Arc<str> = "i".repeat(200).into();
+        let method: Arc<str> = "m".into();
+        let mut shared: Vec<EventRecord> = (0..10).map(sample).collect();
+        for (i, e) in shared.iter_mut().enumerate() {
+            assert_eq!(e.service_name, services[i % 2]);
+            e.service_name = services[i % 2].clone();
+            e.instance_id = instance.clone();
+            e.compensation_method = method.clone();
+        }
+        let mut separate = shared.clone();
+        for e in &mut separate {
+            e.service_name = Arc::from(&*e.service_name);
+            e.instance_id = Arc::from(&*e.instance_id);
+            e.compensation_method = Arc::from(&*e.compensation_method);
+        }
+        let encoded = |events: &[EventRecord]| {
+            let mut strings = Strings::default();
+            let mut data = Vec::new();
+            encode_v2_into(&mut data, "g", events, &mut strings);
+            strings.write(&mut data);
+            data
+        };
+        assert_eq!(encoded(&shared), encoded(&separate));
     }
 
     #[test]
