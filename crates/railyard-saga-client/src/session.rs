@@ -354,10 +354,8 @@ impl Session {
             _ => BATCH_YIELDS,
         };
         loop {
-            if self.closed.get().is_some() {
-                return End::Done;
-            }
-            if !self.accepting && self.pending.is_empty() && self.unacked.is_empty() {
+            let drained = !self.accepting && self.pending.is_empty() && self.unacked.is_empty();
+            if self.closed.get().is_some() || drained {
                 return End::Done;
             }
             tokio::select! {

@@ -135,10 +135,3 @@ pub struct EventRecord {
     /// Omega's retry method, recorded only.
     pub retry_method: String,
 }
-
-/// The empty name, shared: one allocation for every event and
-/// sub-transaction that has no compensation method.
-pub(crate) fn no_name() -> Arc<str> {
-    static EMPTY: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
-    EMPTY.clone()
-}

@@ -79,32 +79,42 @@ pub(crate) struct SagaMetrics {
     pub(crate) compensations_failed: Counter,
     pub(crate) instances: Gauge,
     pub(crate) waiting_for_instance: Gauge,
-    /// `sagas`' series for RUNNING and COMPENSATING, and `finished`'s for
-    /// COMMITTED, COMPENSATED and FAILED, taken once: a transition (three
-    /// a saga) then costs no label hashing and no lock of the family.
-    live: [Gauge; 2],
-    done: [Counter; 3],
+    /// Each state's series of `sagas` (live states) or `finished`
+    /// (terminal ones), taken once: a transition (three a saga) then costs
+    /// no label hashing and no lock of the family.
+    running: Gauge,
+    compensating: Gauge,
+    committed: Counter,
+    compensated: Counter,
+    failed: Counter,
+}
+
+/// One state's series.
+enum Series<'a> {
+    Live(&'a Gauge),
+    Done(&'a Counter),
 }
 
 impl SagaMetrics {
     pub(crate) fn new() -> Self {
         let sagas = Family::<StateLabels, Gauge>::default();
         let finished = Family::<StateLabels, Counter>::default();
-        let live = [SagaState::Running, SagaState::Compensating].map(|s| {
+        let live = |s: SagaState| {
             sagas
                 .get_or_create(&StateLabels { state: s.as_str() })
                 .clone()
-        });
-        let done = [
-            SagaState::Committed,
-            SagaState::Compensated,
-            SagaState::Failed,
-        ]
-        .map(|s| {
+        };
+        let done = |s: SagaState| {
             finished
                 .get_or_create(&StateLabels { state: s.as_str() })
                 .clone()
-        });
+        };
+        let (running, compensating) = (live(SagaState::Running), live(SagaState::Compensating));
+        let (committed, compensated, failed) = (
+            done(SagaState::Committed),
+            done(SagaState::Compensated),
+            done(SagaState::Failed),
+        );
         Self {
             events: Family::default(),
             acks: Family::default(),
@@ -113,8 +123,11 @@ impl SagaMetrics {
             append_events: Histogram::new(BATCH_BUCKETS),
             sagas,
             finished,
-            live,
-            done,
+            running,
+            compensating,
+            committed,
+            compensated,
+            failed,
             compensations_sent: Counter::default(),
             compensations_retried: Counter::default(),
             compensations_failed: Counter::default(),
@@ -192,36 +205,26 @@ impl SagaMetrics {
         if from == Some(to) {
             return;
         }
-        if let Some(f) = from {
-            if let Some(g) = self.live_of(f) {
-                g.dec();
-            }
+        if let Some(Series::Live(g)) = from.map(|f| self.series(f)) {
+            g.dec();
         }
-        match to {
-            SagaState::Running => {
-                self.live[0].inc();
+        match self.series(to) {
+            Series::Live(g) => {
+                g.inc();
             }
-            SagaState::Compensating => {
-                self.live[1].inc();
-            }
-            SagaState::Committed => {
-                self.done[0].inc();
-            }
-            SagaState::Compensated => {
-                self.done[1].inc();
-            }
-            SagaState::Failed => {
-                self.done[2].inc();
+            Series::Done(c) => {
+                c.inc();
             }
         }
     }
 
-    /// `sagas`' series for a live state (a terminal one has none).
-    fn live_of(&self, s: SagaState) -> Option<&Gauge> {
+    fn series(&self, s: SagaState) -> Series<'_> {
         match s {
-            SagaState::Running => Some(&self.live[0]),
-            SagaState::Compensating => Some(&self.live[1]),
-            SagaState::Committed | SagaState::Compensated | SagaState::Failed => None,
+            SagaState::Running => Series::Live(&self.running),
+            SagaState::Compensating => Series::Live(&self.compensating),
+            SagaState::Committed => Series::Done(&self.committed),
+            SagaState::Compensated => Series::Done(&self.compensated),
+            SagaState::Failed => Series::Done(&self.failed),
         }
     }
 }

@@ -263,7 +263,7 @@ impl Saga {
             compensation_method: if start {
                 ev.compensation_method.clone()
             } else {
-                crate::event::no_name()
+                Arc::default()
             },
             payloads: if start {
                 ev.payloads.clone()

@@ -41,8 +41,9 @@ const VERSION_2: u8 = 2;
 /// The hasher of the string table (short names).
 type Hasher = foldhash::fast::RandomState;
 
-/// The most shared copies a table remembers by address (a session's
-/// participants have two names each, and a segment spans many sessions).
+/// The most shared copies a table remembers by address (a native session's
+/// participants have a service, an instance and a few method names each,
+/// and a segment spans many sessions).
 const SHARED_NAMES: usize = 256;
 
 /// A segment's string table being built: each distinct name once, in
@@ -52,12 +53,11 @@ pub(crate) struct Strings {
     at: std::collections::HashMap<Box<str>, u32, Hasher>,
     /// Numbers of shared names (service, instance and, from a native
     /// session, compensation method: its events point at one copy of each)
-    /// by the address of that copy, so that
-    /// most look-ups neither hash nor compare the name's bytes, which sit
-    /// cold in another thread's cache. `held` keeps each copy alive while
-    /// the table lives, so no address here can be reused by another name.
-    shared: std::collections::HashMap<usize, u32, Hasher>,
-    held: Vec<Arc<str>>,
+    /// by the address of that copy, so that most look-ups neither hash nor
+    /// compare the name's bytes, which sit cold in another thread's cache.
+    /// Each entry holds its copy, so no address here can be reused by
+    /// another name while the table lives.
+    shared: std::collections::HashMap<usize, (u32, Arc<str>), Hasher>,
     /// The number of the empty name (most events' retry method), once
     /// used, so that it costs no hash look-up and no `memcmp` per event.
     empty: Option<u32>,
@@ -75,7 +75,6 @@ impl Strings {
     pub(crate) fn clear(&mut self) {
         self.at.clear();
         self.shared.clear();
-        self.held.clear();
         self.empty = None;
         self.packed.clear();
     }
@@ -83,15 +82,14 @@ impl Strings {
     /// The number of a shared name, added if new.
     fn index_shared(&mut self, s: &Arc<str>) -> u32 {
         let addr = Arc::as_ptr(s).cast::<u8>() as usize;
-        if let Some(&i) = self.shared.get(&addr) {
+        if let Some(&(i, _)) = self.shared.get(&addr) {
             return i;
         }
         let i = self.index(s);
         // A reporter that does not share its names (Omega's events each
         // bring their own copy) would only fill the map: stop at a bound.
-        if self.held.len() < SHARED_NAMES {
-            self.shared.insert(addr, i);
-            self.held.push(s.clone());
+        if self.shared.len() < SHARED_NAMES {
+            self.shared.insert(addr, (i, s.clone()));
         }
         i
     }
@@ -544,11 +542,11 @@ mod tests {
         for (c, n) in copies.iter().zip(&numbers) {
             assert_eq!(strings.index(c), *n);
         }
-        assert_eq!(strings.held.len(), SHARED_NAMES);
+        assert_eq!(strings.shared.len(), SHARED_NAMES);
         assert_eq!(strings.len(), 5);
         // A cleared table forgets the addresses and lets the copies go.
         strings.clear();
-        assert!(strings.shared.is_empty() && strings.held.is_empty());
+        assert!(strings.shared.is_empty());
         assert_eq!(Arc::strong_count(&a), 1);
         assert_eq!(strings.index_shared(&other), 0);
         // The empty name is numbered once, kept across other names, and
