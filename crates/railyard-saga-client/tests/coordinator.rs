@@ -72,6 +72,14 @@ impl Node {
     }
 
     /// Kills the coordinator: its runtime, tasks and sockets go at once.
+    /// A client of service `orders`, connected with default settings.
+    async fn orders_client(&self) -> SagaClient {
+        SagaClient::builder(self.endpoint.clone(), "orders")
+            .connect()
+            .await
+            .expect("connect")
+    }
+
     fn crash(mut self) -> u16 {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
@@ -115,10 +123,7 @@ type Compensated = (String, Vec<u8>);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saga_with_steps_commits() {
     let node = Node::memory().await;
-    let client = SagaClient::builder(node.endpoint.clone(), "orders")
-        .connect()
-        .await
-        .expect("connect");
+    let client = node.orders_client().await;
     assert_eq!(
         client.server_meta().get("Server").map(String::as_str),
         Some("railyard"),
@@ -411,10 +416,7 @@ async fn concurrent_sagas_share_batches_under_a_tight_in_flight_budget() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_over_the_size_limit_fails_alone_and_the_client_goes_on() {
     let node = Node::memory().await;
-    let client = SagaClient::builder(node.endpoint.clone(), "orders")
-        .connect()
-        .await
-        .expect("connect");
+    let client = node.orders_client().await;
     let saga = client.start_saga(None).await.expect("start");
     let big = vec![7u8; railyard_saga_client::MAX_EVENT_BYTES];
     let mut ran = false;
@@ -461,10 +463,7 @@ fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> std::task::Poll<F::Ou
 #[tokio::test]
 async fn closing_fails_queued_events_and_sends_nothing_after() {
     let node = Node::memory().await;
-    let client = SagaClient::builder(node.endpoint.clone(), "orders")
-        .connect()
-        .await
-        .expect("connect");
+    let client = node.orders_client().await;
     let saga = client.start_saga(None).await.expect("the session is up");
     let batches = client.stats().batches;
     let mut queued = Vec::new();
@@ -732,10 +731,7 @@ async fn dropping_every_handle_ends_the_session_and_unregisters_its_participants
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_event_names_its_kind_and_saga() {
     let node = Node::memory().await;
-    let client = SagaClient::builder(node.endpoint.clone(), "orders")
-        .connect()
-        .await
-        .expect("connect");
+    let client = node.orders_client().await;
     let err = client
         .report(railyard_saga_client::SagaEvent {
             r#type: railyard_saga_client::EventType::TxStarted as i32,
