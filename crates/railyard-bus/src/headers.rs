@@ -135,7 +135,8 @@ impl Headers {
     }
 }
 
-/// Headers from (name, value) pairs in order, taken as they are.
+/// Headers from (name, value) pairs in order, each converted to the inline
+/// form (a short name or value is copied inline and its `String` freed).
 impl From<Vec<(String, String)>> for Headers {
     fn from(entries: Vec<(String, String)>) -> Self {
         Self::from_pairs(entries.into_iter().map(|(n, v)| (n.into(), v.into())))

@@ -43,10 +43,9 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 thread_local! {
-    /// Work noted on this thread ([`note_loop_work`]), and the count the
-    /// park hook saw last.
-    static WORK: Cell<u64> = const { Cell::new(0) };
-    static WORK_SEEN: Cell<u64> = const { Cell::new(0) };
+    /// Whether work was noted on this thread ([`note_loop_work`]) since the
+    /// park hook last looked (one hook per thread: the runtime it runs).
+    static WORKED: Cell<bool> = const { Cell::new(false) };
     /// Until when the loop polls instead of sleeping.
     static SPIN_UNTIL: Cell<Option<Instant>> = const { Cell::new(None) };
     /// The no-op task of the runtime this thread runs (see [`Spinning`]).
@@ -90,11 +89,11 @@ pub fn spin_before_park(
 }
 
 /// Tells this thread's loop that it did work (see the module docs): if it
-/// spins before parking, its window starts again. A thread-local add; on a
-/// thread whose runtime does not spin it has no effect.
+/// spins before parking, its window starts again. A thread-local store; on
+/// a thread whose runtime does not spin it has no effect.
 #[inline]
 pub fn note_loop_work() {
-    WORK.set(WORK.get().wrapping_add(1));
+    WORKED.set(true);
 }
 
 /// One runtime's park hook.
@@ -106,10 +105,8 @@ struct Hook {
 
 impl Hook {
     fn before_park(&self) {
-        let work = WORK.get();
-        let worked = work != WORK_SEEN.get();
+        let worked = WORKED.replace(false);
         let until = if worked {
-            WORK_SEEN.set(work);
             let until = Instant::now() + self.window;
             SPIN_UNTIL.set(Some(until));
             Some(until)

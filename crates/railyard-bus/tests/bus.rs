@@ -424,6 +424,16 @@ async fn sending_with_moved_headers_gives_them_back_on_refusal() {
         .unwrap()
         .unwrap();
     assert_eq!(got, [pair("a", "1")]);
+    // Delivered with an interceptor: it ran on the message's own copy, and
+    // the options keep theirs (a move would have skipped the interceptor).
+    bus.send_moving_headers("seen", Body::new(5u64), &mut opts)
+        .unwrap();
+    assert_eq!(headers(&opts), [pair("b", "2")], "cloned, not moved");
+    let got = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, [pair("b", "2"), pair("stamped", "yes")]);
 }
 
 #[tokio::test]

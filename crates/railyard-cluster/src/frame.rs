@@ -474,7 +474,8 @@ fn put_headers<'a>(out: &mut BytesMut, h: impl ExactSizeIterator<Item = (&'a str
     }
 }
 
-/// Appends the length prefix's place; [`end_frame`] fills it in.
+/// Appends a length prefix's place (a frame's or a body's); [`end_frame`]
+/// fills it in.
 fn begin_frame(out: &mut BytesMut) -> usize {
     let start = out.len();
     out.put_u32(0);
@@ -520,15 +521,13 @@ pub(crate) fn begin_reply<'a>(
 /// the body starts.
 pub(crate) fn begin_body(out: &mut BytesMut, codec: &str) -> usize {
     put_str(out, codec);
-    out.put_u32(0);
-    out.len()
+    begin_frame(out) + 4
 }
 
 /// Fills in the length of the body that starts at `body_start` (everything
 /// appended since) and of the frame that starts at `frame_start`.
 pub(crate) fn end_body(out: &mut BytesMut, frame_start: usize, body_start: usize) {
-    let len = (out.len() - body_start) as u32;
-    out[body_start - 4..body_start].copy_from_slice(&len.to_be_bytes());
+    end_frame(out, body_start - 4);
     end_frame(out, frame_start);
 }
 
