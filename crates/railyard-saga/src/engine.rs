@@ -123,20 +123,66 @@ pub enum Outcome {
     Invalid(InvalidEvent),
 }
 
-/// Terminal sagas remembered per shard (bounded FIFO).
 /// The hasher of the in-memory tables: foldhash, randomly seeded per table,
 /// several times faster than SipHash on short ids.
 type Hasher = foldhash::fast::RandomState;
 
+/// Terminal sagas remembered per shard (bounded FIFO).
+///
+/// An entry holds what a summary holds but the id, which is the map's key,
+/// and shares the saga's own copies of its id and service name: filling the
+/// cache allocates nothing per saga beyond the table itself. (It held a
+/// clone of the `SagaSummary` handed to the store before: two strings
+/// copied per finished saga, and twice the memory.)
 #[derive(Debug, Default)]
 struct FinishedCache {
-    map: HashMap<Arc<str>, SagaSummary, Hasher>,
+    map: HashMap<Arc<str>, Finished, Hasher>,
     order: VecDeque<Arc<str>>,
 }
 
+/// A terminal saga as the cache remembers it; [`Finished::summary`] gives
+/// back the store's summary.
+#[derive(Debug, Clone)]
+struct Finished {
+    service_name: Arc<str>,
+    state: SagaState,
+    started_ms: i64,
+    finished_ms: i64,
+    sub_transactions: u32,
+    compensated: u32,
+    events: u32,
+}
+
+impl Finished {
+    fn of(s: &SagaSummary, service_name: Arc<str>) -> Self {
+        Self {
+            service_name,
+            state: s.state,
+            started_ms: s.started_ms,
+            finished_ms: s.finished_ms,
+            sub_transactions: s.sub_transactions,
+            compensated: s.compensated,
+            events: s.events,
+        }
+    }
+
+    fn summary(&self, global_tx_id: &str) -> SagaSummary {
+        SagaSummary {
+            global_tx_id: global_tx_id.to_owned(),
+            service_name: self.service_name.to_string(),
+            state: self.state,
+            started_ms: self.started_ms,
+            finished_ms: self.finished_ms,
+            sub_transactions: self.sub_transactions,
+            compensated: self.compensated,
+            events: self.events,
+        }
+    }
+}
+
 impl FinishedCache {
-    fn insert(&mut self, id: Arc<str>, s: SagaSummary, cap: usize) {
-        if self.map.insert(id.clone(), s).is_none() {
+    fn insert(&mut self, id: Arc<str>, f: Finished, cap: usize) {
+        if self.map.insert(id.clone(), f).is_none() {
             self.order.push_back(id);
         }
         while self.order.len() > cap.max(1) {
@@ -738,7 +784,10 @@ impl Engine {
             // Finished between classify and apply: the event is in the
             // log, so finish again (idempotent) to compact it.
             let aborted = s.state != SagaState::Committed;
-            self.finish_queue.pending.lock().push(s.clone());
+            self.finish_queue
+                .pending
+                .lock()
+                .push(s.summary(&ev.global_tx_id));
             self.finish_queue.notify.notify_one();
             return Outcome::Done { aborted };
         }
@@ -823,7 +872,7 @@ impl Engine {
                 let summary = saga.summary(wall_ms());
                 shard.finished.insert(
                     id.clone(),
-                    summary.clone(),
+                    Finished::of(&summary, saga.service_name),
                     self.config.finished_cache_per_shard,
                 );
                 self.finish_queue.pending.lock().push(summary);
@@ -1124,7 +1173,12 @@ impl Engine {
 
     /// A recently finished saga's summary, if remembered.
     pub(crate) fn finished_summary(&self, gid: &str) -> Option<SagaSummary> {
-        self.shard_of(gid).lock().finished.map.get(gid).cloned()
+        self.shard_of(gid)
+            .lock()
+            .finished
+            .map
+            .get(gid)
+            .map(|f| f.summary(gid))
     }
 
     /// Summaries of the `limit` most recently started live sagas matching
