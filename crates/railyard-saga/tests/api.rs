@@ -8,7 +8,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use common::Server;
 use http_body_util::BodyExt;
-use railyard_saga::{Coordinator, CoordinatorConfig, EventKind, EventRecord, MemoryStore};
+use railyard_saga::{
+    Coordinator, CoordinatorConfig, EventKind, EventRecord, MemoryStore, SagaQuery,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::ServiceExt;
 
@@ -147,6 +149,31 @@ async fn one_saga_has_its_timeline_and_stats_count() {
     let (code, v) = get(&c, "/api/sagas/done").await;
     assert_eq!(code, 200);
     assert_eq!(v["saga"]["state"], "COMMITTED");
+    // Answered from the recent-finished cache, which keeps the summary
+    // without its id: every field comes back as the store holds it.
+    let s = &v["saga"];
+    assert_eq!(s["global_tx_id"], "done");
+    assert_eq!(s["service_name"], "orders");
+    assert_eq!(s["started_ms"], 1000);
+    assert_eq!(s["sub_transactions"], 1);
+    assert_eq!(s["compensated"], 0);
+    assert_eq!(s["events"], 4);
+    assert!(s["finished_ms"].as_i64().unwrap() > 0);
+    let stored = c
+        .store()
+        .finished(SagaQuery {
+            global_tx_id: Some("done".into()),
+            limit: 1,
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(
+        serde_json::to_value(&stored[0]).unwrap(),
+        *s,
+        "the cached summary differs from the stored one"
+    );
     assert_eq!(v["timeline"].as_array().unwrap().len(), 0);
     let (code, _) = get(&c, "/api/sagas/nope").await;
     assert_eq!(code, 404);
