@@ -965,16 +965,20 @@ async fn native_worker(
                 break 'tx false;
             };
             t.events += 1;
-            let global = saga.id().to_owned();
-            let mut ended = Vec::with_capacity(SERVICES);
+            // One copy of the id, shared by the three participants' handles.
+            let global = saga.shared_id();
+            // The ended steps' ids, kept only for a transaction that aborts
+            // (its compensations are matched against them).
+            let mut ended = Vec::new();
             for (s, method) in methods.iter().enumerate() {
                 let part = clients[s + 1].join_saga(global.clone());
                 let local = format!("{global}-{}", s + 1);
                 let fail = abort && s + 1 == SERVICES;
                 if fail {
-                    comps.expect(global.clone(), started, std::mem::take(&mut ended));
+                    comps.expect(global.to_string(), started, std::mem::take(&mut ended));
                 }
-                let step = Step::new(method.clone()).local_id(local.clone());
+                let keep = (abort && !fail).then(|| local.clone());
+                let step = Step::new(method.clone()).local_id(local);
                 let r = part
                     .step(step, async {
                         if fail {
@@ -985,7 +989,7 @@ async fn native_worker(
                     })
                     .await;
                 match r {
-                    Ok(()) => ended.push(local),
+                    Ok(()) => ended.extend(keep),
                     Err(StepError::Failed(Fail)) if fail => {}
                     Err(_) => {
                         if fail {

@@ -114,11 +114,13 @@ impl SagaClient {
     }
 
     /// A handle on a saga started elsewhere (its id travels with the
-    /// business request), to run this service's steps in it.
-    pub fn join_saga(&self, global_tx_id: impl Into<String>) -> Saga {
+    /// business request), to run this service's steps in it. An
+    /// `Arc<str>` id is shared, not copied (a `String` or `&str` is copied
+    /// once).
+    pub fn join_saga(&self, global_tx_id: impl Into<Arc<str>>) -> Saga {
         Saga {
             client: self.clone(),
-            global_tx_id: Arc::from(global_tx_id.into()),
+            global_tx_id: global_tx_id.into(),
         }
     }
 }
@@ -127,6 +129,12 @@ impl Saga {
     /// The global transaction id.
     pub fn id(&self) -> &str {
         &self.global_tx_id
+    }
+
+    /// The global transaction id, shared: hand it to
+    /// [`SagaClient::join_saga`] of other clients without copying it.
+    pub fn shared_id(&self) -> Arc<str> {
+        self.global_tx_id.clone()
     }
 
     fn event(&self, kind: EventType, local: String, parent: String) -> SagaEvent {

@@ -137,7 +137,13 @@ async fn a_saga_with_steps_commits() {
         .await
         .expect("step 1");
     assert_eq!(v, 7);
-    saga.step(Step::new("cancel"), async { Ok::<_, Boom>(()) })
+    // The second step through a handle joined by the shared id (as another
+    // service of the same process would): the id is shared, not copied.
+    let joined = client.join_saga(saga.shared_id());
+    assert!(Arc::ptr_eq(&joined.shared_id(), &saga.shared_id()));
+    assert_eq!(joined.id(), saga.id());
+    joined
+        .step(Step::new("cancel"), async { Ok::<_, Boom>(()) })
         .await
         .expect("step 2");
     saga.end().await.expect("end");
