@@ -971,11 +971,11 @@ async fn native_worker(
             // (its compensations are matched against them).
             let mut ended = Vec::new();
             for (s, method) in methods.iter().enumerate() {
-                let part = clients[s + 1].join_saga(global.clone());
+                let part = clients[s + 1].join_saga_shared(global.clone());
                 let local = format!("{global}-{}", s + 1);
                 let fail = abort && s + 1 == SERVICES;
                 if fail {
-                    comps.expect(global.to_string(), started, std::mem::take(&mut ended));
+                    comps.expect(String::from(&*global), started, std::mem::take(&mut ended));
                 }
                 let keep = (abort && !fail).then(|| local.clone());
                 let step = Step::new(method.clone()).local_id(local);

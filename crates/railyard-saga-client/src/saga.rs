@@ -114,13 +114,18 @@ impl SagaClient {
     }
 
     /// A handle on a saga started elsewhere (its id travels with the
-    /// business request), to run this service's steps in it. An
-    /// `Arc<str>` id is shared, not copied (a `String` or `&str` is copied
-    /// once).
-    pub fn join_saga(&self, global_tx_id: impl Into<Arc<str>>) -> Saga {
+    /// business request), to run this service's steps in it.
+    pub fn join_saga(&self, global_tx_id: impl Into<String>) -> Saga {
+        self.join_saga_shared(Arc::from(global_tx_id.into()))
+    }
+
+    /// As [`join_saga`](Self::join_saga), sharing the id instead of copying
+    /// it: several services of one process joining the same saga hold one
+    /// copy (see [`Saga::shared_id`]).
+    pub fn join_saga_shared(&self, global_tx_id: Arc<str>) -> Saga {
         Saga {
             client: self.clone(),
-            global_tx_id: global_tx_id.into(),
+            global_tx_id,
         }
     }
 }
@@ -132,7 +137,7 @@ impl Saga {
     }
 
     /// The global transaction id, shared: hand it to
-    /// [`SagaClient::join_saga`] of other clients without copying it.
+    /// [`SagaClient::join_saga_shared`] of other clients without copying it.
     pub fn shared_id(&self) -> Arc<str> {
         self.global_tx_id.clone()
     }

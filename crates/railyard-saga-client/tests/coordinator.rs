@@ -139,7 +139,7 @@ async fn a_saga_with_steps_commits() {
     assert_eq!(v, 7);
     // The second step through a handle joined by the shared id (as another
     // service of the same process would): the id is shared, not copied.
-    let joined = client.join_saga(saga.shared_id());
+    let joined = client.join_saga_shared(saga.shared_id());
     assert!(Arc::ptr_eq(&joined.shared_id(), &saga.shared_id()));
     assert_eq!(joined.id(), saga.id());
     joined
