@@ -586,21 +586,19 @@ impl Submit {
         let submit = Self {
             event,
             size,
-            waiter: Waiter {
-                reply,
-                _permit: permit,
-            },
+            waiter: Waiter { reply, permit },
         };
         (submit, rx)
     }
 }
 
 /// Who waits for one event's answer, and its share of the in-flight budget
-/// (returned when this is dropped). Kept apart from the event once it is
-/// sent, the events being shared with the frame.
+/// (returned when this is dropped, or merged with the rest of its batch's
+/// when the ack comes). Kept apart from the event once it is sent, the
+/// events being shared with the frame.
 pub(crate) struct Waiter {
     pub(crate) reply: oneshot::Sender<Result<Outcome, SagaError>>,
-    pub(crate) _permit: OwnedSemaphorePermit,
+    pub(crate) permit: OwnedSemaphorePermit,
 }
 
 /// What the coordinator answered for an event.

