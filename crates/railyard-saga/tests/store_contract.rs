@@ -379,6 +379,95 @@ async fn sqlite_disk_stays_bounded_under_churn() {
     }
 }
 
+/// A burst of unfinished sagas grows the file; once they finish and are
+/// pruned, their pages are free. With `reclaim_free_pages` the file gives
+/// them back (beyond 4 MiB kept for later commits); by default it keeps
+/// them for reuse. The mode is the one the file was created with, whatever
+/// a later open asks for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_gives_free_pages_back_only_if_created_to() {
+    /// Free pages and `auto_vacuum` of the closed store's file.
+    fn file_pages(dir: &std::path::Path) -> (i64, i64) {
+        let c = rusqlite::Connection::open(dir.join("saga.db")).unwrap();
+        let free = c
+            .query_row("PRAGMA freelist_count", [], |r| r.get(0))
+            .unwrap();
+        let mode = c.query_row("PRAGMA auto_vacuum", [], |r| r.get(0)).unwrap();
+        (free, mode)
+    }
+    async fn open(dir: &std::path::Path, reclaim: bool) -> Arc<dyn SagaStore> {
+        let config = SqliteConfig {
+            retention: Retention {
+                max_summaries: Some(64),
+                max_age_secs: None,
+            },
+            reclaim_free_pages: reclaim,
+            ..SqliteConfig::default()
+        };
+        Arc::new(SqliteStore::open(dir, config).await.unwrap())
+    }
+    /// 2,000 sagas with 2 KiB payloads (about 32 MiB of segments) stay
+    /// unfinished together, then all finish.
+    async fn burst(s: &Arc<dyn SagaStore>, tag: &str) {
+        let ids: Vec<String> = (0..2000).map(|n| format!("{tag}-{n}")).collect();
+        let mut tasks = Vec::new();
+        for chunk in ids.chunks(125) {
+            let (s, chunk) = (s.clone(), chunk.to_vec());
+            tasks.push(tokio::spawn(async move {
+                for g in &chunk {
+                    let mut events = saga_events(g);
+                    for e in &mut events {
+                        e.payloads = vec![7u8; 2048].into();
+                    }
+                    s.append(events).await.unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(s.stats().await.unwrap().events, 16_000);
+        for chunk in ids.chunks(100) {
+            let done = chunk
+                .iter()
+                .map(|g| summary(g, "svc", SagaState::Committed, 1, now_ms()))
+                .collect();
+            s.finish(done).await.unwrap();
+        }
+        assert_eq!(s.stats().await.unwrap().events, 0);
+    }
+
+    for reclaim in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path(), reclaim).await;
+        burst(&s, "a").await;
+        drop(s);
+        let (free, mode) = file_pages(dir.path());
+        if reclaim {
+            assert_eq!(mode, 2, "incremental vacuum");
+            assert!(free <= 1024, "{free} free pages left, 1,024 kept");
+        } else {
+            assert_eq!(mode, 0, "no auto-vacuum");
+            assert!(
+                free > 4096,
+                "only {free} free pages: the burst's were given back"
+            );
+        }
+        // Opened again with the other setting: the file keeps its mode, and
+        // a second burst reuses the free pages or gives them back as before.
+        let s = open(dir.path(), !reclaim).await;
+        burst(&s, "b").await;
+        drop(s);
+        let (free_again, mode_again) = file_pages(dir.path());
+        assert_eq!(mode_again, mode);
+        if reclaim {
+            assert!(free_again <= 1024, "{free_again} free pages left");
+        } else {
+            assert!(free_again > 4096, "{free_again} free pages left");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_refuses_a_directory_in_use() {
     let dir = tempfile::tempdir().unwrap();
