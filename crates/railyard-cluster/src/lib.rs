@@ -40,6 +40,7 @@ mod etcd;
 mod etcd_server;
 mod frame;
 mod inproc;
+mod lane;
 mod link;
 mod manager;
 mod metrics;

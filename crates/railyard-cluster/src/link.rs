@@ -51,6 +51,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
 use crate::frame::{self, FailKind, Frame, Mode, VERSION};
+use crate::lane::Lane;
 use crate::metrics::ClusterCounters;
 use crate::outq::{OutQueue, Refused};
 
@@ -276,8 +277,9 @@ pub(crate) struct Link {
     /// `max_in_flight` plus [`PONG_SLACK`] are queued
     /// (`ConnSink::room_for_answers`). Emptied when a connection ends.
     replies: mpsc::UnboundedSender<(u64, Out)>,
-    /// Inbound messages waiting for room in a full local consumer buffer.
-    waiting: AtomicUsize,
+    /// Inbound messages waiting for room in full local consumer buffers,
+    /// delivered in arrival order (see [`Lane`]).
+    lane: Arc<Lane>,
     /// Requests queued or written on this link and not yet answered, failed
     /// or given up on by their requester (see `forget_abandoned`): at most
     /// `max_in_flight`.
@@ -453,7 +455,7 @@ impl Link {
             addr: Mutex::new(addr),
             tx: OutQueue::new(cfg.queue),
             replies,
-            waiting: AtomicUsize::new(0),
+            lane: Arc::new(Lane::new(MAX_WAITING)),
             pending: Pending::default(),
             max_in_flight: cfg.max_in_flight.max(1),
             fail_epoch: AtomicU64::new(0),
@@ -1158,9 +1160,9 @@ fn encode_out(
     }
 }
 
-/// Most inbound messages per link that may wait, each in its own task, for
-/// room in a full local buffer. Beyond it the reader itself waits, which
-/// stops reading from the socket: TCP then slows the peer down.
+/// Most inbound messages per link that may wait in its [`Lane`] for room in
+/// a full local buffer. Beyond it the reader itself waits, which stops
+/// reading from the socket: TCP then slows the peer down.
 const MAX_WAITING: usize = 1024;
 
 /// Answers (pongs) a connection may queue beyond `max_in_flight` before
@@ -1284,29 +1286,27 @@ impl ReplySink for ConnSink {
     }
 }
 
-/// Delivers an inbound message whose every local buffer was full: in a task
-/// while few are waiting; beyond that, the returned future delivers it and
-/// the reader awaits it (reading nothing meanwhile).
-fn wait_for_room<F>(sink: &Arc<ConnSink>, deliver: F) -> Option<Later>
+/// Delivers an inbound message for `address` whose every local buffer was
+/// full, or that must go behind such messages: through the link's
+/// [`Lane`], in arrival order, while the reader goes on; with the lane
+/// full, the returned future waits for room in it and the reader awaits
+/// that (reading nothing meanwhile).
+fn wait_in_lane<F>(sink: &Arc<ConnSink>, address: &str, deliver: F) -> Option<Later>
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
-    let link = &sink.link;
-    if link.waiting.load(Ordering::Relaxed) >= MAX_WAITING {
-        let sink = sink.clone();
-        return Some(Box::pin(async move {
-            sink.stalled.store(true, Ordering::Release);
-            deliver.await;
-            sink.stalled.store(false, Ordering::Release);
-        }));
+    let lane = &sink.link.lane;
+    match lane.push(address, Box::pin(deliver)) {
+        Ok(()) => None,
+        Err(delivery) => {
+            let (sink, lane, address) = (sink.clone(), lane.clone(), address.to_owned());
+            Some(Box::pin(async move {
+                sink.stalled.store(true, Ordering::Release);
+                lane.push_waiting(&address, delivery).await;
+                sink.stalled.store(false, Ordering::Release);
+            }))
+        }
     }
-    link.waiting.fetch_add(1, Ordering::Relaxed);
-    let l = link.clone();
-    tokio::spawn(async move {
-        deliver.await;
-        l.waiting.fetch_sub(1, Ordering::Relaxed);
-    });
-    None
 }
 
 /// What is left of handling a frame when it must wait (all local buffers
@@ -1383,49 +1383,58 @@ fn handle_ready(
             opts.headers = headers;
             match mode {
                 // The headers move into the message (given back on a refusal).
-                Mode::Send => match bus.send_moving_headers(&address, body, &mut opts) {
-                    Ok(()) => None,
-                    Err(e) if matches!(e.error, BusError::Full { .. }) => {
-                        let (l, bus, address) = (link.clone(), bus.clone(), address.into_owned());
-                        let body = e.into_body();
-                        wait_for_room(sink, async move {
-                            if bus.send_wait(&address, body, &opts).await.is_err() {
-                                l.counters.inbound_undelivered.add(1);
+                // Behind messages for the same address that wait for room,
+                // or waiting itself: in the lane, in order.
+                Mode::Send => {
+                    let body = if link.lane.holds(&address) {
+                        body
+                    } else {
+                        match bus.send_moving_headers(&address, body, &mut opts) {
+                            Ok(()) => return None,
+                            Err(e) if matches!(e.error, BusError::Full { .. }) => e.into_body(),
+                            Err(e) => {
+                                link.counters.inbound_undelivered.add(1);
+                                tracing::debug!(%address, error = %e, "a message from another node found no consumer");
+                                return None;
                             }
-                        })
-                    }
-                    Err(e) => {
-                        link.counters.inbound_undelivered.add(1);
-                        tracing::debug!(%address, error = %e, "a message from another node found no consumer");
-                        None
-                    }
-                },
+                        }
+                    };
+                    let (l, bus, address) = (link.clone(), bus.clone(), address.into_owned());
+                    let key = address.clone();
+                    wait_in_lane(sink, &key, async move {
+                        if bus.send_wait(&address, body, &opts).await.is_err() {
+                            l.counters.inbound_undelivered.add(1);
+                        }
+                    })
+                }
                 Mode::Publish => {
                     let _ = bus.publish_with(&address, body, &opts);
                     None
                 }
                 Mode::Request => {
                     opts.timeout = Duration::from_millis(u64::from(timeout_ms.max(1)));
-                    match bus.request_remote(&address, body, &opts, sink.clone(), id) {
-                        Ok(()) => None,
-                        Err(e) if matches!(e.error, BusError::Full { .. }) => {
-                            let (bus, s, address) =
-                                (bus.clone(), sink.clone(), address.into_owned());
-                            let body = e.into_body();
-                            wait_for_room(sink, async move {
-                                if let Err(e) = bus
-                                    .request_remote_wait(&address, body, &opts, s.clone(), id)
-                                    .await
-                                {
-                                    s.answer(Out::Frame(fail_frame(id, &e.error)));
-                                }
-                            })
+                    let body = if link.lane.holds(&address) {
+                        body
+                    } else {
+                        match bus.request_remote(&address, body, &opts, sink.clone(), id) {
+                            Ok(()) => return None,
+                            Err(e) if matches!(e.error, BusError::Full { .. }) => e.into_body(),
+                            Err(e) => {
+                                sink.answer(Out::Frame(fail_frame(id, &e.error)));
+                                return None;
+                            }
                         }
-                        Err(e) => {
-                            sink.answer(Out::Frame(fail_frame(id, &e.error)));
-                            None
+                    };
+                    let (bus, s, address) = (bus.clone(), sink.clone(), address.into_owned());
+                    let key = address.clone();
+                    wait_in_lane(sink, &key, async move {
+                        if let Err(e) = bus
+                            .request_remote_wait(&address, body, &opts, s.clone(), id)
+                            .await
+                        {
+                            s.answer(Out::Frame(fail_frame(id, &e.error)));
                         }
-                    }
+                    })
                 }
             }
         }

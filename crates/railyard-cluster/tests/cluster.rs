@@ -804,6 +804,76 @@ async fn a_reader_waiting_for_room_keeps_the_link_alive() {
     assert_eq!(handled.load(std::sync::atomic::Ordering::Relaxed), 3_000);
 }
 
+/// One sender's messages reach a consumer in send order even when its
+/// buffer keeps filling: a message that must wait for room is not
+/// overtaken by the next one, and those waiting are delivered in turn (a
+/// request among them too). A message for another address does not wait
+/// behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_consumer_still_gets_one_senders_messages_in_order() {
+    const SENDS: u64 = 3_000;
+    let reg = InProcessRegistry::new();
+    let quiet = Duration::from_secs(3600);
+    let (a, _na) = start_pinging(&reg, "a", quiet).await;
+    let (b, nb) = start_pinging(&reg, "b", quiet).await;
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    // A buffer of 2 and a handler that takes a little while: most messages
+    // find the buffer full, and room keeps appearing while they wait.
+    let _slow = b
+        .consumer("slow")
+        .capacity(2)
+        .handler(move |mut m| {
+            let n = *m.body::<u64>().unwrap();
+            s2.lock().push(n);
+            if m.expects_reply() {
+                m.reply(n).unwrap();
+            }
+            async {
+                tokio::time::sleep(Duration::from_micros(50)).await;
+            }
+        })
+        .await
+        .unwrap();
+    let _e = echo(&b, "echo").await;
+    routed(&a, "slow").await;
+    routed(&a, "echo").await;
+    for n in 0..SENDS {
+        if n % 100 == 99 {
+            // Behind the sends still waiting at b, and answered.
+            let r = a.request("slow", n).await.expect("answered");
+            assert_eq!(*r.body::<u64>().unwrap(), n);
+        } else {
+            a.send_wait("slow", n, &DeliveryOptions::new())
+                .await
+                .unwrap();
+        }
+    }
+    // Another address is answered while "slow" still has a backlog.
+    let r = tokio::time::timeout(Duration::from_secs(10), a.request("echo", 7u64))
+        .await
+        .expect("not held behind another address's messages")
+        .unwrap();
+    assert_eq!(*r.body::<u64>().unwrap(), 7);
+    for _ in 0..2_000 {
+        if seen.lock().len() as u64 == SENDS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len() as u64, SENDS);
+    let first_out_of_order = seen.windows(2).position(|w| w[1] < w[0]);
+    if let Some(i) = first_out_of_order {
+        eprintln!(
+            "around {i}: {:?}",
+            &seen[i.saturating_sub(3)..(i + 4).min(seen.len())]
+        );
+    }
+    assert_eq!(first_out_of_order, None, "delivered out of send order");
+    assert_eq!(nb.counters().disconnects.get(), 0);
+}
+
 /// Messages a `hold` consumer keeps, unanswered until the test answers them.
 type Held = Arc<std::sync::Mutex<Vec<railyard_bus::Message>>>;
 
