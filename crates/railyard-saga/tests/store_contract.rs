@@ -267,6 +267,38 @@ async fn retention_prunes_oldest_and_aged_summaries(t: &Target) {
         .map(|x| x.global_tx_id)
         .collect();
     assert_eq!(ids, ["r19", "r18"]);
+    drop(s);
+    // An age limit alone prunes too while the store runs (every 1,024
+    // finishes; it used to wait for the next open).
+    let s = t
+        .open(Retention {
+            max_summaries: None,
+            max_age_secs: Some(3600),
+        })
+        .await;
+    let aged = summary("aged", "svc", SagaState::Failed, 1, now - 2 * 3600 * 1000);
+    s.finish(vec![aged]).await.unwrap();
+    for b in 0..11 {
+        let batch = (0..100)
+            .map(|i| summary(&format!("f{b}-{i}"), "svc", SagaState::Committed, 1, now))
+            .collect();
+        s.finish(batch).await.unwrap();
+    }
+    let failed = SagaQuery {
+        state: Some(SagaState::Failed),
+        ..SagaQuery::default()
+    };
+    let got = s.finished(failed).await.unwrap();
+    assert!(got.is_empty(), "aged out while running: {got:?}");
+    let kept: u64 = s
+        .stats()
+        .await
+        .unwrap()
+        .finished
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(kept, 2 + 1_100);
 }
 
 async fn reopen_keeps_everything(t: &Target) {
@@ -396,11 +428,19 @@ async fn sqlite_gives_free_pages_back_only_if_created_to() {
         (free, mode)
     }
     async fn open(dir: &std::path::Path, reclaim: bool) -> Arc<dyn SagaStore> {
+        let retention = Retention {
+            max_summaries: Some(64),
+            max_age_secs: None,
+        };
+        open_with(dir, reclaim, retention).await
+    }
+    async fn open_with(
+        dir: &std::path::Path,
+        reclaim: bool,
+        retention: Retention,
+    ) -> Arc<dyn SagaStore> {
         let config = SqliteConfig {
-            retention: Retention {
-                max_summaries: Some(64),
-                max_age_secs: None,
-            },
+            retention,
             reclaim_free_pages: reclaim,
             ..SqliteConfig::default()
         };
@@ -466,6 +506,25 @@ async fn sqlite_gives_free_pages_back_only_if_created_to() {
             assert!(free_again > 4096, "{free_again} free pages left");
         }
     }
+
+    // Most free pages come from deleted segments: with a retention that
+    // never prunes, they still go back, within 1,024 commits.
+    let dir = tempfile::tempdir().unwrap();
+    let s = open_with(dir.path(), true, Retention::keep_all()).await;
+    burst(&s, "c").await;
+    for n in 0..1100 {
+        s.append(vec![ev(
+            &format!("tiny-{n}"),
+            "x",
+            EventKind::SagaStarted,
+            1,
+        )])
+        .await
+        .unwrap();
+    }
+    drop(s);
+    let (free, _) = file_pages(dir.path());
+    assert!(free <= 1024, "{free} free pages left with no pruning");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

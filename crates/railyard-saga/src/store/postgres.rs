@@ -1,5 +1,7 @@
-//! The PostgreSQL store: for coordinators that outgrow one machine (all
-//! coordinator nodes can share one database).
+//! The PostgreSQL store: the log on a database server (its replication and
+//! backups). One coordinator per database: rows carry no owner, so a second
+//! coordinator on the same database would recover, time out and compensate
+//! the first one's sagas too (nothing refuses it yet).
 //!
 //! # Client
 //! `tokio-postgres` rather than sqlx: one connection is one task we drive

@@ -28,8 +28,9 @@ use crate::event::EventRecord;
 /// How many finished-saga summaries a durable store keeps.
 ///
 /// Pruning runs in the writer after a `finish` once enough new summaries
-/// accumulated (a 1/64 slack of `max_summaries`, at least 1), so the count
-/// may overshoot `max_summaries` by that slack between prunes.
+/// accumulated (a 1/64 slack of `max_summaries`, at least 1; 1,024 when
+/// only `max_age_secs` is set), so the count may overshoot `max_summaries`
+/// by that slack between prunes.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct Retention {
@@ -60,9 +61,14 @@ impl Retention {
     }
 
     /// Summaries finished since the last prune after which the next prune
-    /// runs.
+    /// runs: 1/64 of the count limit (at least 1); with only an age limit,
+    /// [`AGE_ONLY_SLACK`]; with neither, never.
     pub(crate) fn slack(&self) -> u64 {
-        self.max_summaries.map_or(u64::MAX, |m| (m / 64).max(1))
+        match (self.max_summaries, self.max_age_secs) {
+            (Some(max), _) => (max / 64).max(1),
+            (None, Some(_)) => AGE_ONLY_SLACK,
+            (None, None) => u64::MAX,
+        }
     }
 
     /// The `finished_ms` before which summaries are too old, if aged out.
@@ -74,6 +80,11 @@ impl Retention {
         Some(i64::try_from(now.saturating_sub(age).as_millis()).unwrap_or(i64::MAX))
     }
 }
+
+/// Finishes between prunes when only an age limits the summaries: a prune
+/// is its own commit (one sync), so not after every finish; the age limit
+/// is then exceeded by at most the summaries of 1,024 finishes.
+const AGE_ONLY_SLACK: u64 = 1024;
 
 /// What the writer is asked to do.
 #[derive(Debug)]

@@ -54,7 +54,7 @@
 //! keeps its high-water size (bounded by the sagas in flight and the
 //! retention); a store created with [`SqliteConfig::reclaim_free_pages`]
 //! (`auto_vacuum=INCREMENTAL`) instead returns free pages beyond 4 MiB to
-//! the file system after each prune, at the cost of a pointer-map page
+//! the file system after each prune and every 1,024 commits, at the cost of a pointer-map page
 //! written by every commit.
 //!
 //! # Files
@@ -153,7 +153,7 @@ pub struct SqliteConfig {
     /// WAL file smaller.
     pub wal_checkpoint_pages: u32,
     /// Whether a store created with this setting gives free pages back to
-    /// the file system (SQLite's `auto_vacuum=INCREMENTAL`: after a prune,
+    /// the file system (SQLite's `auto_vacuum=INCREMENTAL`: after a prune and every 1,024 commits,
     /// free pages beyond 4 MiB are cut from the file). Default `false`:
     /// free pages stay in the file and later commits reuse them, so the
     /// file keeps its high-water size, which the in-flight sagas and the
@@ -262,6 +262,7 @@ impl SqliteStore {
             summaries: u64::try_from(summaries).unwrap_or(0),
             seg: SegmentBuf::default(),
             reclaims,
+            since_give_back: 0,
         };
         // Index the segments (and drop those nothing needs), then apply the
         // retention once (a smaller limit takes effect without waiting for
@@ -455,10 +456,16 @@ struct Writer {
     summaries: u64,
     /// The segment being built, kept across commits (see [`SegmentBuf`]).
     seg: SegmentBuf,
-    /// The file gives free pages back after a prune (see
+    /// The file gives free pages back (see
     /// [`SqliteConfig::reclaim_free_pages`]).
     reclaims: bool,
+    /// Commits since free pages were last given back (or checked).
+    since_give_back: u64,
 }
+
+/// Commits between two checks for free pages to give back, in a file that
+/// does (a check reads page 1; giving back writes what it moves).
+const GIVE_BACK_COMMITS: u64 = 1024;
 
 impl Writer {
     fn run(mut self, mut rx: mpsc::Receiver<WriteRequest>) {
@@ -598,11 +605,16 @@ impl Writer {
         self.summaries += finished;
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.since_prune = self.since_prune.saturating_add(finished);
+        self.since_give_back += 1;
         if finished > 0 && self.since_prune >= self.config.retention.slack() {
             self.since_prune = 0;
             // Pruning failing does not undo the commit: log and go on.
             if let Err(e) = self.prune() {
                 tracing::warn!(error = %e, "pruning saga summaries failed");
+            }
+        } else if self.since_give_back >= GIVE_BACK_COMMITS {
+            if let Err(e) = self.give_back() {
+                tracing::warn!(error = %e, "giving free pages back failed");
             }
         }
         Ok(())
@@ -630,21 +642,31 @@ impl Writer {
         }
         tx.commit()?;
         self.summaries = self.summaries.saturating_sub(removed as u64);
-        if removed > 0 && self.reclaims {
-            let free: i64 = self
+        self.give_back()
+    }
+
+    /// In a file made with [`SqliteConfig::reclaim_free_pages`]: returns
+    /// free pages beyond 1,024 (4 MiB, kept for the next commits) to the
+    /// file system. Runs after each prune and every [`GIVE_BACK_COMMITS`]
+    /// commits (most free pages come from deleted segments, not from pruned
+    /// summaries, and a retention that never prunes must not keep them).
+    fn give_back(&mut self) -> rusqlite::Result<()> {
+        self.since_give_back = 0;
+        if !self.reclaims {
+            return Ok(());
+        }
+        let free: i64 = self
+            .conn
+            .query_row("PRAGMA freelist_count", [], |row| row.get(0))?;
+        if free > 1024 {
+            // The pragma frees one page per step (each answers a row): step
+            // it to the end. (`execute_batch` steps a statement once, which
+            // gave back one page per prune until 2026-11-27.)
+            let mut vacuum = self
                 .conn
-                .query_row("PRAGMA freelist_count", [], |row| row.get(0))?;
-            // Keep 1,024 free pages (4 MiB) for the next appends.
-            if free > 1024 {
-                // The pragma frees one page per step (each answers a row):
-                // step it to the end. (`execute_batch` steps a statement
-                // once, which gave back one page per prune.)
-                let mut vacuum = self
-                    .conn
-                    .prepare(&format!("PRAGMA incremental_vacuum({})", free - 1024))?;
-                let mut pages = vacuum.query([])?;
-                while pages.next()?.is_some() {}
-            }
+                .prepare(&format!("PRAGMA incremental_vacuum({})", free - 1024))?;
+            let mut pages = vacuum.query([])?;
+            while pages.next()?.is_some() {}
         }
         Ok(())
     }
@@ -916,6 +938,7 @@ pub(crate) mod tests {
             summaries: 0,
             seg: SegmentBuf::default(),
             reclaims: false,
+            since_give_back: 0,
         };
         w.load().unwrap();
         w
