@@ -87,7 +87,14 @@ pub enum ConfigError {
     /// `max_header_bytes` is below hyper's smallest read buffer.
     #[error("`max_header_bytes` must be at least 8192 (hyper's smallest read buffer), got {0}")]
     HeaderBytes(usize),
+    /// A duration beyond [`MAX_DURATION`] (deadlines are `Instant + d`,
+    /// which must not overflow).
+    #[error("`{0}` must be at most a year (365 days)")]
+    TooLong(&'static str),
 }
+
+/// The longest timeout or interval a configuration may give.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl HttpConfig {
     /// Checks the values that cannot work.
@@ -113,6 +120,16 @@ impl HttpConfig {
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero(name));
+            }
+        }
+        for (name, d) in [
+            ("header_read_timeout", self.header_read_timeout),
+            ("request_timeout", self.request_timeout),
+            ("shutdown_deadline", self.shutdown_deadline),
+            ("park_idle_after", self.park_idle_after),
+        ] {
+            if d > MAX_DURATION {
+                return Err(ConfigError::TooLong(name));
             }
         }
         Ok(())
@@ -161,6 +178,21 @@ mod tests {
             ..HttpConfig::default()
         };
         assert_eq!(c.validate(), Err(ConfigError::HeaderBytes(100)));
+        // Deadlines are `Instant + timeout`: a timeout near `u64::MAX`
+        // seconds would overflow (panic) on every connection.
+        let c = HttpConfig {
+            header_read_timeout: Duration::from_secs(10_000_000_000_000_000_000),
+            ..HttpConfig::default()
+        };
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::TooLong("header_read_timeout"))
+        );
+        let c = HttpConfig {
+            request_timeout: MAX_DURATION,
+            ..HttpConfig::default()
+        };
+        assert_eq!(c.validate(), Ok(()));
         assert!(HttpConfig::default().effective_threads() >= 1);
     }
 }

@@ -57,7 +57,7 @@ pub mod server;
 
 pub use body::{Body, BodyError, RequestBody};
 pub use compress::{Encoding, FixedBody};
-pub use config::{ConfigError, HttpConfig};
+pub use config::{ConfigError, HttpConfig, MAX_DURATION};
 pub use metrics::{admin_router, HttpMetrics, MetricsRegistry};
 pub use router::{Handler, Router};
 pub use sendfile::cachestat_available;

@@ -209,7 +209,12 @@ enum MethodArg {
     SendSend,
 }
 
-/// Parses `10s`, `500ms`, `2m`, `1.5s` or a bare number of seconds.
+/// The longest duration an option takes: a year (deadlines computed as
+/// `Instant + d` must not overflow).
+const MAX_DURATION_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// Parses `10s`, `500ms`, `2m`, `1.5s` or a bare number of seconds, up to a
+/// year.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
@@ -228,6 +233,9 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     if !(secs.is_finite() && secs >= 0.0) {
         return Err(format!("`{s}` must be a non-negative duration"));
+    }
+    if secs > MAX_DURATION_SECS {
+        return Err(format!("`{s}` is too long: at most a year (31536000s)"));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -638,5 +646,13 @@ mod tests {
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5h").is_err());
+        // Too long for a deadline (used to panic in the parser, or overflow
+        // `Instant + d` later).
+        assert!(parse_duration("100000000000000000000s").is_err());
+        assert!(parse_duration("10000000000000000000").is_err());
+        assert_eq!(
+            parse_duration("31536000"),
+            Ok(Duration::from_secs(31_536_000))
+        );
     }
 }

@@ -19,8 +19,8 @@ pub(crate) struct BridgeArgs {
     no_bridge: bool,
 }
 
-/// Starts the bridge unless disabled. Raises the open-files limit to its hard
-/// maximum first: every client is a file descriptor.
+/// Starts the bridge unless disabled (the node raised its open-files limit
+/// first: every client is a file descriptor).
 pub(crate) async fn start(
     bus: &EventBus,
     args: &BridgeArgs,
@@ -34,12 +34,6 @@ pub(crate) async fn start(
     }
     if let Some(host) = &args.bridge_host {
         config.host.clone_from(host);
-    }
-    match rlimit::increase_nofile_limit(u64::MAX) {
-        Ok(n) => tracing::debug!(limit = n, "open-files limit"),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot raise the open-files limit; the bridge may refuse connections early")
-        }
     }
     let server = BridgeServer::new(bus.clone(), config).context("the [bridge] configuration")?;
     let running = server.start().await.context("starting the bridge")?;

@@ -19,14 +19,19 @@ use tokio::task::JoinHandle;
 
 use crate::bench_cmd::parse_duration;
 
+/// The HTTP server's default port.
+pub(crate) const HTTP_PORT: u16 = 8080;
+/// The admin server's default port.
+pub(crate) const ADMIN_PORT: u16 = 8081;
+
 /// HTTP options of `railyard node`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct HttpArgs {
     /// Port of the HTTP server (seed 004's routes); 0 picks a free one.
-    #[arg(long, default_value_t = 8080, env = "RAILYARD_HTTP_PORT")]
+    #[arg(long, default_value_t = HTTP_PORT, env = "RAILYARD_HTTP_PORT")]
     http_port: u16,
     /// Port of the admin server (GET /metrics); 0 picks a free one.
-    #[arg(long, default_value_t = 8081, env = "RAILYARD_ADMIN_PORT")]
+    #[arg(long, default_value_t = ADMIN_PORT, env = "RAILYARD_ADMIN_PORT")]
     admin_port: u16,
     /// Address both servers listen on.
     #[arg(long, default_value = "127.0.0.1")]

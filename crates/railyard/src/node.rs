@@ -34,7 +34,20 @@ const NODE_ECHO: &str = "railyard.node.echo";
 /// (a string), so a client can see which node answered.
 const NODE_INFO: &str = "railyard.node.info";
 
+/// Raises the open-files soft limit to the hard one: every bridge client
+/// and HTTP connection is a file descriptor (10,000 connections need more
+/// than Debian's default 1,024), whichever servers this node runs.
+fn raise_open_files_limit() {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => tracing::debug!(limit = n, "open-files limit"),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot raise the open-files limit; servers may refuse connections early (raise it with `ulimit -n`)")
+        }
+    }
+}
+
 pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
+    raise_open_files_limit();
     let file = args.config.load().await?;
     let bus = EventBus::new();
     let _echo = bus

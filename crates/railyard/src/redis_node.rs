@@ -40,6 +40,16 @@ fn parse_refresh_arg(s: &str) -> Result<Refresh, String> {
     parse_refresh(s).map(Refresh)
 }
 
+/// The `GET /test` service's default port: not one of the node's other
+/// defaults (it once was the HTTP server's 8080, so a node started with
+/// `--redis-cluster` and the defaults failed to bind).
+const TEST_PORT: u16 = 8088;
+const _: () = assert!(
+    TEST_PORT != crate::http_node::HTTP_PORT
+        && TEST_PORT != crate::http_node::ADMIN_PORT
+        && TEST_PORT != railyard_saga::DEFAULT_GRPC_PORT
+);
+
 /// Options for the Redis Cluster service.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RedisNodeArgs {
@@ -47,7 +57,7 @@ pub(crate) struct RedisNodeArgs {
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT,...")]
     redis_cluster: Vec<String>,
     /// Port of the `GET /test` service (on 127.0.0.1).
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = TEST_PORT)]
     redis_test_port: u16,
     /// Key `GET /test` sets and gets.
     #[arg(long, default_value = "test")]

@@ -114,6 +114,60 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     let _ = std::fs::remove_dir_all(&saga_dir);
 }
 
+/// `(soft, hard)` open-files limits of a process, from `/proc/<pid>/limits`.
+fn open_files_limits(pid: &str) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let v: Vec<&str> = line.split_whitespace().collect();
+    (v[3].to_string(), v[4].to_string())
+}
+
+/// A node raises its open-files limit whichever servers it runs (it used to
+/// do so only when starting the bridge, so `--no-bridge` left the HTTP
+/// server at the shell's soft limit, often 1,024).
+#[test]
+fn node_without_the_bridge_raises_its_open_files_limit() {
+    let (_, hard) = open_files_limits("self");
+    if hard != "unlimited" && hard.parse::<u64>().unwrap() <= 256 {
+        eprintln!("hard open-files limit {hard}: nothing to raise here, skipped");
+        return;
+    }
+    let mut child = Command::new("sh")
+        .args(["-c", "ulimit -Sn 256 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_railyard"))
+        .args([
+            "node",
+            "--no-bridge",
+            "--no-saga",
+            "--stats-every",
+            "0",
+            "--http-port",
+            "0",
+            "--admin-port",
+            "0",
+        ])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start railyard node");
+    let rx = support::log::lines(child.stderr.take().expect("piped"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut started = false;
+    while Instant::now() < deadline && !started {
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            started = line.contains("node started");
+        }
+    }
+    let limits = open_files_limits(&child.id().to_string());
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(started, "the node did not log that it started");
+    assert_eq!(limits.0, limits.1, "soft limit raised to the hard one");
+}
+
 /// The value of `name=` in a text log line.
 fn field(line: &str, name: &str) -> String {
     let at = line
