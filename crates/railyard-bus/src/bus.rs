@@ -490,7 +490,7 @@ impl EventBus {
                 PendingReply::waiting(&self.inner.shared, Some(self), rx, options.timeout, start)
             }
             Err((BusError::Full { .. }, env, Some(room))) => {
-                PendingReply::blocked(self, room, env, address, rx, options.timeout, start)
+                PendingReply::blocked(self, room, env, address, rx, options, start)
             }
             Err((e, _, _)) => PendingReply::failed(self, e),
         }

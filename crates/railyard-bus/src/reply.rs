@@ -19,6 +19,7 @@ use crate::bus::Shared;
 use crate::queue::{Envelope, Refused};
 use crate::remote::ReplySink;
 use crate::timeouts::TimerKey;
+use crate::DeliveryOptions;
 use crate::{BusError, EventBus, Message};
 
 pub(crate) type ReplyResult = Result<Message, BusError>;
@@ -101,6 +102,10 @@ struct Blocked {
     room: Room,
     envelope: Option<Envelope>,
     address: String,
+    /// The request's options, to route it again with (its headers are in
+    /// the envelope, not here): `local_only`, the codec and the timeout
+    /// told to another node must hold on a second routing too.
+    options: DeliveryOptions,
     rx: ReplyReceiver,
 }
 
@@ -155,16 +160,22 @@ impl<'a> PendingReply<'a> {
         envelope: Envelope,
         address: &str,
         rx: ReplyReceiver,
-        timeout: Duration,
+        options: &DeliveryOptions,
         start: Instant,
     ) -> Self {
         let state = State::Blocked(Box::new(Blocked {
             room,
             envelope: Some(envelope),
             address: address.to_owned(),
+            options: DeliveryOptions {
+                timeout: options.timeout,
+                headers: crate::Headers::new(),
+                local_only: options.local_only,
+                codec: options.codec.clone(),
+            },
             rx,
         }));
-        Self::with_state(&bus.inner.shared, Some(bus), state, timeout, start)
+        Self::with_state(&bus.inner.shared, Some(bus), state, options.timeout, start)
     }
 
     pub(crate) fn failed(bus: &'a EventBus, error: BusError) -> Self {
@@ -250,7 +261,7 @@ impl<'a> PendingReply<'a> {
             self.finish_failed(BusError::NoHandlers { address });
             return Poll::Ready(());
         };
-        match router.route(&b.address, env, &crate::DeliveryOptions::DEFAULT) {
+        match router.route(&b.address, env, &b.options) {
             Ok(()) => {
                 self.unblock();
                 Poll::Ready(())

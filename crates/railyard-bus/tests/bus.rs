@@ -1037,6 +1037,29 @@ mod remote {
         );
     }
 
+    /// A request that waited for room keeps its options when it is routed
+    /// again (it used to take the defaults): local-only stays on this node.
+    #[tokio::test]
+    async fn a_request_waiting_for_room_keeps_its_options() {
+        let bus = EventBus::new();
+        let local = bus.consumer("q").capacity(1).stream().await.unwrap();
+        let node = Arc::new(Recorder::default());
+        bus.set_remote_nodes("q", vec![node.clone() as Arc<dyn RemoteNode>]);
+        let only_here = DeliveryOptions::new().local_only(true);
+        bus.send_with("q", 0u8, &only_here).unwrap();
+        let mut pending = bus.request_with("q", 1u8, &only_here);
+        // The local buffer is full: the request waits for room.
+        assert!(futures::poll!(&mut pending).is_pending());
+        // Its only local consumer goes: routed again, local-only finds none.
+        drop(local);
+        let err = tokio::time::timeout(std::time::Duration::from_secs(5), pending)
+            .await
+            .expect("answered at once")
+            .unwrap_err();
+        assert_eq!(err.kind().as_str(), "NO_HANDLERS");
+        assert!(node.got.lock().unwrap().is_empty(), "it left the node");
+    }
+
     #[tokio::test]
     async fn a_full_remote_link_is_skipped_like_a_full_buffer() {
         let bus = EventBus::new();
