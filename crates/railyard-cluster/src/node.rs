@@ -205,10 +205,14 @@ struct Slot {
     applied: tokio::sync::Mutex<Option<bool>>,
 }
 
-/// Withdrawals that fail (the manager unreachable) are retried this many
-/// times, 200 ms apart and doubling; until one succeeds, peers that send
-/// here get `NO_HANDLERS` from this node.
-const WITHDRAW_ATTEMPTS: u32 = 8;
+/// A withdrawal that fails because the manager is unreachable is retried,
+/// 200 ms apart and doubling up to 5 s, until it succeeds (or the address is
+/// advertised again, or the manager stopped): until then peers may still
+/// send here for it, and a plain send finds no consumer (counted in
+/// `inbound_undelivered`). A warning is logged at this attempt, then every
+/// `WITHDRAW_WARN_EVERY` attempts.
+const WITHDRAW_WARN_AT: u32 = 8;
+const WITHDRAW_WARN_EVERY: u32 = 60;
 
 impl Hook {
     /// # Panics
@@ -292,15 +296,24 @@ impl ClusterHook for Hook {
         let slots = self.slots.clone();
         self.runtime.spawn(async move {
             let mut delay = Duration::from_millis(200);
-            for attempt in 1..=WITHDRAW_ATTEMPTS {
+            let mut attempt = 0u32;
+            loop {
+                attempt = attempt.saturating_add(1);
                 match Self::reconcile(&*m, &slot, &a).await {
                     Ok(_) => break,
-                    Err(e) if attempt == WITHDRAW_ATTEMPTS => {
-                        tracing::warn!(address = %a, error = %e, attempts = attempt,
-                            "could not withdraw a subscription; peers get NO_HANDLERS from this node for it");
+                    Err(e @ (ManagerError::Stopped | ManagerError::Invalid { .. })) => {
+                        tracing::warn!(address = %a, error = %e, "could not withdraw a subscription; not retrying");
+                        break;
                     }
                     Err(e) => {
-                        tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
+                        if attempt == WITHDRAW_WARN_AT
+                            || (attempt > WITHDRAW_WARN_AT && attempt % WITHDRAW_WARN_EVERY == 0)
+                        {
+                            tracing::warn!(address = %a, error = %e, attempts = attempt,
+                                "could not withdraw a subscription yet; peers may still send here for it (retrying)");
+                        } else {
+                            tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
+                        }
                         tokio::time::sleep(delay).await;
                         delay = (delay * 2).min(Duration::from_secs(5));
                     }
@@ -1146,6 +1159,97 @@ mod tests {
         assert!(
             answered,
             "the node kept refusing after the slots were freed"
+        );
+    }
+
+    /// A manager whose `unsubscribe` fails (unreachable) a number of times,
+    /// or for good with `Stopped`.
+    struct Unreachable {
+        fails_left: std::sync::atomic::AtomicU32,
+        stopped: bool,
+        calls: std::sync::atomic::AtomicU32,
+        done: std::sync::atomic::AtomicU32,
+        view: watch::Sender<Arc<ClusterView>>,
+    }
+
+    impl Unreachable {
+        fn new(fails: u32, stopped: bool) -> Arc<Self> {
+            Arc::new(Self {
+                fails_left: fails.into(),
+                stopped,
+                calls: 0.into(),
+                done: 0.into(),
+                view: watch::channel(Arc::new(ClusterView::default())).0,
+            })
+        }
+    }
+
+    impl ClusterManager for Unreachable {
+        fn join(&self, _: NodeInfo) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn subscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            use std::sync::atomic::Ordering::SeqCst;
+            self.calls.fetch_add(1, SeqCst);
+            let result = if self.stopped {
+                Err(ManagerError::Stopped)
+            } else if self
+                .fails_left
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                Err(ManagerError::Unavailable("etcd down".into()))
+            } else {
+                self.done.fetch_add(1, SeqCst);
+                Ok(())
+            };
+            Box::pin(async move { result })
+        }
+        fn view(&self) -> watch::Receiver<Arc<ClusterView>> {
+            self.view.subscribe()
+        }
+    }
+
+    /// A withdrawal the manager cannot take (etcd unreachable for minutes)
+    /// is retried until it can: it used to stop after 8 attempts (about
+    /// 16 s), leaving the subscription in the store for the node's life, so
+    /// peers kept sending here for an address with no consumer. A stopped
+    /// manager is not retried.
+    #[tokio::test(start_paused = true)]
+    async fn a_withdrawal_is_retried_until_the_manager_takes_it() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let m = Unreachable::new(40, false);
+        let hook = Hook::new(m.clone());
+        hook.advertise("x").await.unwrap();
+        hook.withdraw("x");
+        for _ in 0..600 {
+            if m.done.load(SeqCst) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        assert_eq!(
+            m.done.load(SeqCst),
+            1,
+            "withdrawn once the manager answered"
+        );
+        assert_eq!(m.calls.load(SeqCst), 41);
+
+        let stopped = Unreachable::new(0, true);
+        let hook = Hook::new(stopped.clone());
+        hook.advertise("y").await.unwrap();
+        hook.withdraw("y");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(
+            stopped.calls.load(SeqCst),
+            1,
+            "a stopped manager is not retried"
         );
     }
 
