@@ -15,7 +15,9 @@
 //! # Locks
 //! `shards[i]` (a `parking_lot::Mutex`, held for microseconds, never across
 //! an await) may be held while the participant registry's lock is taken
-//! (to queue a command); never the reverse. `finish_queue` is taken alone.
+//! (to queue a command); never the reverse. `finish_queue.pending` is taken
+//! alone, or inside `finish_queue.writing` (a tokio mutex held across one
+//! `store.finish` call by the finisher or `flush`).
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -372,6 +374,9 @@ impl After {
 struct FinishQueue {
     pending: Mutex<Vec<SagaSummary>>,
     notify: Notify,
+    /// Held while a batch is with the store, so that `flush` waits for a
+    /// batch the background loop took.
+    writing: tokio::sync::Mutex<()>,
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -1260,13 +1265,22 @@ impl Engine {
         (running, compensating)
     }
 
-    /// Waits until every queued `finish` reached the store (tests, shutdown).
+    /// Waits until every queued `finish` reached the store (tests, shutdown),
+    /// including a batch the background loop is writing. A batch the store
+    /// refuses goes back in the queue (the background loop retries it).
     pub(crate) async fn flush(&self) -> Result<(), StoreError> {
-        let batch = std::mem::take(&mut *self.finish_queue.pending.lock());
+        let queue = &self.finish_queue;
+        let _writing = queue.writing.lock().await;
+        let batch = std::mem::take(&mut *queue.pending.lock());
         if batch.is_empty() {
             return Ok(());
         }
-        self.store.finish(batch).await
+        if let Err(e) = self.store.finish(batch.clone()).await {
+            queue.pending.lock().extend(batch);
+            queue.notify.notify_one();
+            return Err(e);
+        }
+        Ok(())
     }
 }
 
@@ -1309,6 +1323,7 @@ async fn finish_loop(store: Arc<dyn SagaStore>, queue: Arc<FinishQueue>) {
     loop {
         queue.notify.notified().await;
         loop {
+            let writing = queue.writing.lock().await;
             let batch = std::mem::take(&mut *queue.pending.lock());
             if batch.is_empty() {
                 break;
@@ -1318,6 +1333,7 @@ async fn finish_loop(store: Arc<dyn SagaStore>, queue: Arc<FinishQueue>) {
                 // (idempotently) after a restart; try again shortly.
                 tracing::warn!(error = %e, sagas = batch.len(), "could not finish sagas; retrying");
                 queue.pending.lock().extend(batch);
+                drop(writing);
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }

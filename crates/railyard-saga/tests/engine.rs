@@ -169,6 +169,44 @@ async fn a_saga_timeout_compensates_every_ended_step_in_reverse() {
     assert!(store.unfinished().await.unwrap().is_empty());
 }
 
+/// A `flush` the store refuses gives the finished sagas back to the queue:
+/// they are compacted once the store works again (they used to be dropped
+/// and stay in the log until the next restart).
+#[tokio::test(start_paused = true)]
+async fn a_refused_flush_keeps_its_sagas_for_the_next_try() {
+    let store = Arc::new(common::GatedStore::new(|| Box::pin(async { Ok(()) })));
+    let c = Coordinator::start(store.clone(), config()).await.unwrap();
+    let g = "flush-1";
+    submit(
+        &c,
+        vec![
+            start(g, 0),
+            tx_started(g, "l1", b"one"),
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::SagaEnded, g, g),
+        ],
+    )
+    .await;
+    assert_eq!(c.state(g), Some(SagaState::Committed));
+    store.finish_failures.store(1, Ordering::SeqCst);
+    // On this one-thread runtime the background finisher has not run yet:
+    // the flush takes the batch, and the store refuses it.
+    assert!(c.flush().await.is_err());
+    for _ in 0..100 {
+        if store.inner.unfinished().await.unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        store.inner.unfinished().await.unwrap().is_empty(),
+        "the refused batch was retried"
+    );
+    let done = common::finished_in(&*store, SagaState::Committed).await;
+    assert_eq!(done.len(), 1);
+    c.flush().await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_unanswered_command_is_resent_after_reverse_timeout_then_fails() {
     let store = Arc::new(MemoryStore::new());

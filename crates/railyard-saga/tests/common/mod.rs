@@ -230,6 +230,8 @@ pub async fn raw_grpc_call(
 pub struct GatedStore {
     pub inner: MemoryStore,
     gate: Box<dyn Fn() -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>,
+    /// The next this many `finish` calls fail (a broken disk).
+    pub finish_failures: std::sync::atomic::AtomicU32,
 }
 
 impl GatedStore {
@@ -239,6 +241,7 @@ impl GatedStore {
         Self {
             inner: MemoryStore::new(),
             gate: Box::new(gate),
+            finish_failures: 0.into(),
         }
     }
 }
@@ -255,6 +258,14 @@ impl SagaStore for GatedStore {
         })
     }
     fn finish(&self, done: Vec<SagaSummary>) -> BoxFuture<'_, Result<(), StoreError>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let fail = self
+            .finish_failures
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            return Box::pin(async { Err(StoreError::Unavailable("disk broken".into())) });
+        }
         self.inner.finish(done)
     }
     fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
