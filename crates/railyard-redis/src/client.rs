@@ -643,8 +643,13 @@ impl ClusterClient {
             // back-pressure: the caller hears about it at once.
             let not_sent = matches!(err, RedisError::Disconnected { .. })
                 || err.is_retryable() && matches!(err, RedisError::Server { .. });
-            if matches!(err, RedisError::Disconnected { .. }) {
-                inner.fire(Reason::ConnectionLost);
+            match err {
+                RedisError::Disconnected { .. } => inner.fire(Reason::ConnectionLost),
+                // A node that went silent without a reset never drops its
+                // connection: only timeouts tell, and a failover moved its
+                // slots elsewhere.
+                RedisError::Timeout { .. } => inner.fire(Reason::Timeout),
+                _ => {}
             }
             let delay = inner.cfg.retry_delay * 2u32.saturating_pow(attempt.min(4));
             if not_sent && deadline.saturating_duration_since(Instant::now()) > delay {
@@ -719,18 +724,24 @@ impl ClusterClient {
         }
     }
 
-    /// `DEL key...`, split per slot; returns how many keys were removed.
+    /// `DEL key...`, split per slot, every slot's command in flight at once;
+    /// returns how many keys were removed. Not atomic across slots: with an
+    /// error, the other slots' keys may be deleted.
     ///
     /// # Errors
-    /// As [`cmd`](Self::cmd).
+    /// As [`cmd`](Self::cmd) (the error of the lowest failing slot).
     pub async fn del<K: ToArg>(&self, keys: &[K]) -> Result<i64, RedisError> {
-        let mut total = 0;
-        for (_, group) in group_by_slot(keys.iter().map(ToArg::to_arg)) {
+        let groups = group_by_slot(keys.iter().map(ToArg::to_arg));
+        let futs = groups.into_iter().map(|(_, group)| async move {
             let mut c = Cmd::new("DEL");
             for (_, k) in group {
                 c = c.key(k);
             }
-            total += Self::int("DEL", self.cmd(&c).await?)?;
+            Self::int("DEL", self.cmd(&c).await?)
+        });
+        let mut total = 0;
+        for n in futures::future::join_all(futs).await {
+            total += n?;
         }
         Ok(total)
     }

@@ -70,6 +70,9 @@ pub enum Reason {
     Reconnects = 16,
     /// An established connection dropped.
     ConnectionLost = 32,
+    /// A command got no answer in time: the node may be gone without a
+    /// reset (powered off, partitioned), and its slots failed over.
+    Timeout = 64,
 }
 
 #[derive(Debug, Default)]

@@ -607,3 +607,100 @@ async fn a_full_queue_is_a_typed_error_and_a_silent_node_a_timeout() {
     assert_eq!(full + timeouts, 4, "{results:?}");
     server.abort();
 }
+
+/// A node that answers `CLUSTER NODES` with whatever `view` holds, and
+/// nothing else: a master gone silent without a reset.
+async fn silent_node_with_view(
+    view: Arc<std::sync::Mutex<String>>,
+) -> (u16, tokio::task::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            let view = view.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    let n = match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if String::from_utf8_lossy(&buf[..n])
+                        .to_ascii_uppercase()
+                        .contains("NODES")
+                    {
+                        let text = view.lock().unwrap().clone();
+                        let reply = format!("${}\r\n{text}\r\n", text.len());
+                        if s.write_all(reply.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (port, h)
+}
+
+/// A master that goes silent without a reset (powered off, partitioned)
+/// never drops its connection, so only timeouts tell: a timeout triggers a
+/// refresh, which finds the slots' new owner after a failover. (Before, the
+/// client kept sending to the silent node until a periodic refresh, off by
+/// default.)
+#[tokio::test]
+async fn a_timeout_refreshes_the_table_and_finds_the_new_owner() {
+    let d = ClusterDouble::start(1, 0, None).await.unwrap();
+    let view = Arc::new(std::sync::Mutex::new(String::new()));
+    let (port, server) = silent_node_with_view(view.clone()).await;
+    *view.lock().unwrap() = format!(
+        "{:040x} 127.0.0.1:{port}@1 myself,master - 0 0 1 connected 0-16383\n",
+        1
+    );
+    let c = ClusterClient::builder([format!("127.0.0.1:{port}")])
+        .command_timeout(Duration::from_millis(200))
+        .adaptive_refresh(true, Duration::from_millis(10))
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(
+        &*c.table().shard(0).unwrap().master,
+        format!("127.0.0.1:{port}")
+    );
+    // The failover: the silent node's slots now belong to the double's node
+    // (the view every node would report).
+    *view.lock().unwrap() = String::from_utf8(d.cluster_nodes_text(0).to_vec()).unwrap();
+    let first = c.get("k").await;
+    assert!(
+        matches!(first, Err(RedisError::Timeout { .. })),
+        "{first:?}"
+    );
+    let new_owner = d.addrs()[0].clone();
+    until(&c, |c| {
+        *c.table().shard(key_slot(b"k")).unwrap().master == *new_owner
+    })
+    .await;
+    assert!(c.refresh_stats().adaptive >= 1);
+    c.set("k", "v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+    server.abort();
+}
+
+/// DEL over keys of many slots (one command per slot, all in flight at
+/// once) counts every key removed, and only those that existed.
+#[tokio::test]
+async fn del_across_slots_counts_every_removed_key() {
+    let d = ClusterDouble::start(3, 0, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs()).build().await.unwrap();
+    let keys: Vec<String> = (0..300).map(|i| format!("del-{i}")).collect();
+    for k in &keys[..200] {
+        c.set(k.as_str(), "v").await.unwrap();
+    }
+    assert_eq!(c.del(&keys).await.unwrap(), 200);
+    assert_eq!(c.del(&keys).await.unwrap(), 0);
+    for k in &keys {
+        assert_eq!(c.get(k.as_str()).await.unwrap(), None);
+    }
+}
