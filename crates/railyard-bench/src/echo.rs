@@ -372,9 +372,14 @@ async fn send_reply_chain(
     let mut body = railyard_bus::Body::new(String::from(BODY));
     while !stop.load(Ordering::Relaxed) {
         match bus.request_with(ECHO, body, &opts).await {
-            Ok(mut m) => {
+            // Only the echo of what was sent counts, as the peer checks.
+            Ok(mut m) if m.body::<String>().is_some_and(|b| b == BODY) => {
                 body = m.take_body();
                 inst.count(chain);
+            }
+            Ok(_) => {
+                tracing::warn!("an echo came back with another body; not counted");
+                body = railyard_bus::Body::new(String::from(BODY));
             }
             Err(e) => {
                 // Not a round trip: only echoes that came back count.
@@ -407,8 +412,15 @@ async fn send_send_chains(
         // cloned per message.
         b.handler(move |mut m| {
             if !hs.load(Ordering::Relaxed) {
-                hi.count(c);
-                let _ = hb.send_with(ECHO, m.take_body(), &ho);
+                // Only the echo of what was sent counts, as the peer checks.
+                let body = if m.body::<String>().is_some_and(|b| b == BODY) {
+                    hi.count(c);
+                    m.take_body()
+                } else {
+                    tracing::warn!("an echo came back with another body; not counted");
+                    railyard_bus::Body::new(String::from(BODY))
+                };
+                let _ = hb.send_with(ECHO, body, &ho);
             }
             std::future::ready(())
         })

@@ -68,7 +68,9 @@ impl JavaPeer {
         self.dir.join("target").join(&self.jar)
     }
 
-    /// Builds the jar unless it exists.
+    /// Builds the jar unless it exists and is newer than every file of
+    /// `pom.xml` and `src/` (a jar older than a source change would run the
+    /// old peer).
     ///
     /// # Errors
     /// [`PeerError::Missing`], [`PeerError::Spawn`], [`PeerError::Build`].
@@ -76,10 +78,15 @@ impl JavaPeer {
         if !self.dir.is_dir() {
             return Err(PeerError::Missing(self.dir.clone()));
         }
-        if self.jar_path().is_file() {
-            return Ok(());
+        let built = std::fs::metadata(self.jar_path()).and_then(|m| m.modified());
+        let sources =
+            newest_modified(&self.dir.join("src")).max(newest_modified(&self.dir.join("pom.xml")));
+        match (built, sources) {
+            (Ok(jar), Some(src)) if jar >= src => return Ok(()),
+            (Ok(_), None) => return Ok(()),
+            (Ok(_), Some(_)) => eprintln!("rebuilding {}: its sources changed...", self.label),
+            (Err(_), _) => eprintln!("building {} with Maven (first run only)...", self.label),
         }
-        eprintln!("building {} with Maven (first run only)...", self.label);
         let status = Command::new("mvn")
             .args(["-q", "-B", "package", "-DskipTests"])
             .current_dir(&self.dir)
@@ -176,4 +183,53 @@ pub fn default_peers_dir() -> PathBuf {
         return here;
     }
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../peers")
+}
+
+/// The latest modification time of `path` or, for a directory, of any file
+/// under it; `None` if nothing there can be read.
+fn newest_modified(path: &Path) -> Option<std::time::SystemTime> {
+    let meta = std::fs::metadata(path).ok()?;
+    if !meta.is_dir() {
+        return meta.modified().ok();
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .filter_map(Result::ok)
+        .filter_map(|e| newest_modified(&e.path()))
+        .max()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_file_under_a_directory_dates_it() {
+        let dir = std::env::temp_dir().join(format!("railyard-peer-mtime-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("a/b")).unwrap();
+        let old = dir.join("a/old.java");
+        let new = dir.join("a/b/new.java");
+        std::fs::write(&old, "old").unwrap();
+        std::fs::write(&new, "new").unwrap();
+        let t0 = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let t1 = t0 + std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(&old)
+            .unwrap()
+            .set_modified(t0)
+            .unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&new)
+            .unwrap()
+            .set_modified(t1)
+            .unwrap();
+        assert_eq!(newest_modified(&old), Some(t0));
+        // A directory is dated by its newest file, however deep.
+        assert_eq!(newest_modified(&dir), Some(t1));
+        assert_eq!(newest_modified(&dir.join("missing")), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

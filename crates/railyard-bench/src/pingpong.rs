@@ -152,12 +152,17 @@ pub async fn run(cfg: &PingpongConfig) -> Result<PingpongResult, ClusterBenchErr
             let mut first = None;
             let mut count = 0u64;
             let mut failures = 0u64;
+            // The n-th reply popped answers the n-th request (sent in order).
+            let mut i = 0u64;
             while let Some(reply) = pending.pop_front() {
                 let r = reply.await;
                 first.get_or_insert_with(|| t0.elapsed());
-                if r.is_err() {
+                // A reply counts only if it answers its request (the
+                // consumer echoes the number), as the peer checks.
+                if !r.is_ok_and(|m| m.body::<u64>() == Some(&i)) {
                     failures += 1;
                 }
+                i += 1;
                 count += 1;
                 if verbose && count % 10_000 == 0 {
                     println!("replyCount: {count} after {} ms", t0.elapsed().as_millis());

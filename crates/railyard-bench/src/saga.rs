@@ -43,7 +43,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hdrhistogram::Histogram;
 use railyard_saga_client::{
-    Compensation, Connection, Participant as SagaParticipant, SagaClient, Step, StepError,
+    ClientStats, Compensation, Connection, Participant as SagaParticipant, SagaClient, Step,
+    StepError,
 };
 use railyard_saga_proto::omega::{GrpcCompensateCommand, GrpcServiceConfig, GrpcTxEvent};
 use serde::{Deserialize, Serialize};
@@ -505,6 +506,7 @@ fn finish(
     cpu: Option<f64>,
     mean_batch_events: f64,
     unacked_events: u64,
+    failed_compensation_reports: u64,
 ) -> SagaResult {
     let mut latency = histogram();
     let mut terminal = histogram();
@@ -532,7 +534,13 @@ fn finish(
             let _ = terminal.add(h);
         }
     }
-    let compensated = comps.compensated.load(Ordering::Relaxed);
+    // A compensation counts when its handler ran; a result the coordinator
+    // then refused (or that was never sent) did not compensate its
+    // transaction: take one transaction off per such report, at worst.
+    let compensated = comps
+        .compensated
+        .load(Ordering::Relaxed)
+        .saturating_sub(failed_compensation_reports);
     let secs = elapsed.as_secs_f64().max(1e-9);
     SagaResult {
         scenario: "saga".into(),
@@ -700,7 +708,8 @@ async fn run_omega(
     for s in streams {
         s.abort();
     }
-    let mut r = finish(cfg, totals, &comps, elapsed, cpu, 0.0, 0);
+    // Omega's answers are counted once the coordinator answered them.
+    let mut r = finish(cfg, totals, &comps, elapsed, cpu, 0.0, 0, 0);
     r.errors += comp_errors.load(Ordering::Relaxed);
     Ok(r)
 }
@@ -915,16 +924,31 @@ async fn run_native(
     let elapsed = t0.elapsed();
     let deadline = Instant::now() + cfg.drain_timeout;
     drain(&comps, cfg.drain_timeout, &progress).await;
+    // Each session's counters once: a process's clients share one session
+    // (and its counters) with `Sessions::Process`.
+    let sessions = || -> Vec<ClientStats> {
+        match cfg.sessions {
+            Sessions::Process => clients
+                .iter()
+                .filter_map(|row| row.first())
+                .map(SagaClient::stats)
+                .collect(),
+            Sessions::Participant => clients.iter().flatten().map(SagaClient::stats).collect(),
+        }
+    };
     // Compensation answers are acknowledged after their handler ran.
-    let unacked = || -> u64 { clients.iter().flatten().map(|c| c.stats().in_flight).sum() };
+    let unacked = || -> u64 { sessions().iter().map(|s| s.in_flight).sum() };
     while unacked() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let unacked_events = unacked();
     let cpu = cpu0.zip(cpu_seconds_self()).map(|(a, b)| b - a);
-    let (batches, events) = clients.iter().flatten().fold((0, 0), |(b, e), c| {
-        let s = c.stats();
-        (b + s.batches, e + s.events)
+    let (batches, events, failed_reports) = sessions().iter().fold((0, 0, 0), |(b, e, f), s| {
+        (
+            b + s.batches,
+            e + s.events,
+            f + s.compensation_reports_failed,
+        )
     });
     for c in clients.iter().flatten() {
         c.close();
@@ -942,6 +966,7 @@ async fn run_native(
         cpu,
         mean_batch,
         unacked_events,
+        failed_reports,
     ))
 }
 

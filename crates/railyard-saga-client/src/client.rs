@@ -540,6 +540,7 @@ pub(crate) struct StatsCounters {
     pub(crate) sessions: AtomicU64,
     pub(crate) compensations: AtomicU64,
     pub(crate) compensations_dropped: AtomicU64,
+    pub(crate) compensation_reports_failed: AtomicU64,
 }
 
 /// A snapshot of a client's counters: those of its session, which the
@@ -565,6 +566,12 @@ pub struct ClientStats {
     pub compensations_dropped: u64,
     /// Events reported and not yet answered (queued, sent or being resent).
     pub in_flight: u64,
+    /// Compensation results (`TX_COMPENSATED` or `TX_COMPENSATE_FAILED`,
+    /// reported after a handler ran) that the coordinator refused or that
+    /// could not be sent (the client closed): the coordinator did not record
+    /// them, and sends the command again after its reverse timeout while the
+    /// client lives.
+    pub compensation_reports_failed: u64,
 }
 
 /// One event on its way: the event, its encoded size, and who waits for
@@ -828,6 +835,7 @@ impl SagaClient {
             sessions: s.sessions.load(Ordering::Relaxed),
             compensations: s.compensations.load(Ordering::Relaxed),
             compensations_dropped: s.compensations_dropped.load(Ordering::Relaxed),
+            compensation_reports_failed: s.compensation_reports_failed.load(Ordering::Relaxed),
             in_flight: self
                 .shared
                 .settings

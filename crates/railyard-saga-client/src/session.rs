@@ -548,6 +548,7 @@ impl Session {
             participant: c.participant,
         };
         let slots = self.compensation_slots.clone();
+        let stats = self.stats.clone();
         tokio::spawn(async move {
             let _room = room;
             let Ok(_slot) = slots.acquire_owned().await else {
@@ -592,6 +593,9 @@ impl Session {
                 ..SagaEvent::default()
             };
             if let Err(e) = reporter.report(event).await {
+                stats
+                    .compensation_reports_failed
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "reporting a compensation result failed");
             }
         });

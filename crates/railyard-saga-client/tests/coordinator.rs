@@ -211,6 +211,48 @@ async fn a_failed_step_compensates_the_ended_ones_in_reverse_order() {
     assert!(matches!(saga.end().await, Err(SagaError::Aborted(_))));
 }
 
+/// A compensation whose result cannot be reported (here the client closes
+/// while its handler runs) is counted, so that a caller such as the bench
+/// does not take the handler's run for a recorded compensation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compensation_result_that_cannot_be_reported_is_counted() {
+    let node = Node::memory().await;
+    let me: Arc<std::sync::OnceLock<SagaClient>> = Arc::default();
+    let m = me.clone();
+    let client = SagaClient::builder(node.endpoint.clone(), "payments")
+        .compensation("refund", move |_c| {
+            if let Some(c) = m.get() {
+                c.close();
+            }
+            async { Ok::<(), CompensationError>(()) }
+        })
+        .connect()
+        .await
+        .expect("connect");
+    me.set(client.clone()).unwrap();
+    let saga = client.start_saga(None).await.expect("start");
+    saga.step(Step::new("refund").local_id("a"), async {
+        Ok::<_, Boom>(())
+    })
+    .await
+    .expect("ended step");
+    let failed = saga
+        .step(Step::new("refund").local_id("b"), async {
+            Err::<(), _>(Boom)
+        })
+        .await;
+    assert!(matches!(failed, Err(StepError::Failed(Boom))));
+    for _ in 0..1000 {
+        if client.stats().compensation_reports_failed > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stats = client.stats();
+    assert_eq!(stats.compensation_reports_failed, 1, "{stats:?}");
+    assert_eq!(stats.compensations, 1, "{stats:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compensation_commands_past_the_clients_room_are_dropped_and_come_again() {
     let config = CoordinatorConfig {

@@ -163,9 +163,11 @@ pub(crate) struct EchoArgs {
     /// Measured window (e.g. 10s, 500ms).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
-    /// Warm-up before the window, not counted.
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
-    warmup: Duration,
+    /// Warm-up before the window, not counted, for every system [default:
+    /// 2s; 5s with a clustered --vs peer and 10s with --nodes 2, which the
+    /// JVMs need to reach their plateau (peers/vertx-eventbus/README.md)].
+    #[arg(long, value_parser = parse_duration)]
+    warmup: Option<Duration>,
     /// Tester instances.
     #[arg(long, default_value_t = 2)]
     instances: usize,
@@ -431,10 +433,20 @@ async fn run_pingpong(a: PingpongArgs) -> anyhow::Result<()> {
     finish(&json, &a.common)
 }
 
+/// The echo warm-up: `--warmup`, or long enough for the JVM peer of the
+/// run's shape (the same for every system of the run).
+fn echo_warmup(a: &EchoArgs) -> Duration {
+    a.warmup.unwrap_or(match (a.common.nodes, a.common.vs) {
+        (2, _) => Duration::from_secs(10),
+        (_, Some(p)) if p != Peer::Vertx => Duration::from_secs(5),
+        _ => Duration::from_secs(2),
+    })
+}
+
 fn echo_configs(a: &EchoArgs, cluster: Option<ClusterTarget>) -> Vec<EchoConfig> {
     let base = EchoConfig {
         duration: a.duration,
-        warmup: a.warmup,
+        warmup: echo_warmup(a),
         instances: a.instances,
         in_flight: a.in_flight,
         consumer: consumer_kind(a.consumer),
@@ -623,7 +635,7 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         a.instances,
         a.in_flight,
         a.duration,
-        a.warmup,
+        echo_warmup(&a),
         a.common.runs,
         table(&header, rows)
     );
@@ -637,6 +649,43 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn echo_warm_up_suits_the_peer_unless_given() {
+        #[derive(clap::Parser)]
+        struct T {
+            #[command(flatten)]
+            e: EchoArgs,
+        }
+        let warmup = |args: &[&str]| {
+            let t = <T as clap::Parser>::try_parse_from(
+                std::iter::once("t").chain(args.iter().copied()),
+            )
+            .unwrap();
+            echo_warmup(&t.e)
+        };
+        assert_eq!(warmup(&[]), Duration::from_secs(2));
+        assert_eq!(warmup(&["--vs", "vertx"]), Duration::from_secs(2));
+        let clustered = ["--vs", "vertx-hazelcast", "--cluster", "etcd"];
+        assert_eq!(warmup(&clustered), Duration::from_secs(5));
+        let two = [
+            "--vs",
+            "vertx-hazelcast",
+            "--cluster",
+            "etcd",
+            "--nodes",
+            "2",
+        ];
+        assert_eq!(warmup(&two), Duration::from_secs(10));
+        assert_eq!(
+            warmup(&["--nodes", "2", "--cluster", "etcd"]),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            warmup(&["--vs", "vertx-hazelcast", "--warmup", "1s"]),
+            Duration::from_secs(1)
+        );
+    }
 
     #[test]
     fn durations_parse_with_units() {

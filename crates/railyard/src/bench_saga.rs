@@ -64,9 +64,15 @@ pub(crate) struct SagaArgs {
     #[arg(long, value_name = "URL")]
     endpoint: Option<String>,
     /// Also run DTM (peers/dtm, built on first use; needs Go) with its
-    /// equivalent saga on a store of the same class, in the same run.
+    /// equivalent saga on a durable store (see --dtm-store), in the same run.
     #[arg(long, value_enum)]
     vs: Option<Peer>,
+    /// DTM's store with --vs dtm: `postgres` (default: DTM's fastest durable
+    /// store here, whose writes share commits, the class of its published
+    /// figures) or `boltdb` (its embedded store: one fsynced write at a time,
+    /// which does not sustain 500 sagas in flight).
+    #[arg(long, value_enum, default_value_t = DtmStoreArg::Postgres)]
+    dtm_store: DtmStoreArg,
     /// Transactions for the peer (default: --transactions); DTM is slow
     /// enough that a smaller count measures its rate as well.
     #[arg(long)]
@@ -96,6 +102,14 @@ enum SessionsArg {
     Process,
     /// One session per participant instance.
     Participant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DtmStoreArg {
+    /// A PostgreSQL of its own, with the settings of Railyard's.
+    Postgres,
+    /// bbolt in its working directory.
+    Boltdb,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -176,8 +190,19 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
     let dtm = match a.vs {
         None => None,
         Some(Peer::Dtm) => {
-            let Some(store) = DtmStore::matching(a.store.kind().as_str()) else {
+            if a.store == StoreArg::Memory {
                 bail!("--vs dtm compares durable stores: use --store embedded or --store postgres");
+            }
+            if a.abort_ratio > 0.0 {
+                bail!(
+                    "--vs dtm compares committed sagas: with --abort-ratio above 0 the two sides \
+                     would count aborted sagas differently (Railyard once the abort is \
+                     acknowledged, DTM once compensation ends); run aborts without --vs"
+                );
+            }
+            let store = match a.dtm_store {
+                DtmStoreArg::Postgres => DtmStore::Postgres,
+                DtmStoreArg::Boltdb => DtmStore::Boltdb,
             };
             if a.endpoint.is_some() {
                 bail!("--vs dtm runs against the in-process coordinator: drop --endpoint");
