@@ -144,7 +144,14 @@ public enum ClusterMode {
 
   /** Shared Vert.x settings for both scenarios. */
   public static VertxOptions benchOptions() {
-    return new VertxOptions()
+    VertxOptions options = new VertxOptions();
+    // Vert.x's default pool is 2 event loops per core; -Drailyard.eventLoops=N sets it (e.g. one
+    // loop per JVM when two JVMs share the cores).
+    String loops = System.getProperty("railyard.eventLoops");
+    if (loops != null && !loops.isEmpty()) {
+      options.setEventLoopPoolSize(Integer.parseInt(loops));
+    }
+    return options
       // The pingpong producer legitimately loops for seconds inside a worker's start(), exactly
       // like the original. Check rarely and only complain about really stuck threads, so the
       // checker neither spams stderr nor costs anything noticeable.
