@@ -175,7 +175,19 @@ async fn register(
     };
     put(format!("{prefix}nodes/{}", node.id), node.addr.to_string()).await?;
     for a in subs {
-        put(format!("{prefix}subs/{}/{a}", node.id), String::new()).await?;
+        let key = format!("{prefix}subs/{}/{a}", node.id);
+        put(key.clone(), String::new()).await?;
+        // Withdrawn since the snapshot: its delete may have run before this
+        // put and found nothing, so delete again (`unsubscribe` drops the
+        // address from `subs` before its delete, so one of the two deletes
+        // comes after this put).
+        if !state.lock().subs.contains(&a) {
+            let mut c = client.clone();
+            tokio::time::timeout(cfg.op_timeout, c.delete(key, None))
+                .await
+                .map_err(|_| unavailable("delete timed out"))?
+                .map_err(unavailable)?;
+        }
     }
     state.lock().lease = lease;
     Ok(lease)
@@ -198,7 +210,12 @@ async fn keep_alive(client: Client, cfg: EtcdConfig, prefix: String, state: Arc<
             // The stream ended without an answer: says nothing of the
             // lease (re-registering here would swap a live lease).
             Ok(Ok(None)) => tracing::warn!("etcd keep-alive got no answer; will retry"),
-            Ok(Ok(Some(_))) => {
+            // A lease that expired (or was revoked): etcd answers TTL 0,
+            // which etcd-client reports as `LeaseKeepAliveError("lease not
+            // found")`, not as an answer. Until 2026-11-27 only the answer
+            // was taken for a lost lease, so a node whose lease expired never
+            // registered again.
+            Ok(Ok(Some(_)) | Err(etcd_client::Error::LeaseKeepAliveError(_))) => {
                 tracing::warn!("etcd lease expired; registering the node again");
                 if let Err(e) = register(client.clone(), &cfg, &prefix, &state).await {
                     tracing::warn!(error = %e, "re-registering with etcd failed; will retry");
