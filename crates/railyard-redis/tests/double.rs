@@ -543,40 +543,20 @@ async fn replica_reads_go_to_replicas_and_writes_to_masters() {
     assert_eq!((0..3).map(|i| d.served(i)).sum::<u64>(), 30);
 }
 
-/// A node that answers CLUSTER NODES and nothing else.
+/// A node that answers CLUSTER NODES (it owns every slot) and nothing else.
 async fn silent_node() -> (u16, tokio::task::JoinHandle<()>) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    let h = tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                loop {
-                    let n = match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    if String::from_utf8_lossy(&buf[..n])
-                        .to_ascii_uppercase()
-                        .contains("NODES")
-                    {
-                        let text = format!(
-                            "{:040x} 127.0.0.1:{port}@1 myself,master - 0 0 1 connected 0-16383\n",
-                            1
-                        );
-                        let reply = format!("${}\r\n{text}\r\n", text.len());
-                        if s.write_all(reply.as_bytes()).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            });
-        }
-    });
+    let view = Arc::new(std::sync::Mutex::new(String::new()));
+    let (port, h) = silent_node_with_view(view.clone()).await;
+    *view.lock().unwrap() = owns_every_slot(port);
     (port, h)
+}
+
+/// A `CLUSTER NODES` view in which the node on `port` owns every slot.
+fn owns_every_slot(port: u16) -> String {
+    format!(
+        "{:040x} 127.0.0.1:{port}@1 myself,master - 0 0 1 connected 0-16383\n",
+        1
+    )
 }
 
 #[tokio::test]
@@ -655,10 +635,7 @@ async fn a_timeout_refreshes_the_table_and_finds_the_new_owner() {
     let d = ClusterDouble::start(1, 0, None).await.unwrap();
     let view = Arc::new(std::sync::Mutex::new(String::new()));
     let (port, server) = silent_node_with_view(view.clone()).await;
-    *view.lock().unwrap() = format!(
-        "{:040x} 127.0.0.1:{port}@1 myself,master - 0 0 1 connected 0-16383\n",
-        1
-    );
+    *view.lock().unwrap() = owns_every_slot(port);
     let c = ClusterClient::builder([format!("127.0.0.1:{port}")])
         .command_timeout(Duration::from_millis(200))
         .adaptive_refresh(true, Duration::from_millis(10))
