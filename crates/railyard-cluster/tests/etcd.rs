@@ -89,6 +89,44 @@ async fn registrations_propagate_and_requests_cross_nodes() {
     assert_eq!(local.stats().received, 5);
 }
 
+/// A live node whose lease is lost (here revoked; in life, an outage of
+/// etcd longer than the TTL) drops out of the others' views, registers again
+/// with its subscriptions, and is routed to again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_node_whose_lease_is_lost_comes_back() {
+    let etcd = EtcdServer::start().expect("etcd starts");
+    let (a, na, _ma) = start(&etcd, "node-a", Duration::from_secs(3)).await;
+    let (b, _nb, _mb) = start(&etcd, "node-b", Duration::from_secs(3)).await;
+    let _e = echo(&b, "svc").await;
+    eventually(10, "a routes svc to b", || !a.remote_addresses().is_empty()).await;
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    // b's lease: the one its node key is under.
+    let key = c
+        .get("/railyard/railyard/nodes/node-b", None)
+        .await
+        .unwrap();
+    let lease = key.kvs()[0].lease();
+    c.lease_revoke(lease).await.unwrap();
+    eventually(10, "a forgets b", || {
+        !na.view().members.contains_key("node-b")
+    })
+    .await;
+    eventually(15, "b registers again and a routes svc to it", || {
+        na.view().members.contains_key("node-b") && !a.remote_addresses().is_empty()
+    })
+    .await;
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        a.request("svc", String::from("back")),
+    )
+    .await
+    .expect("answered")
+    .unwrap();
+    assert_eq!(r.body::<String>().unwrap(), "back");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_node_disappears_when_its_lease_expires() {
     let etcd = EtcdServer::start().expect("etcd starts");
