@@ -193,6 +193,14 @@ async fn register(
     Ok(lease)
 }
 
+/// Registers the node again under a new lease (the old one is gone).
+async fn re_register(client: &Client, cfg: &EtcdConfig, prefix: &str, state: &Mutex<State>) {
+    tracing::warn!("etcd lease expired; registering the node again");
+    if let Err(e) = register(client.clone(), cfg, prefix, state).await {
+        tracing::warn!(error = %e, "re-registering with etcd failed; will retry");
+    }
+}
+
 /// Renews the lease; re-registers under a new one if it was lost.
 async fn keep_alive(client: Client, cfg: EtcdConfig, prefix: String, state: Arc<Mutex<State>>) {
     let period = (cfg.lease_ttl / 3).max(Duration::from_millis(200));
@@ -210,15 +218,24 @@ async fn keep_alive(client: Client, cfg: EtcdConfig, prefix: String, state: Arc<
             // The stream ended without an answer: says nothing of the
             // lease (re-registering here would swap a live lease).
             Ok(Ok(None)) => tracing::warn!("etcd keep-alive got no answer; will retry"),
+            Ok(Ok(Some(_))) => re_register(&client, &cfg, &prefix, &state).await,
             // A lease that expired (or was revoked): etcd answers TTL 0,
             // which etcd-client reports as `LeaseKeepAliveError("lease not
-            // found")`, not as an answer. Until 2026-11-27 only the answer
-            // was taken for a lost lease, so a node whose lease expired never
+            // found")`, not as an answer; but it reports a broken keep-alive
+            // channel the same way. So ask etcd whether the lease lives
+            // (TTL -1: gone). Until 2026-11-27 this error was taken for a
+            // passing failure, so a node whose lease expired never
             // registered again.
-            Ok(Ok(Some(_)) | Err(etcd_client::Error::LeaseKeepAliveError(_))) => {
-                tracing::warn!("etcd lease expired; registering the node again");
-                if let Err(e) = register(client.clone(), &cfg, &prefix, &state).await {
-                    tracing::warn!(error = %e, "re-registering with etcd failed; will retry");
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(why))) => {
+                let asked =
+                    tokio::time::timeout(cfg.op_timeout, c.lease_time_to_live(lease, None)).await;
+                match asked {
+                    Ok(Ok(r)) if r.ttl() <= 0 => re_register(&client, &cfg, &prefix, &state).await,
+                    Ok(Ok(_)) => {
+                        tracing::warn!(error = %why, "etcd keep-alive failed, the lease lives; will retry");
+                    }
+                    Ok(Err(e)) => tracing::warn!(error = %e, "etcd keep-alive failed; will retry"),
+                    Err(_) => tracing::warn!("etcd keep-alive timed out; will retry"),
                 }
             }
             Ok(Err(e)) => tracing::warn!(error = %e, "etcd keep-alive failed; will retry"),

@@ -1,19 +1,20 @@
 //! Inbound messages that found every local buffer full, delivered in the
-//! order they arrived.
+//! order they arrived, per address.
 //!
 //! A link's reader hands a message it cannot deliver now (all the
 //! address's consumers have full buffers) to the link's [`Lane`] and goes
-//! on reading. One task delivers what the lane holds, one message after
-//! another, each waiting for room. A later message for an address that
-//! still has messages in the lane goes in behind them instead of being
-//! delivered at once, so one sender's messages reach a consumer in send
-//! order (before 2026-11-27 each waiting message had a task of its own,
-//! and the next message, or another waiting task, could get in first). A
-//! message for another address does not wait behind them.
+//! on reading. Each address with waiting messages has one task that
+//! delivers them one after another, each waiting for room. A later message
+//! for an address that still has messages in the lane goes in behind them
+//! instead of being delivered at once, so one sender's messages reach a
+//! consumer in send order (before 2026-11-27 each waiting message had a
+//! task of its own, and the next message, or another waiting task, could
+//! get in first). Addresses do not wait for each other: a consumer that
+//! stops taking messages holds back only its own address's.
 //!
-//! The lane holds at most its capacity; when it is full the reader itself
-//! waits for room in it, reading nothing meanwhile, and TCP then slows the
-//! peer down.
+//! The lane holds at most its capacity, over all addresses; when it is full
+//! the reader itself waits for room in it, reading nothing meanwhile, and
+//! TCP then slows the peer down.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -30,31 +31,24 @@ pub(crate) type Delivery = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// The ordered waiting room of one link's inbound messages (see the module
 /// docs).
 pub(crate) struct Lane {
-    state: Mutex<State>,
-    /// Messages held: queued plus the one being delivered. Read without
-    /// the lock for every inbound message, so the common case (nothing
-    /// waits) costs one load.
+    /// Per address with messages held: those not yet being delivered, in
+    /// arrival order. An address stays here, its queue maybe empty, while
+    /// its task delivers its last message.
+    queues: Mutex<HashMap<Box<str>, VecDeque<Delivery>>>,
+    /// Messages held: queued plus those being delivered. Read without the
+    /// lock for every inbound message, so the common case (nothing waits)
+    /// costs one load.
     held: AtomicUsize,
     capacity: usize,
     /// Notified each time a held message has been delivered.
     room: Notify,
 }
 
-#[derive(Default)]
-struct State {
-    queue: VecDeque<(Box<str>, Delivery)>,
-    /// Held messages per address, the one being delivered included: a
-    /// message for an address listed here goes behind them.
-    by_address: HashMap<Box<str>, usize>,
-    /// A task is delivering the queue.
-    draining: bool,
-}
-
 impl Lane {
     /// A lane that holds at most `capacity` messages.
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
-            state: Mutex::new(State::default()),
+            queues: Mutex::new(HashMap::new()),
             held: AtomicUsize::new(0),
             capacity: capacity.max(1),
             room: Notify::new(),
@@ -64,33 +58,41 @@ impl Lane {
     /// Whether messages for `address` are waiting: the next one for it must
     /// go behind them ([`push`](Self::push)), not be delivered directly.
     pub(crate) fn holds(&self, address: &str) -> bool {
-        self.held.load(Ordering::Acquire) > 0 && self.state.lock().by_address.contains_key(address)
+        self.held.load(Ordering::Acquire) > 0 && self.queues.lock().contains_key(address)
     }
 
-    /// Queues `delivery` for `address` behind what the lane holds, and
-    /// starts the delivering task if none runs. A full lane gives it back.
+    /// Queues `delivery` behind what the lane holds for `address`, and
+    /// starts that address's task if none runs. A full lane gives it back.
     pub(crate) fn push(
         self: &Arc<Self>,
         address: &str,
         delivery: Delivery,
     ) -> Result<(), Delivery> {
         let start = {
-            let mut s = self.state.lock();
+            let mut queues = self.queues.lock();
             if self.held.load(Ordering::Relaxed) >= self.capacity {
                 return Err(delivery);
             }
             self.held.fetch_add(1, Ordering::AcqRel);
-            match s.by_address.get_mut(address) {
-                Some(n) => *n += 1,
+            match queues.get_mut(address) {
+                Some(q) => {
+                    q.push_back(delivery);
+                    None
+                }
                 None => {
-                    s.by_address.insert(address.into(), 1);
+                    queues.insert(address.into(), VecDeque::new());
+                    Some(delivery)
                 }
             }
-            s.queue.push_back((address.into(), delivery));
-            !std::mem::replace(&mut s.draining, true)
         };
-        if start {
-            tokio::spawn(self.clone().drain());
+        if let Some(first) = start {
+            let guard = Draining {
+                lane: self.clone(),
+                address: address.into(),
+                in_flight: true,
+                finished: false,
+            };
+            tokio::spawn(guard.drain(first));
         }
         Ok(())
     }
@@ -109,40 +111,58 @@ impl Lane {
         }
     }
 
-    /// Delivers the queue in order until it is empty. An address leaves
-    /// `by_address` only once its last message was delivered.
-    async fn drain(self: Arc<Self>) {
-        loop {
-            let next = {
-                let mut s = self.state.lock();
-                match s.queue.pop_front() {
-                    Some(next) => next,
-                    None => {
-                        s.draining = false;
-                        return;
-                    }
-                }
-            };
-            let (address, delivery) = next;
-            delivery.await;
-            {
-                let mut s = self.state.lock();
-                if let Some(n) = s.by_address.get_mut(&address) {
-                    *n -= 1;
-                    if *n == 0 {
-                        s.by_address.remove(&address);
-                    }
-                }
-                self.held.fetch_sub(1, Ordering::AcqRel);
-            }
-            self.room.notify_waiters();
-        }
-    }
-
     /// Messages held now (queued or being delivered).
     #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
         self.held.load(Ordering::Acquire)
+    }
+}
+
+/// One address's task: delivers its queue in order, then removes the
+/// address. Dropped unfinished (its runtime shut down, a delivery
+/// panicked), it still removes the address and gives back the room its
+/// messages held, so the lane never stays blocked.
+struct Draining {
+    lane: Arc<Lane>,
+    address: Box<str>,
+    /// A message taken from the queue is being delivered.
+    in_flight: bool,
+    /// The queue was delivered and the address removed: nothing to undo.
+    finished: bool,
+}
+
+impl Draining {
+    async fn drain(mut self, first: Delivery) {
+        let mut next = Some(first);
+        while let Some(delivery) = next.take() {
+            self.in_flight = true;
+            delivery.await;
+            self.in_flight = false;
+            self.lane.held.fetch_sub(1, Ordering::AcqRel);
+            self.lane.room.notify_waiters();
+            let mut queues = self.lane.queues.lock();
+            next = queues.get_mut(&self.address).and_then(VecDeque::pop_front);
+            if next.is_none() {
+                queues.remove(&self.address);
+                // A later push for this address makes a new entry and task,
+                // which this one's drop must not touch.
+                self.finished = true;
+            }
+        }
+    }
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let removed = self.lane.queues.lock().remove(&self.address);
+        let left = removed.map_or(0, |q| q.len()) + usize::from(self.in_flight);
+        if left > 0 {
+            self.lane.held.fetch_sub(left, Ordering::AcqRel);
+            self.lane.room.notify_waiters();
+        }
     }
 }
 
@@ -163,8 +183,18 @@ mod tests {
         })
     }
 
+    async fn until_empty(lane: &Lane) {
+        for _ in 0..1000 {
+            if lane.held() == 0 {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the lane still holds {}", lane.held());
+    }
+
     #[tokio::test]
-    async fn delivers_in_order_holds_per_address_and_bounds_itself() {
+    async fn delivers_in_order_per_address_and_bounds_itself() {
         let lane = Arc::new(Lane::new(3));
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (open, gate) = tokio::sync::watch::channel(false);
@@ -184,23 +214,41 @@ mod tests {
         assert!(!waiting.is_finished());
         open.send(true).unwrap();
         waiting.await.unwrap();
-        for _ in 0..1000 {
-            if lane.held() == 0 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(*seen.lock(), vec![0, 1, 2, 3]);
-        assert_eq!(lane.held(), 0);
+        until_empty(&lane).await;
+        let seen_now = seen.lock().clone();
+        // Per address in order: a's 0 before its 2.
+        let at = |n| seen_now.iter().position(|&x| x == n).unwrap();
+        assert!(at(0) < at(2), "{seen_now:?}");
+        assert_eq!(seen_now.len(), 4);
         assert!(!lane.holds("a") && !lane.holds("c"));
         // An empty lane starts a new task for the next message.
         assert!(lane.push("a", recording(4, &seen, &gate)).is_ok());
+        until_empty(&lane).await;
+        assert_eq!(seen.lock().last(), Some(&4));
+    }
+
+    /// A consumer that never takes its messages holds back only its own
+    /// address; a delivery that panics gives its room back.
+    #[tokio::test]
+    async fn a_stuck_or_panicking_address_holds_back_only_itself() {
+        let lane = Arc::new(Lane::new(8));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (_never, stuck) = tokio::sync::watch::channel(false);
+        let (_open, open) = tokio::sync::watch::channel(true);
+        assert!(lane.push("stuck", recording(0, &seen, &stuck)).is_ok());
+        assert!(lane.push("stuck", recording(1, &seen, &stuck)).is_ok());
+        assert!(lane.push("free", recording(2, &seen, &open)).is_ok());
+        assert!(lane
+            .push("boom", Box::pin(async { panic!("a delivery panicked") }))
+            .is_ok());
         for _ in 0..1000 {
-            if lane.held() == 0 {
+            if lane.held() == 2 {
                 break;
             }
             tokio::task::yield_now().await;
         }
-        assert_eq!(*seen.lock(), vec![0, 1, 2, 3, 4]);
+        assert_eq!(*seen.lock(), vec![2], "free went past stuck");
+        assert_eq!(lane.held(), 2, "stuck's two held, boom's room given back");
+        assert!(lane.holds("stuck") && !lane.holds("boom") && !lane.holds("free"));
     }
 }

@@ -203,6 +203,12 @@ struct Slot {
     /// midway, so the next reconcile calls the manager whatever is
     /// wanted); held across each manager call.
     applied: tokio::sync::Mutex<Option<bool>>,
+    /// Bumped by every change of `wanted`.
+    changes: std::sync::atomic::AtomicU64,
+    /// A withdrawal task is making the manager match `wanted`: a later
+    /// withdrawal leaves it to that task (one retrying task per address,
+    /// however often the address comes and goes during an outage).
+    withdrawing: std::sync::atomic::AtomicBool,
 }
 
 /// A withdrawal that fails because the manager is unreachable is retried,
@@ -234,11 +240,15 @@ impl Hook {
                 Arc::new(Slot {
                     wanted: std::sync::atomic::AtomicBool::new(false),
                     applied: tokio::sync::Mutex::new(Some(false)),
+                    changes: std::sync::atomic::AtomicU64::new(0),
+                    withdrawing: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .clone();
         slot.wanted
             .store(wanted, std::sync::atomic::Ordering::SeqCst);
+        slot.changes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         slot
     }
 
@@ -291,36 +301,58 @@ impl ClusterHook for Hook {
     }
 
     fn withdraw(&self, address: &str) {
+        use std::sync::atomic::Ordering::SeqCst;
         let slot = self.want(address, false);
+        if slot.withdrawing.swap(true, SeqCst) {
+            // The task under way reads `wanted` on each attempt.
+            return;
+        }
         let (m, a) = (self.manager.clone(), address.to_owned());
         let slots = self.slots.clone();
         self.runtime.spawn(async move {
-            let mut delay = Duration::from_millis(200);
-            let mut attempt = 0u32;
             loop {
-                attempt = attempt.saturating_add(1);
-                match Self::reconcile(&*m, &slot, &a).await {
-                    Ok(_) => break,
-                    Err(e @ (ManagerError::Stopped | ManagerError::Invalid { .. })) => {
-                        tracing::warn!(address = %a, error = %e, "could not withdraw a subscription; not retrying");
-                        break;
-                    }
-                    Err(e) => {
-                        if attempt == WITHDRAW_WARN_AT
-                            || (attempt > WITHDRAW_WARN_AT && attempt % WITHDRAW_WARN_EVERY == 0)
-                        {
-                            tracing::warn!(address = %a, error = %e, attempts = attempt,
-                                "could not withdraw a subscription yet; peers may still send here for it (retrying)");
-                        } else {
-                            tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
-                        }
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(Duration::from_secs(5));
-                    }
+                let seen = slot.changes.load(SeqCst);
+                Self::withdraw_until_done(&*m, &slot, &a).await;
+                slot.withdrawing.store(false, SeqCst);
+                // A change that came meanwhile found this task under way and
+                // left it here: go again, unless another task took over.
+                if slot.changes.load(SeqCst) == seen || slot.withdrawing.swap(true, SeqCst) {
+                    break;
                 }
             }
             Self::forget_if_idle(&slots, &a, &slot);
         });
+    }
+}
+
+impl Hook {
+    /// Reconciles `address` until the manager takes it, stopped, or refuses
+    /// the address; backs off between attempts (see [`WITHDRAW_WARN_AT`]).
+    async fn withdraw_until_done(m: &dyn ClusterManager, slot: &Slot, a: &str) {
+        let mut delay = Duration::from_millis(200);
+        let mut attempt = 0u32;
+        loop {
+            attempt = attempt.saturating_add(1);
+            match Self::reconcile(m, slot, a).await {
+                Ok(_) => return,
+                Err(e @ (ManagerError::Stopped | ManagerError::Invalid { .. })) => {
+                    tracing::warn!(address = %a, error = %e, "could not withdraw a subscription; not retrying");
+                    return;
+                }
+                Err(e) => {
+                    if attempt == WITHDRAW_WARN_AT
+                        || (attempt > WITHDRAW_WARN_AT && attempt % WITHDRAW_WARN_EVERY == 0)
+                    {
+                        tracing::warn!(address = %a, error = %e, attempts = attempt,
+                            "could not withdraw a subscription yet; peers may still send here for it (retrying)");
+                    } else {
+                        tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
     }
 }
 
@@ -1250,6 +1282,23 @@ mod tests {
             stopped.calls.load(SeqCst),
             1,
             "a stopped manager is not retried"
+        );
+
+        // An address that comes and goes during the outage has one retrying
+        // task, not one per withdrawal.
+        let down = Unreachable::new(u32::MAX, false);
+        let hook = Hook::new(down.clone());
+        for _ in 0..20 {
+            hook.advertise("z").await.unwrap();
+            hook.withdraw("z");
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        let calls = down.calls.load(SeqCst);
+        // One task: 200 ms doubling to 5 s is about 8 calls in 20 s.
+        assert!(
+            calls <= 12,
+            "{calls} withdrawal calls in 20 s: more than one task"
         );
     }
 

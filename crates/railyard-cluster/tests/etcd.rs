@@ -252,7 +252,28 @@ async fn a_withdrawal_during_re_registration_stays_withdrawn() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(kept, "the kept subscriptions were not put again");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The re-registration is through once etcd's revision stops moving for
+    // half a second (keep-alives do not move it).
+    let (mut last, mut still) = (0, 0);
+    for _ in 0..400 {
+        let now = c
+            .get(node_key, None)
+            .await
+            .unwrap()
+            .header()
+            .unwrap()
+            .revision();
+        if now == last {
+            still += 1;
+            if still == 10 {
+                break;
+            }
+        } else {
+            (last, still) = (now, 0);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(still, 10, "etcd kept changing");
     for i in SUBS - 5..SUBS {
         let left = c.get(sub_key(i), None).await.unwrap().count();
         assert_eq!(left, 0, "{} came back after its withdrawal", name(i));
