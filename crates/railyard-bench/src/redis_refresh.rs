@@ -177,10 +177,14 @@ pub struct RedisRefreshResult {
     pub vegeta_latencies: String,
     /// Service process CPU (user + system) during the measured attack, ms.
     pub process_cpu_ms: f64,
-    /// CPU per refresh period spent on topology work, ms: Railyard's own
-    /// measurement of its blocking refresh work; for peers, filled in by the
-    /// caller as (process CPU with refresh - without) / periods.
+    /// CPU per refresh period that refreshing costs the process, ms: filled
+    /// in by the caller for every system alike, as (process CPU with refresh
+    /// - without) / periods.
     pub refresh_cpu_ms: Option<f64>,
+    /// Railyard only: its own measurement of the thread CPU of its blocking
+    /// check and refresh work per period, ms (probes not included).
+    #[serde(default)]
+    pub refresh_thread_cpu_ms: Option<f64>,
     /// Railyard only: full refreshes during the attack.
     pub full_refreshes: Option<u64>,
     /// Railyard only: periodic deep checks (`CLUSTER NODES`) during the attack.
@@ -451,7 +455,8 @@ pub async fn run_one(cfg: &RunConfig, work_dir: &Path) -> Result<RedisRefreshRes
         success_ratio: json.success,
         vegeta_latencies: line,
         process_cpu_ms: cpu_after - cpu_before,
-        refresh_cpu_ms: match (topo_cpu, periods) {
+        refresh_cpu_ms: None,
+        refresh_thread_cpu_ms: match (topo_cpu, periods) {
             (Some(c), Some(p)) if p > 0.0 => Some(c / p),
             (Some(_), None) => Some(0.0),
             _ => None,
