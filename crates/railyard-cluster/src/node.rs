@@ -273,6 +273,35 @@ impl Hook {
         Ok(wanted)
     }
 
+    /// Reconciles `address` until the manager takes it, stopped, or refuses
+    /// the address; backs off between attempts (see [`WITHDRAW_WARN_AT`]).
+    async fn withdraw_until_done(m: &dyn ClusterManager, slot: &Slot, a: &str) {
+        let mut delay = Duration::from_millis(200);
+        let mut attempt = 0u32;
+        loop {
+            attempt = attempt.saturating_add(1);
+            match Self::reconcile(m, slot, a).await {
+                Ok(_) => return,
+                Err(e @ (ManagerError::Stopped | ManagerError::Invalid { .. })) => {
+                    tracing::warn!(address = %a, error = %e, "could not withdraw a subscription; not retrying");
+                    return;
+                }
+                Err(e) => {
+                    if attempt == WITHDRAW_WARN_AT
+                        || (attempt > WITHDRAW_WARN_AT && attempt % WITHDRAW_WARN_EVERY == 0)
+                    {
+                        tracing::warn!(address = %a, error = %e, attempts = attempt,
+                            "could not withdraw a subscription yet; peers may still send here for it (retrying)");
+                    } else {
+                        tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
     /// Drops `address`'s slot if it is idle, neither wanted nor subscribed.
     fn forget_if_idle(slots: &Mutex<HashMap<String, Arc<Slot>>>, address: &str, slot: &Arc<Slot>) {
         let mut slots = slots.lock();
@@ -322,37 +351,6 @@ impl ClusterHook for Hook {
             }
             Self::forget_if_idle(&slots, &a, &slot);
         });
-    }
-}
-
-impl Hook {
-    /// Reconciles `address` until the manager takes it, stopped, or refuses
-    /// the address; backs off between attempts (see [`WITHDRAW_WARN_AT`]).
-    async fn withdraw_until_done(m: &dyn ClusterManager, slot: &Slot, a: &str) {
-        let mut delay = Duration::from_millis(200);
-        let mut attempt = 0u32;
-        loop {
-            attempt = attempt.saturating_add(1);
-            match Self::reconcile(m, slot, a).await {
-                Ok(_) => return,
-                Err(e @ (ManagerError::Stopped | ManagerError::Invalid { .. })) => {
-                    tracing::warn!(address = %a, error = %e, "could not withdraw a subscription; not retrying");
-                    return;
-                }
-                Err(e) => {
-                    if attempt == WITHDRAW_WARN_AT
-                        || (attempt > WITHDRAW_WARN_AT && attempt % WITHDRAW_WARN_EVERY == 0)
-                    {
-                        tracing::warn!(address = %a, error = %e, attempts = attempt,
-                            "could not withdraw a subscription yet; peers may still send here for it (retrying)");
-                    } else {
-                        tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
-                    }
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
-                }
-            }
-        }
     }
 }
 

@@ -731,17 +731,16 @@ impl ClusterClient {
     /// # Errors
     /// As [`cmd`](Self::cmd) (the error of the lowest failing slot).
     pub async fn del<K: ToArg>(&self, keys: &[K]) -> Result<i64, RedisError> {
-        let groups = group_by_slot(keys.iter().map(ToArg::to_arg));
-        let futs = groups.into_iter().map(|(_, group)| async move {
-            let mut c = Cmd::new("DEL");
-            for (_, k) in group {
-                c = c.key(k);
-            }
-            Self::int("DEL", self.cmd(&c).await?)
-        });
+        let cmds = group_by_slot(keys.iter().map(ToArg::to_arg))
+            .into_iter()
+            .map(|(_, group)| {
+                group
+                    .into_iter()
+                    .fold(Cmd::new("DEL"), |c, (_, k)| c.key(k))
+            });
         let mut total = 0;
-        for n in futures::future::join_all(futs).await {
-            total += n?;
+        for n in self.per_slot(cmds).await? {
+            total += Self::int("DEL", n)?;
         }
         Ok(total)
     }
@@ -804,18 +803,24 @@ impl ClusterClient {
     /// As [`cmd`](Self::cmd).
     pub async fn mset<K: ToArg, V: ToArg>(&self, pairs: &[(K, V)]) -> Result<(), RedisError> {
         let values: Vec<Bytes> = pairs.iter().map(|(_, v)| v.to_arg()).collect();
-        let groups = group_by_slot(pairs.iter().map(|(k, _)| k.to_arg()));
-        let futs = groups.into_iter().map(|(_, group)| {
-            let mut c = Cmd::new("MSET");
-            for (i, k) in group {
-                c = c.key(k).arg(&values[i]);
-            }
-            async move { self.cmd(&c).await }
-        });
-        for r in futures::future::join_all(futs).await {
-            r?;
-        }
-        Ok(())
+        let cmds = group_by_slot(pairs.iter().map(|(k, _)| k.to_arg()))
+            .into_iter()
+            .map(|(_, group)| {
+                group
+                    .into_iter()
+                    .fold(Cmd::new("MSET"), |c, (i, k)| c.key(k).arg(&values[i]))
+            });
+        self.per_slot(cmds).await.map(drop)
+    }
+
+    /// Runs each of `cmds` (one per slot, through [`cmd`](Self::cmd)), all in
+    /// flight at once; their answers in order, or the first error in order.
+    async fn per_slot(&self, cmds: impl Iterator<Item = Cmd>) -> Result<Vec<Value>, RedisError> {
+        let cmds: Vec<Cmd> = cmds.collect();
+        futures::future::join_all(cmds.iter().map(|c| self.cmd(c)))
+            .await
+            .into_iter()
+            .collect()
     }
 
     /// `HSET key field value`; 1 if the field is new.

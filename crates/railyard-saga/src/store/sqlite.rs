@@ -54,8 +54,8 @@
 //! keeps its high-water size (bounded by the sagas in flight and the
 //! retention); a store created with [`SqliteConfig::reclaim_free_pages`]
 //! (`auto_vacuum=INCREMENTAL`) instead returns free pages beyond 4 MiB to
-//! the file system after each prune and every 1,024 commits, at the cost of a pointer-map page
-//! written by every commit.
+//! the file system after each prune and every 1,024 commits, at the cost
+//! of a pointer-map page written by every commit.
 //!
 //! # Files
 //! `<dir>/saga.db` (+ `-wal`, `-shm`), and `<dir>/LOCK`, held with `flock`
@@ -153,15 +153,16 @@ pub struct SqliteConfig {
     /// WAL file smaller.
     pub wal_checkpoint_pages: u32,
     /// Whether a store created with this setting gives free pages back to
-    /// the file system (SQLite's `auto_vacuum=INCREMENTAL`: after a prune and every 1,024 commits,
-    /// free pages beyond 4 MiB are cut from the file). Default `false`:
+    /// the file system (SQLite's `auto_vacuum=INCREMENTAL`: after a prune
+    /// and every 1,024 commits, free pages beyond 4 MiB are cut from the
+    /// file). Default `false`:
     /// free pages stay in the file and later commits reuse them, so the
     /// file keeps its high-water size, which the in-flight sagas and the
     /// retention bound. Incremental vacuum keeps a pointer map that every
     /// commit updates (each commit allocates its segment's pages and frees
     /// those of dead segments), one more page written per commit: measured
-    /// with `railyard bench saga --protocol native --store embedded`, about
-    /// 7 % fewer transactions/s (see `docs/saga-store.md`). Fixed when the
+    /// with `railyard bench saga --protocol native --store embedded`, 4-7 %
+    /// fewer transactions/s (see `docs/saga-store.md`). Fixed when the
     /// file is created: an existing store keeps the mode it was made with.
     pub reclaim_free_pages: bool,
 }
@@ -459,7 +460,8 @@ struct Writer {
     /// The file gives free pages back (see
     /// [`SqliteConfig::reclaim_free_pages`]).
     reclaims: bool,
-    /// Commits since free pages were last given back (or checked).
+    /// Commits since free pages were last given back (or checked); counted
+    /// only in a file that gives them back.
     since_give_back: u64,
 }
 
@@ -605,16 +607,18 @@ impl Writer {
         self.summaries += finished;
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.since_prune = self.since_prune.saturating_add(finished);
-        self.since_give_back += 1;
         if finished > 0 && self.since_prune >= self.config.retention.slack() {
             self.since_prune = 0;
             // Pruning failing does not undo the commit: log and go on.
             if let Err(e) = self.prune() {
                 tracing::warn!(error = %e, "pruning saga summaries failed");
             }
-        } else if self.since_give_back >= GIVE_BACK_COMMITS {
-            if let Err(e) = self.give_back() {
-                tracing::warn!(error = %e, "giving free pages back failed");
+        } else if self.reclaims {
+            self.since_give_back += 1;
+            if self.since_give_back >= GIVE_BACK_COMMITS {
+                if let Err(e) = self.give_back() {
+                    tracing::warn!(error = %e, "giving free pages back failed");
+                }
             }
         }
         Ok(())
