@@ -62,8 +62,17 @@ pub struct BridgeConfig {
     /// Most bus requests one connection may have received and not answered
     /// yet. Past it, new requests for that client are failed at once
     /// (`RECIPIENT_FAILURE`, code -1) so their senders need not wait for a
-    /// timeout. Default 1024.
+    /// timeout. Default 1024. Requests held longer than `reply_timeout`, or
+    /// whose requester is gone, are let go first to make room.
     pub max_pending_replies: usize,
+    /// How long a bus request delivered to a client may wait for its answer
+    /// before it may be let go to make room (see `max_pending_replies`): a
+    /// client that never answers then does not refuse every later request
+    /// for as long as it stays connected. The requester itself gives up at
+    /// its own timeout. In files: milliseconds. Default 30 s, the bus's
+    /// default request timeout.
+    #[serde(with = "millis")]
+    pub reply_timeout: Duration,
     /// Outbound queue per connection, in bytes of encoded frames. When it is
     /// this full the connection stops taking work (see the crate docs,
     /// Back-pressure) until the client has read some. Default 1 MiB.
@@ -110,6 +119,7 @@ impl Default for BridgeConfig {
             max_registrations: 1024,
             max_pending_requests: 1024,
             max_pending_replies: 1024,
+            reply_timeout: railyard_bus::DEFAULT_TIMEOUT,
             outbound_queue_bytes: 1 << 20,
             max_connections: 16_384,
             frame_timeout: Duration::from_secs(30),

@@ -102,8 +102,10 @@ struct Conn<'a> {
     /// Registrations by address; dropping one unregisters it.
     regs: StreamMap<String, MessageStream>,
     /// Bus requests delivered to the client and not answered yet, by the
-    /// reply address the client was given.
-    replies: HashMap<String, Message>,
+    /// reply address the client was given, with when each was delivered.
+    /// Their bodies were taken out once written (only the answer path is
+    /// kept). Bounded by `max_pending_replies` (see [`Conn::reply_room`]).
+    replies: HashMap<String, (Instant, Message)>,
     inflight: FuturesUnordered<InFlight<'a>>,
     /// Encoded frames not yet written: the bounded outbound queue.
     out: BytesMut,
@@ -507,7 +509,7 @@ impl<'a> Conn<'a> {
         };
         let body = f.body.unwrap_or(Value::Null);
         // A send to a reply address this client was given answers that request.
-        if let Some(mut msg) = self.replies.remove(&address) {
+        if let Some((_, mut msg)) = self.replies.remove(&address) {
             self.local.0.client_answers += 1;
             // The requester may have timed out and gone: nothing to tell.
             let _ = match f.failure_code {
@@ -626,10 +628,30 @@ impl<'a> Conn<'a> {
         }
     }
 
+    /// Whether one more bus request may wait for this client's answer. At
+    /// `max_pending_replies`, requests held past `reply_timeout` or whose
+    /// requester is gone are let go first (dropping one fails it with
+    /// `NoReply`, which a requester still waiting on another node then
+    /// gets). A walk over at most `max_pending_replies` entries, only when
+    /// the map is full.
+    fn reply_room(&mut self) -> bool {
+        let max = self.shared.config.max_pending_replies;
+        if self.replies.len() < max {
+            return true;
+        }
+        let timeout = self.shared.config.reply_timeout;
+        let now = Instant::now();
+        let before = self.replies.len();
+        self.replies
+            .retain(|_, (since, m)| !m.requester_gone() && now.duration_since(*since) < timeout);
+        self.local.0.replies_expired += (before - self.replies.len()) as u64;
+        self.replies.len() < max
+    }
+
     /// A bus message for one of this client's registrations.
     fn deliver(&mut self, mut msg: Message) {
         let reply_address = if msg.expects_reply() {
-            if self.replies.len() >= self.shared.config.max_pending_replies {
+            if !self.reply_room() {
                 self.local.0.replies_refused += 1;
                 let _ = msg.fail(
                     -1,
@@ -660,7 +682,9 @@ impl<'a> Conn<'a> {
                 self.local.0.frames_out += 1;
                 self.local.0.deliveries += 1;
                 if let Some(ra) = reply_address {
-                    self.replies.insert(ra, msg);
+                    // Written: only the way to answer is kept.
+                    drop(msg.take_body());
+                    self.replies.insert(ra, (Instant::now(), msg));
                 }
             }
             Err(e) => {
@@ -679,7 +703,7 @@ impl<'a> Conn<'a> {
                 // A reply that itself expects an answer (a chain) gets a reply
                 // address the client can send its answer to.
                 let next = if reply.expects_reply() {
-                    if self.replies.len() >= self.shared.config.max_pending_replies {
+                    if !self.reply_room() {
                         self.local.0.replies_refused += 1;
                         let _ =
                             reply.fail(-1, "the bridge client has too many unanswered requests");
@@ -704,7 +728,8 @@ impl<'a> Conn<'a> {
                         self.local.0.frames_out += 1;
                         self.local.0.request_replies += 1;
                         if let Some(ra) = next {
-                            self.replies.insert(ra, reply);
+                            drop(reply.take_body());
+                            self.replies.insert(ra, (Instant::now(), reply));
                         }
                     }
                     Err(e) => {

@@ -98,6 +98,10 @@ counters! {
     bus_refusals,
     /// Bus requests to clients failed at once because `max_pending_replies` were waiting.
     replies_refused,
+    /// Bus requests a client held unanswered past `reply_timeout` (or whose
+    /// requester had gone), let go to make room for a new one: the client's
+    /// late answer finds no request.
+    replies_expired,
 }
 
 /// A connection's own counters, flushed into the shared ones in batches so

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{eventually, open_config, start, wire, Client, WAIT};
 use futures::StreamExt;
 use railyard_bridge::{BridgeConfig, PermittedOptions};
-use railyard_bus::{BusError, EventBus};
+use railyard_bus::{BusError, DeliveryOptions, EventBus};
 use serde_json::{json, Value};
 
 async fn echo(bus: &EventBus, address: &str) -> railyard_bus::Consumer {
@@ -503,6 +503,76 @@ async fn per_connection_limits_answer_with_err_frames() {
         (m.limit_rejections, m.replies_refused, m.connections_refused),
         (2, 1, 1)
     );
+    bridge.shutdown().await;
+}
+
+/// A client that never answers its requests does not refuse every later one
+/// for as long as it stays connected: at `max_pending_replies`, a request
+/// whose requester gave up, or one held past `reply_timeout`, is let go to
+/// make room (its requester, if still waiting, gets `NoReply`).
+#[tokio::test]
+async fn requests_a_client_never_answers_are_let_go_to_make_room() {
+    let bus = EventBus::new();
+    let config = BridgeConfig {
+        max_pending_replies: 1,
+        reply_timeout: Duration::from_millis(300),
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.deaf"}))
+        .await;
+    c.ping_pong().await;
+
+    // A requester that gives up (50 ms) frees its place at once.
+    let quick = DeliveryOptions::new().timeout(Duration::from_millis(50));
+    let gone = bus.request_with("test.deaf", json!(1), &quick).await;
+    assert!(matches!(gone, Err(BusError::Timeout { .. })), "{gone:?}");
+    assert_eq!(c.recv().await["body"], json!(1));
+    let patient = tokio::spawn({
+        let bus = bus.clone();
+        async move { bus.request("test.deaf", json!(2)).await }
+    });
+    let m = c.recv().await;
+    assert_eq!(m["body"], json!(2), "the gone requester's place was taken");
+
+    // Its requester still waits (30 s): while it is younger than
+    // reply_timeout, a new request is refused at once.
+    let refused = bus.request("test.deaf", json!(3)).await.unwrap_err();
+    assert!(
+        matches!(refused, BusError::RecipientFailure { code: -1, .. }),
+        "{refused:?}"
+    );
+    // Past reply_timeout it is let go: its requester learns, and the next
+    // request reaches the client, which can answer it.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let next = tokio::spawn({
+        let bus = bus.clone();
+        async move { bus.request("test.deaf", json!(4)).await }
+    });
+    let m4 = c.recv().await;
+    assert_eq!(m4["body"], json!(4));
+    assert_eq!(patient.await.unwrap().unwrap_err(), BusError::NoReply);
+    c.send(json!({"type":"send","address":m4["replyAddress"],"body":"ok"}))
+        .await;
+    assert_eq!(
+        next.await.unwrap().unwrap().body::<Value>(),
+        Some(&json!("ok"))
+    );
+    // The let-go request's late answer finds no request: it is an ordinary
+    // send to an address the permissions do not list; the connection stays.
+    c.send(json!({"type":"send","address":m["replyAddress"],"body":"late"}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"access_denied"})
+    );
+    c.ping_pong().await;
+    eventually("counters flushed", || {
+        let m = bridge.metrics();
+        (m.replies_expired, m.replies_refused) == (2, 1)
+    })
+    .await;
     bridge.shutdown().await;
 }
 

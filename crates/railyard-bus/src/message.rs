@@ -107,6 +107,13 @@ impl Message {
         self.reply.is_some()
     }
 
+    /// Whether a request's requester on this node has given up waiting (its
+    /// timeout passed, or it was dropped): an answer would go nowhere. Always
+    /// `false` for a requester on another node, which this node cannot see.
+    pub fn requester_gone(&self) -> bool {
+        self.reply.as_ref().is_some_and(ReplySender::is_closed)
+    }
+
     /// Answers the request with `body`.
     ///
     /// # Errors

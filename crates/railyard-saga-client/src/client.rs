@@ -540,6 +540,7 @@ pub(crate) struct StatsCounters {
     pub(crate) sessions: AtomicU64,
     pub(crate) compensations: AtomicU64,
     pub(crate) compensations_dropped: AtomicU64,
+    pub(crate) compensations_joined: AtomicU64,
     pub(crate) compensation_reports_failed: AtomicU64,
 }
 
@@ -564,6 +565,11 @@ pub struct ClientStats {
     /// or waiting); the coordinator sends each again after its reverse
     /// timeout.
     pub compensations_dropped: u64,
+    /// Compensation commands that found the same compensation still held
+    /// (the coordinator's next attempt, sent when the first outlived its
+    /// reverse timeout): they join it instead of running the handler a
+    /// second time alongside, and its result answers the latest attempt.
+    pub compensations_joined: u64,
     /// Events reported and not yet answered (queued, sent or being resent).
     pub in_flight: u64,
     /// Compensation results (`TX_COMPENSATED` or `TX_COMPENSATE_FAILED`,
@@ -835,6 +841,7 @@ impl SagaClient {
             sessions: s.sessions.load(Ordering::Relaxed),
             compensations: s.compensations.load(Ordering::Relaxed),
             compensations_dropped: s.compensations_dropped.load(Ordering::Relaxed),
+            compensations_joined: s.compensations_joined.load(Ordering::Relaxed),
             compensation_reports_failed: s.compensation_reports_failed.load(Ordering::Relaxed),
             in_flight: self
                 .shared

@@ -130,6 +130,7 @@ mod tests {
             reverse_timeout_ms: 0,
             retry_delay_ms: 250,
             participant: i % 3,
+            attempt: i % 2,
         }
     }
 

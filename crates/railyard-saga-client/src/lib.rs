@@ -48,7 +48,9 @@
 //!   [`ClientBuilder::max_concurrent_compensations`] run at once and as
 //!   many wait; further commands are dropped unanswered (the coordinator
 //!   counts that attempt as failed after the step's reverse timeout and
-//!   sends them again while the step has attempts left).
+//!   sends them again while the step has attempts left). A command for a
+//!   compensation still held joins it (no second run alongside); results
+//!   carry the attempt they answer.
 //! - [`SagaError`], [`StepError`], [`CompensationError`]: typed errors.
 //!
 //! # Sizes

@@ -45,6 +45,62 @@ struct Sent {
 /// events instead of 26, 17 % less CPU per transaction.
 const BATCH_YIELDS: usize = 8;
 
+/// Compensations held by a session: see `Session::running`.
+type Running = std::sync::Mutex<HashMap<(u32, String, String), u32>>;
+
+/// A held compensation's entry in [`Running`]: removed when the command's
+/// task ends, however it ends.
+struct Held {
+    running: Arc<Running>,
+    key: Option<(u32, String, String)>,
+}
+
+/// What a held compensation does after a run: see [`Held::settle`].
+enum Settled {
+    /// Report the result as the answer to this attempt (the entry is gone).
+    Report(u32),
+    /// Run the handler again for this later attempt (the entry stays).
+    RunAgain(u32),
+}
+
+impl Held {
+    /// After a run for `attempt`: a success, or a failure with no later
+    /// attempt sent meanwhile, is reported (for the latest attempt) and the
+    /// entry removed; a failure with a later attempt pending runs again.
+    fn settle(&mut self, attempt: u32, ok: bool) -> Settled {
+        let Some(key) = self.key.as_ref() else {
+            return Settled::Report(attempt);
+        };
+        let mut running = lock(&self.running);
+        let latest = running.get(key).copied().unwrap_or(attempt);
+        if !ok && latest > attempt {
+            return Settled::RunAgain(latest);
+        }
+        running.remove(key);
+        drop(running);
+        self.key = None;
+        Settled::Report(latest)
+    }
+
+    fn take(&mut self) -> Option<u32> {
+        let key = self.key.take()?;
+        lock(&self.running).remove(&key)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.take();
+    }
+}
+
+fn lock(running: &Running) -> std::sync::MutexGuard<'_, HashMap<(u32, String, String), u32>> {
+    // A panic while held leaves only a map of plain values behind.
+    running
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// How a session ended.
 enum End {
     /// Every client handle is gone and everything reported was acknowledged,
@@ -76,6 +132,13 @@ pub(crate) struct Session {
     /// command that finds no room is dropped unanswered (counted, logged);
     /// the coordinator sends it again once its reverse timeout passes.
     compensation_room: Arc<Semaphore>,
+    /// Commands held, by `(participant, global id, local id)`, with the
+    /// latest attempt the coordinator sent for each. A command for one
+    /// already held (the coordinator's next attempt, sent when the first
+    /// outlived its reverse timeout) joins it instead of running the
+    /// handler a second time alongside; the result answers the latest
+    /// attempt. Bounded by `compensation_room`.
+    running: Arc<Running>,
     /// Events queued, not yet sent on the current session (a reconnection
     /// puts unacknowledged batches back at the front).
     pending: VecDeque<Submit>,
@@ -113,6 +176,7 @@ impl Session {
             stop,
             compensation_slots: Arc::new(Semaphore::new(slots)),
             compensation_room: Arc::new(Semaphore::new(slots.saturating_mul(2))),
+            running: Arc::default(),
             pending: VecDeque::new(),
             unacked: BTreeMap::new(),
             next_seq: 1,
@@ -523,6 +587,19 @@ impl Session {
             );
             return;
         };
+        let key = (c.participant, c.global_tx_id.clone(), c.local_tx_id.clone());
+        {
+            let mut held = lock(&self.running);
+            if let Some(attempt) = held.get_mut(&key) {
+                // Already running (or waiting for a slot): the coordinator
+                // sent its next attempt meanwhile. One run answers both.
+                *attempt = (*attempt).max(c.attempt);
+                self.stats
+                    .compensations_joined
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
         let handler = registry.get(&c.compensation_method);
         let Ok(room) = self.compensation_room.clone().try_acquire_owned() else {
             self.stats
@@ -549,12 +626,17 @@ impl Session {
         };
         let slots = self.compensation_slots.clone();
         let stats = self.stats.clone();
+        lock(&self.running).insert(key.clone(), c.attempt);
+        let mut held = Held {
+            running: self.running.clone(),
+            key: Some(key),
+        };
         tokio::spawn(async move {
             let _room = room;
             let Ok(_slot) = slots.acquire_owned().await else {
                 return;
             };
-            let command = Compensation {
+            let mut command = Compensation {
                 global_tx_id: c.global_tx_id,
                 local_tx_id: c.local_tx_id,
                 parent_tx_id: c.parent_tx_id,
@@ -570,16 +652,31 @@ impl Session {
                 command.parent_tx_id.clone(),
                 command.compensation_method.clone(),
             );
-            let result = match handler {
-                Some(h) => h(command).await,
-                None => Err(CompensationError::new(format!(
-                    "no compensation handler registered for `{method}`"
-                ))),
+            let (result, attempt) = loop {
+                let attempt = command.attempt;
+                let result = match &handler {
+                    Some(h) => h(command.clone()).await,
+                    None => Err(CompensationError::new(format!(
+                        "no compensation handler registered for `{method}`"
+                    ))),
+                };
+                // A later attempt that came while this one ran gets a run
+                // of its own if this one failed (its answer is the one the
+                // coordinator awaits); a success answers every attempt.
+                match held.settle(attempt, result.is_ok()) {
+                    Settled::Report(latest) => break (result, latest),
+                    Settled::RunAgain(latest) => {
+                        if let Err(e) = &result {
+                            tracing::warn!(global_tx_id = %global, local_tx_id = %local, attempt, error = %e, "compensation failed; running it again for the attempt that came meanwhile");
+                        }
+                        command.attempt = latest;
+                    }
+                }
             };
             let kind = match &result {
                 Ok(()) => EventType::TxCompensated,
                 Err(e) => {
-                    tracing::warn!(global_tx_id = %global, local_tx_id = %local, error = %e, "compensation failed");
+                    tracing::warn!(global_tx_id = %global, local_tx_id = %local, attempt, error = %e, "compensation failed");
                     EventType::TxCompensateFailed
                 }
             };
@@ -590,6 +687,9 @@ impl Session {
                 parent_tx_id: parent,
                 compensation_method: method,
                 timestamp_ms: now_ms(),
+                // The attempt this answers: the coordinator ignores a
+                // failure of any other (stale) attempt.
+                attempt,
                 ..SagaEvent::default()
             };
             if let Err(e) = reporter.report(event).await {

@@ -304,7 +304,7 @@ async fn compensation_commands_past_the_clients_room_are_dropped_and_come_again(
     // the dropped one's reverse timeout passed meanwhile and it came again).
     let stats = client.stats();
     assert_eq!(
-        stats.compensations - stats.compensations_dropped,
+        stats.compensations - stats.compensations_dropped - stats.compensations_joined,
         2,
         "{stats:?}"
     );
@@ -318,6 +318,65 @@ async fn compensation_commands_past_the_clients_room_are_dropped_and_come_again(
     assert!(
         client.stats().compensations >= 4,
         "the dropped command came again"
+    );
+}
+
+/// A handler that outlives its reverse timeout and then fails: the
+/// coordinator's next attempt joins the run still going (the handler never
+/// runs twice at once), gets a run of its own once that one fails, and its
+/// success ends the saga compensated (attempt 1's late failure, if it were
+/// reported as attempt 2's, would end it FAILED).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compensation_outliving_its_timeout_is_not_run_twice_at_once() {
+    let node = Node::memory().await;
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let (now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (r, n, m) = (runs.clone(), now.clone(), most.clone());
+    let client = SagaClient::builder(node.endpoint.clone(), "payments")
+        .compensation("refund", move |c| {
+            let (r, n, m) = (r.clone(), n.clone(), m.clone());
+            async move {
+                m.fetch_max(n.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                r.lock().unwrap().push(c.attempt);
+                let first = c.attempt == 1;
+                if first {
+                    // Past the 1 s reverse timeout.
+                    tokio::time::sleep(Duration::from_millis(1800)).await;
+                }
+                n.fetch_sub(1, Ordering::SeqCst);
+                if first {
+                    Err(CompensationError::new("too late, and failed"))
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .connect()
+        .await
+        .expect("connect");
+    let saga = client.start_saga(None).await.expect("start");
+    saga.step(
+        Step::new("refund")
+            .reverse_retries(1) // two attempts
+            .reverse_timeout(Duration::from_secs(1))
+            .retry_delay(Duration::from_millis(20)),
+        async { Ok::<_, Boom>(()) },
+    )
+    .await
+    .expect("ended step");
+    saga.abort().await.expect("abort");
+    node.wait_state(saga.id(), SagaState::Compensated).await;
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        1,
+        "the handler ran twice at once"
+    );
+    assert_eq!(*runs.lock().unwrap(), vec![1, 2]);
+    assert_eq!(
+        client.stats().compensations_joined,
+        1,
+        "{:?}",
+        client.stats()
     );
 }
 

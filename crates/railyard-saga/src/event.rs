@@ -134,4 +134,9 @@ pub struct EventRecord {
     pub retry_delay_ms: i32,
     /// Omega's retry method, recorded only.
     pub retry_method: String,
+    /// A compensation report's attempt (the command's `attempt`), 0 when
+    /// the reporter does not say (Omega). Live only: the store does not
+    /// keep it, so a replayed report carries 0. A failure report for
+    /// another attempt than the one awaited is stale and ignored.
+    pub attempt: u32,
 }

@@ -114,6 +114,7 @@ fn convert(
         reverse_timeout_s: ceil_secs(e.reverse_timeout_ms),
         retry_delay_ms: i32::try_from(e.retry_delay_ms).unwrap_or(i32::MAX),
         retry_method: String::new(),
+        attempt: e.attempt,
     })
 }
 

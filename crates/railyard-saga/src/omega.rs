@@ -64,6 +64,8 @@ pub fn from_grpc(e: GrpcTxEvent) -> Result<EventRecord, InvalidEvent> {
         reverse_timeout_s: e.reverse_timeout,
         retry_delay_ms: e.retry_delay_in_milliseconds,
         retry_method: e.retry_method,
+        // Omega's reports do not say which attempt they answer.
+        attempt: 0,
     })
 }
 

@@ -403,7 +403,11 @@ impl Saga {
             EventKind::TxCompensateAckFailed => {
                 if let Some(i) = self.sub_index(&ev.local_tx_id) {
                     if let Some(c) = self.current {
-                        if c.sub == i && matches!(c.phase, Phase::Awaiting) {
+                        // A failure of an earlier attempt, answered late
+                        // (after its reverse timeout sent the next one), is
+                        // not the awaited attempt's answer.
+                        let stale = ev.attempt != 0 && ev.attempt != self.subs[i].attempts;
+                        if c.sub == i && matches!(c.phase, Phase::Awaiting) && !stale {
                             self.fail_attempt(now, stats);
                         }
                     }

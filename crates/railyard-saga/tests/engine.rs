@@ -238,6 +238,53 @@ async fn an_unanswered_command_is_resent_after_reverse_timeout_then_fails() {
     assert!(try_command(&mut rx).is_none());
 }
 
+/// A failure report of attempt 1 that arrives while attempt 2 is awaited
+/// (the handler outlived its reverse timeout, then failed) is stale: it
+/// does not count as attempt 2's failure, which would end the saga FAILED
+/// with attempt 2 still running. A report that does not say (Omega: 0)
+/// still answers the awaited attempt.
+#[tokio::test(start_paused = true)]
+async fn a_late_failure_of_an_earlier_attempt_is_not_the_awaited_ones() {
+    let c = on_memory(config()).await;
+    let mut rx = c.connect_local("svc", "svc-1", 16);
+    let g = "g-stale";
+    let mut s = tx_started(g, "l1", b"p");
+    s.reverse_retries = 2; // three attempts
+    s.reverse_timeout_s = 2;
+    s.retry_delay_ms = 300;
+    submit(
+        &c,
+        vec![
+            start(g, 0),
+            s,
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::TxAborted, g, g),
+        ],
+    )
+    .await;
+    assert_eq!(command(&mut rx).await.attempt, 1);
+    assert_eq!(command(&mut rx).await.attempt, 2);
+    let failed = |attempt| EventRecord {
+        attempt,
+        ..rec(EventKind::TxCompensateAckFailed, g, "l1")
+    };
+    submit(&c, vec![failed(1)]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        try_command(&mut rx).is_none(),
+        "attempt 1's late failure was charged to attempt 2"
+    );
+    submit(&c, vec![failed(2)]).await;
+    assert_eq!(command(&mut rx).await.attempt, 3, "attempt 2's own failure");
+    submit(&c, vec![failed(0)]).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        c.state(g),
+        Some(SagaState::Failed),
+        "an unnumbered failure answers the awaited attempt (the last)"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_step_still_running_at_timeout_is_compensated_when_it_ends() {
     let c = on_memory(config()).await;

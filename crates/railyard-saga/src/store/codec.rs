@@ -431,6 +431,8 @@ fn decode_event(
         reverse_timeout_s: int(r)?,
         retry_delay_ms: int(r)?,
         retry_method,
+        // Not stored (live only): see `EventRecord::attempt`.
+        attempt: 0,
     })
 }
 
@@ -481,6 +483,8 @@ mod tests {
                 reverse_timeout_s: i32::MIN,
                 retry_delay_ms: 6,
                 retry_method: "r".into(),
+                // Live only, not stored: round-trips as 0.
+                attempt: 0,
             })
             .collect();
         let data = encode(events.iter());
@@ -517,6 +521,7 @@ mod tests {
             reverse_timeout_s: 1,
             retry_delay_ms: -1,
             retry_method: String::new(),
+            attempt: 0,
         }
     }
 

@@ -35,6 +35,8 @@ pub fn ev(global: &str, local: &str, kind: EventKind, n: i32) -> EventRecord {
         reverse_timeout_s: n + 4,
         retry_delay_ms: n + 5,
         retry_method: format!("retry{n}"),
+        // Live only: stores do not keep it.
+        attempt: 0,
     }
 }
 
