@@ -56,9 +56,12 @@ pub struct CoordinatorConfig {
     /// Events per native batch; a larger batch closes the session with
     /// `INVALID_ARGUMENT`.
     pub max_batch_events: usize,
-    /// Advertise `AkkaEnabled = true` to Omega (it then reports
-    /// `TxCompensateAck*Event` and `SagaAbortedEvent`). Both flavours are
-    /// accepted either way; the default advertises `false`.
+    /// Advertise `AkkaEnabled = true` to Omega (the default): Omega 0.7 then
+    /// reports `TxCompensateAck*Event` and `SagaAbortedEvent`, and a
+    /// compensation method that throws as `TxCompensateAckFailedEvent`, so
+    /// it is retried. With `false` Omega logs the exception and reports
+    /// `TxCompensatedEvent`: the undo is recorded done though it failed.
+    /// Both flavours are accepted either way.
     pub advertise_akka: bool,
     /// If set, native sessions must present this token in `Hello`.
     pub token: Option<String>,
@@ -80,7 +83,7 @@ impl Default for CoordinatorConfig {
             session_queue: 4096,
             session_in_flight: 256,
             max_batch_events: 16_384,
-            advertise_akka: false,
+            advertise_akka: true,
             token: None,
         }
     }

@@ -55,7 +55,11 @@ impl Session {
         .await;
         match s.next().await {
             server_frame::Kind::Welcome(w) => {
-                assert_eq!(w.meta.get("AkkaEnabled").map(String::as_str), Some("false"));
+                assert_eq!(
+                    w.meta.get("AkkaEnabled").map(String::as_str),
+                    Some("true"),
+                    "the default advertises AkkaEnabled"
+                );
                 // Says it takes several participants per session, and how many.
                 assert_eq!(
                     w.meta

@@ -219,7 +219,8 @@ async fn malformed_events_get_invalid_argument_and_the_server_keeps_serving() {
         .into_inner();
     assert_eq!(
         meta.meta.get("AkkaEnabled").map(String::as_str),
-        Some("false")
+        Some("true"),
+        "the default advertises AkkaEnabled"
     );
     server.stop().await;
 }

@@ -23,7 +23,7 @@ mod omega_peer;
 use std::sync::Arc;
 use std::time::Duration;
 
-use omega_peer::{peer_ready, run_peer, strings};
+use omega_peer::{peer_ready, run_peer, run_peer_with, strings};
 use railyard_saga::{Coordinator, CoordinatorConfig, SagaState, SqliteConfig, SqliteStore};
 use tokio::sync::oneshot;
 
@@ -36,10 +36,14 @@ struct Served {
 }
 
 async fn serve(advertise_akka: bool) -> Served {
-    let config = CoordinatorConfig {
+    serve_with(CoordinatorConfig {
         advertise_akka,
         ..CoordinatorConfig::default()
-    };
+    })
+    .await
+}
+
+async fn serve_with(config: CoordinatorConfig) -> Served {
     let data = tempfile::tempdir().expect("a data directory");
     let store = SqliteStore::open(data.path(), SqliteConfig::default())
         .await
@@ -157,4 +161,44 @@ async fn real_omega_commits_and_compensates_in_reverse_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_omega_with_akka_meta_acks_its_compensations() {
     sagas_against_real_omega(true).await;
+}
+
+/// A compensation that throws is retried: with the default configuration
+/// (which advertises `AkkaEnabled`), Omega 0.7.1 reports the throw as
+/// `TxCompensateAckFailedEvent` and the coordinator invokes it again after
+/// the retry delay. (Without `AkkaEnabled`, Omega logs the throw and reports
+/// `TxCompensatedEvent`: the undo never happened and nothing could retry it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_omega_compensation_that_throws_is_retried_by_default() {
+    if !peer_ready() {
+        return;
+    }
+    let served = serve_with(CoordinatorConfig {
+        default_retry_delay: Duration::from_millis(200),
+        ..CoordinatorConfig::default()
+    })
+    .await;
+    let r = run_peer_with(
+        &format!("127.0.0.1:{}", served.port),
+        0,
+        1,
+        "3",
+        &["--interop.flaky-compensation=charge"],
+    )
+    .await;
+    assert_eq!(
+        r["akka_enabled"], true,
+        "the default advertises AkkaEnabled"
+    );
+    assert_eq!(
+        r["compensation_failures"], 1,
+        "charge's undo threw once: {r}"
+    );
+    assert_eq!(r["complete"], true, "every compensation really ran: {r}");
+    assert_eq!(r["unexpected_compensations"], 0);
+    let s = &r["sagas"][0];
+    assert_eq!(strings(&s["compensations"]), ["charge", "reserve"], "{s}");
+    let gid = s["global_tx_id"].as_str().expect("global_tx_id");
+    served.wait_state(gid, SagaState::Compensated).await;
+    served.stop().await;
 }

@@ -9,7 +9,7 @@
 //!
 //! [saga]              # the saga coordinator; see docs/saga.md
 //! default_reverse_retries = 3
-//! advertise_akka = false
+//! advertise_akka = true
 //! ```
 //!
 //! Sections this version does not know are ignored (a newer file still

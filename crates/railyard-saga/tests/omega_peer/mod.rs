@@ -87,6 +87,17 @@ fn jvm_flags() -> Vec<String> {
 /// Runs the peer against the coordinator at `addr` (`ok` successful sagas,
 /// `failing` ones failing at the steps in `fail_at`) and returns its RESULT.
 pub(crate) async fn run_peer(addr: &str, ok: u32, failing: u32, fail_at: &str) -> Value {
+    run_peer_with(addr, ok, failing, fail_at, &[]).await
+}
+
+/// As [`run_peer`], with more `--name=value` options for the peer.
+pub(crate) async fn run_peer_with(
+    addr: &str,
+    ok: u32,
+    failing: u32,
+    fail_at: &str,
+    extra: &[&str],
+) -> Value {
     let mut child = Command::new("java")
         .args(jvm_flags())
         .arg("-jar")
@@ -96,6 +107,7 @@ pub(crate) async fn run_peer(addr: &str, ok: u32, failing: u32, fail_at: &str) -
         .arg(format!("--interop.failing={failing}"))
         .arg(format!("--interop.fail-at={fail_at}"))
         .arg("--interop.wait-seconds=30")
+        .args(extra)
         .env("OMEGA_INTEROP_LOG", "WARN")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

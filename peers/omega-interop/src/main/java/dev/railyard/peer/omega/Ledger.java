@@ -1,9 +1,11 @@
 package dev.railyard.peer.omega;
 
 import java.util.ArrayList;
+import java.util.HashSet;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 import org.springframework.stereotype.Component;
 
 /**
@@ -46,6 +48,8 @@ public class Ledger {
 
   private final Map<String, Saga> sagas = new LinkedHashMap<>();
   private int unexpected;
+  /** Step/saga pairs whose compensation already threw once (see Steps#undo). */
+  private final Set<String> thrown = new HashSet<>();
 
   synchronized void plan(String id, int failAt) {
     sagas.put(id, new Saga(id, failAt));
@@ -123,6 +127,16 @@ public class Ledger {
 
   synchronized int unexpected() {
     return unexpected;
+  }
+
+  /** True the first time it is asked for this step of this saga: its compensation throws then. */
+  synchronized boolean firstCompensationAttempt(String step, String id) {
+    return thrown.add(step + "/" + id);
+  }
+
+  /** Compensation invocations that threw on purpose. */
+  synchronized int compensationFailures() {
+    return thrown.size();
   }
 
   synchronized List<Saga> snapshot() {

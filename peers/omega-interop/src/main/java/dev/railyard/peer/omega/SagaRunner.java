@@ -125,6 +125,7 @@ public class SagaRunner implements CommandLineRunner, ExitCodeGenerator {
         + ",\"compensations_expected\":" + progress[0]
         + ",\"compensations_invoked\":" + progress[1]
         + ",\"unexpected_compensations\":" + ledger.unexpected()
+        + ",\"compensation_failures\":" + ledger.compensationFailures()
         + ",\"complete\":" + complete
         + ",\"seconds\":" + String.format("%.3f", seconds)
         + ",\"sagas\":" + list

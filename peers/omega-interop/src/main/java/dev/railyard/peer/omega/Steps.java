@@ -2,6 +2,7 @@ package dev.railyard.peer.omega;
 
 import org.apache.servicecomb.pack.omega.context.OmegaContext;
 import org.apache.servicecomb.pack.omega.transaction.annotations.Compensable;
+import org.springframework.beans.factory.annotation.Value;
 import org.springframework.stereotype.Service;
 
 /**
@@ -11,16 +12,24 @@ import org.springframework.stereotype.Service;
  *
  * <p>Every method takes the saga's business id (a String, which Omega serializes with Kryo into
  * the TxStartedEvent payloads and the coordinator must send back byte for byte).
+ *
+ * <p>With {@code interop.flaky-compensation=<step>}, that step's compensation throws the first
+ * time it is invoked for a saga: the coordinator must learn that it failed and invoke it again.
  */
 @Service
 public class Steps {
 
   private final Ledger ledger;
   private final OmegaContext omega;
+  private final String flaky;
 
-  public Steps(Ledger ledger, OmegaContext omega) {
+  public Steps(
+      Ledger ledger,
+      OmegaContext omega,
+      @Value("${interop.flaky-compensation:}") String flaky) {
     this.ledger = ledger;
     this.omega = omega;
+    this.flaky = flaky;
   }
 
   @Compensable(compensationMethod = "cancelReserve")
@@ -29,7 +38,7 @@ public class Steps {
   }
 
   public void cancelReserve(String sagaId) {
-    ledger.compensated("reserve", sagaId, omega.globalTxId());
+    undo("reserve", sagaId);
   }
 
   @Compensable(compensationMethod = "cancelCharge")
@@ -38,7 +47,7 @@ public class Steps {
   }
 
   public void cancelCharge(String sagaId) {
-    ledger.compensated("charge", sagaId, omega.globalTxId());
+    undo("charge", sagaId);
   }
 
   @Compensable(compensationMethod = "cancelShip")
@@ -47,7 +56,14 @@ public class Steps {
   }
 
   public void cancelShip(String sagaId) {
-    ledger.compensated("ship", sagaId, omega.globalTxId());
+    undo("ship", sagaId);
+  }
+
+  private void undo(String name, String sagaId) {
+    if (name.equals(flaky) && ledger.firstCompensationAttempt(name, sagaId)) {
+      throw new CompensationFailed(name, sagaId);
+    }
+    ledger.compensated(name, sagaId, omega.globalTxId());
   }
 
   private void forward(int step, String name, String sagaId) {
@@ -55,6 +71,14 @@ public class Steps {
       throw new StepFailed(name, sagaId);
     }
     ledger.ran(name, sagaId);
+  }
+
+  /** A compensation's failure on its first invocation, with interop.flaky-compensation. */
+  public static final class CompensationFailed extends RuntimeException {
+    CompensationFailed(String step, String sagaId) {
+      super("compensation of " + step + " in saga " + sagaId + " fails once on purpose", null,
+          false, false);
+    }
   }
 
   /** The business failure a step throws when its saga is marked to fail there. */
