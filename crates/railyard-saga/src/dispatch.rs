@@ -14,6 +14,7 @@
 //! is taken, never the other way round.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::RwLock;
@@ -88,6 +89,10 @@ impl Outbound {
 struct Link {
     id: u64,
     instance: String,
+    /// The client's socket address (Omega's links), to tell which link an
+    /// `OnDisconnected` is about: instance ids are not unique (Omega's
+    /// default is `service-IP`, shared by every JVM on a host).
+    peer: Option<SocketAddr>,
     out: Outbound,
 }
 
@@ -114,7 +119,13 @@ pub(crate) struct Registry {
 
 impl Registry {
     /// Registers a connection; returns its id for [`unregister`](Self::unregister).
-    pub(crate) fn register(&self, service: &str, instance: &str, out: Outbound) -> u64 {
+    pub(crate) fn register(
+        &self,
+        service: &str,
+        instance: &str,
+        peer: Option<SocketAddr>,
+        out: Outbound,
+    ) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let mut g = self.services.write();
         let links = g.entry(service.to_owned()).or_default();
@@ -122,6 +133,7 @@ impl Registry {
         links.push(Link {
             id,
             instance: instance.to_owned(),
+            peer,
             out,
         });
         id
@@ -142,11 +154,21 @@ impl Registry {
         });
     }
 
-    /// Removes every connection of one instance (`OnDisconnected`).
-    pub(crate) fn unregister_instance(&self, service: &str, instance: &str) {
+    /// Removes the connections of one instance that come from `peer`, the
+    /// address `OnDisconnected` came from (Omega sends it on the channel
+    /// that carries its `OnConnected` stream). Another process with the same
+    /// instance id keeps its link. Without an address nothing is removed:
+    /// the link goes when its stream ends.
+    pub(crate) fn unregister_instance(
+        &self,
+        service: &str,
+        instance: &str,
+        peer: Option<SocketAddr>,
+    ) {
+        let Some(peer) = peer else { return };
         let mut g = self.services.write();
         if let Some(links) = g.get_mut(service) {
-            links.retain(|l| l.instance != instance);
+            links.retain(|l| !(l.instance == instance && l.peer == Some(peer)));
             if links.is_empty() {
                 g.remove(service);
             }

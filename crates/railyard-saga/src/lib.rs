@@ -142,7 +142,7 @@ impl Coordinator {
         let (tx, rx) = tokio::sync::mpsc::channel(capacity.max(1));
         self.engine
             .registry
-            .register(service, instance, dispatch::Outbound::Native(tx, 0));
+            .register(service, instance, None, dispatch::Outbound::Native(tx, 0));
         self.engine
             .metrics
             .instances

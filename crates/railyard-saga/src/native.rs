@@ -294,7 +294,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         .map(|(k, (service, instance))| {
             engine
                 .registry
-                .register(service, instance, Outbound::Native(tx.clone(), k))
+                .register(service, instance, None, Outbound::Native(tx.clone(), k))
         })
         .collect();
     engine.metrics.instances.set(engine.registry.len() as i64);

@@ -119,6 +119,7 @@ impl TxEventService for OmegaService {
         &self,
         request: Request<Streaming<GrpcServiceConfig>>,
     ) -> Result<Response<Self::OnConnectedStream>, Status> {
+        let peer = request.remote_addr();
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(self.engine.config.omega_queue.max(1));
         let engine = self.engine.clone();
@@ -150,6 +151,7 @@ impl TxEventService for OmegaService {
                         let id = engine.registry.register(
                             &cfg.service_name,
                             &cfg.instance_id,
+                            peer,
                             Outbound::Omega(tx.clone()),
                         );
                         engine.metrics.instances.set(engine.registry.len() as i64);
@@ -179,10 +181,11 @@ impl TxEventService for OmegaService {
         &self,
         request: Request<GrpcServiceConfig>,
     ) -> Result<Response<GrpcAck>, Status> {
+        let peer = request.remote_addr();
         let cfg = request.into_inner();
         self.engine
             .registry
-            .unregister_instance(&cfg.service_name, &cfg.instance_id);
+            .unregister_instance(&cfg.service_name, &cfg.instance_id, peer);
         self.engine
             .metrics
             .instances

@@ -28,6 +28,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -43,6 +44,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::codegen::{BoxFuture, Service as _};
 use tonic::server::NamedService;
+use tonic::transport::server::TcpConnectInfo;
 
 use crate::coalesce::Coalesced;
 use crate::{unary, Coordinator, NativeService, OmegaService};
@@ -65,6 +67,10 @@ pub(crate) struct Routes {
     omega_calls: OmegaService,
     native: SagaCoordinatorServer<NativeService>,
     rest: axum::Router,
+    /// The connection's client address, handed to the generated Omega
+    /// service's calls (`Request::remote_addr`): `OnDisconnected` uses it
+    /// to tell which instance's link to drop. Set per connection.
+    peer: Option<SocketAddr>,
 }
 
 /// Which service serves `path`.
@@ -97,6 +103,7 @@ impl Routes {
             },
             native: coordinator.native_service(),
             rest: crate::api::router(coordinator.clone()),
+            peer: None,
         }
     }
 }
@@ -127,7 +134,7 @@ impl hyper::service::Service<Request<Incoming>> for Routes {
     type Error = Infallible;
     type Future = RouteFuture;
 
-    fn call(&self, req: Request<Incoming>) -> RouteFuture {
+    fn call(&self, mut req: Request<Incoming>) -> RouteFuture {
         // The generated services and the router are always ready (their
         // `poll_ready` returns `Ready` at once), and cheap to clone (an
         // `Arc` each): `call` needs `&mut`.
@@ -135,7 +142,15 @@ impl hyper::service::Service<Request<Incoming>> for Routes {
             Target::Omega if unary::handles(&req) => {
                 RouteFuture::Other(Box::pin(unary::on_tx_event(self.omega_calls.clone(), req)))
             }
-            Target::Omega => RouteFuture::Grpc(self.omega.clone().call(req)),
+            Target::Omega => {
+                // OnConnected, OnDisconnected, onGetServerMeta: rare calls
+                // (the hot OnTxEvent is the hand-written path above).
+                req.extensions_mut().insert(TcpConnectInfo {
+                    local_addr: None,
+                    remote_addr: self.peer,
+                });
+                RouteFuture::Grpc(self.omega.clone().call(req))
+            }
             Target::Native => RouteFuture::Grpc(self.native.clone().call(req)),
             Target::Rest => {
                 let fut = self.rest.clone().call(req);
@@ -204,6 +219,10 @@ async fn serve_connection(
     tcp: tokio::net::TcpStream,
     mut stop: watch::Receiver<()>,
 ) {
+    let routes = Routes {
+        peer: tcp.peer_addr().ok(),
+        ..routes
+    };
     let io = TokioIo::new(Coalesced::new(tcp));
     let conn = builder.serve_connection(io, routes);
     tokio::pin!(conn);

@@ -546,6 +546,43 @@ async fn finished_sagas_are_compacted_in_the_background() {
     server.stop().await;
 }
 
+/// Two processes with the same instance id (Omega's default id is
+/// `service-IP`, so two JVMs on one host share it): one says
+/// `OnDisconnected`, and only its own link goes; the other still gets its
+/// commands.
+#[tokio::test]
+async fn on_disconnected_drops_only_the_link_of_the_caller() {
+    let (server, _store) = Server::memory(fast()).await;
+    let mut leaving = server.omega().await;
+    let mut staying = server.omega().await;
+    let _gone = OmegaInstance::connect(&mut leaving, "car", "car-10.0.0.1").await;
+    let mut live = OmegaInstance::connect(&mut staying, "car", "car-10.0.0.1").await;
+    server.wait_instances(2).await;
+    leaving
+        .on_disconnected(GrpcServiceConfig {
+            service_name: "car".into(),
+            instance_id: "car-10.0.0.1".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        server.coordinator.instances().len(),
+        1,
+        "the other process's link stays"
+    );
+    let g = "g-shared-id";
+    send(&mut staying, ev("SagaStartedEvent", g, g, "booking")).await;
+    send(&mut staying, started(g, "l1", "car", b"p")).await;
+    send(&mut staying, ev("TxEndedEvent", g, "l1", "car")).await;
+    assert!(send(&mut staying, ev("TxAbortedEvent", g, g, "booking")).await);
+    let cmd = live.next().await;
+    assert_eq!(
+        (cmd.global_tx_id.as_str(), cmd.local_tx_id.as_str()),
+        (g, "l1")
+    );
+    server.stop().await;
+}
+
 /// One `OnTxEvent` call written by hand on an HTTP/2 connection: the gRPC
 /// status it got and its message.
 async fn raw_call(
