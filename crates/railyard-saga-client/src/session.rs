@@ -148,6 +148,9 @@ pub(crate) struct Session {
     next_seq: u64,
     /// False once every sender is gone: finish what is queued, then end.
     accepting: bool,
+    /// Events per batch the coordinator takes (its `Welcome` says; a
+    /// larger batch would end the session for good). Unlimited until told.
+    server_max_batch: usize,
 }
 
 impl Session {
@@ -181,6 +184,7 @@ impl Session {
             unacked: BTreeMap::new(),
             next_seq: 1,
             accepting: true,
+            server_max_batch: usize::MAX,
         }
     }
 
@@ -202,8 +206,23 @@ impl Session {
                             "saga session re-established"
                         );
                     }
-                    backoff = self.settings.backoff_initial;
-                    match self.serve(out, inbound).await {
+                    let (acked, since) = (
+                        self.stats.acked.load(Ordering::Relaxed),
+                        tokio::time::Instant::now(),
+                    );
+                    let end = self.serve(out, inbound).await;
+                    // The backoff starts over only after a session that
+                    // worked: it acknowledged something, or it lasted. A
+                    // coordinator that welcomes sessions and then fails
+                    // every batch (its store down) is retried ever more
+                    // slowly, not every initial backoff with the whole
+                    // backlog each time.
+                    if self.stats.acked.load(Ordering::Relaxed) > acked
+                        || since.elapsed() >= self.settings.backoff_max
+                    {
+                        backoff = self.settings.backoff_initial;
+                    }
+                    match end {
                         End::Done => return self.fail_all(None),
                         End::Fatal(e) => return self.close_with(first, e),
                         End::Lost(reason) => reason,
@@ -327,6 +346,7 @@ impl Session {
                 })) => {
                     participants_taken(self.settings.participants.len(), &w.meta)
                         .map_err(End::Fatal)?;
+                    self.server_max_batch = server_max_batch(&w.meta);
                     *self
                         .meta
                         .write()
@@ -484,7 +504,7 @@ impl Session {
     fn next_batch(&mut self) -> OutFrame {
         let n = batch_len(
             self.pending.iter().map(|s| s.size),
-            self.settings.max_batch_events,
+            self.settings.max_batch_events.min(self.server_max_batch),
             crate::MAX_BATCH_BYTES,
         );
         let mut events = Vec::with_capacity(n);
@@ -513,6 +533,7 @@ impl Session {
     fn on_frame(&mut self, frame: ServerFrame) {
         match frame.kind {
             Some(server_frame::Kind::Welcome(w)) => {
+                self.server_max_batch = server_max_batch(&w.meta);
                 *self
                     .meta
                     .write()
@@ -700,6 +721,15 @@ impl Session {
             }
         });
     }
+}
+
+/// The events per batch a coordinator whose `Welcome` carried `meta` takes:
+/// unlimited if it does not say (an older coordinator, whose limit the
+/// client's own default does not exceed), at least 1.
+fn server_max_batch(meta: &HashMap<String, String>) -> usize {
+    meta.get(railyard_saga_proto::MAX_BATCH_EVENTS_META)
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(usize::MAX, |n| n.max(1))
 }
 
 /// Whether a coordinator whose `Welcome` carried `meta` takes a session of

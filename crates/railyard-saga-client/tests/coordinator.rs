@@ -380,6 +380,69 @@ async fn a_compensation_outliving_its_timeout_is_not_run_twice_at_once() {
     );
 }
 
+/// A store whose every append fails: the coordinator welcomes sessions and
+/// then fails their batches (`UNAVAILABLE`), as when its database is down.
+struct BrokenStore(MemoryStore);
+
+type StoreFuture<'a, T> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<T, railyard_saga::StoreError>> + Send + 'a>,
+>;
+
+impl SagaStore for BrokenStore {
+    fn name(&self) -> &'static str {
+        "broken"
+    }
+    fn append(&self, _: Vec<railyard_saga::EventRecord>) -> StoreFuture<'_, ()> {
+        Box::pin(async { Err(railyard_saga::StoreError::Unavailable("disk gone".into())) })
+    }
+    fn finish(&self, done: Vec<railyard_saga::SagaSummary>) -> StoreFuture<'_, ()> {
+        self.0.finish(done)
+    }
+    fn unfinished(&self) -> StoreFuture<'_, Vec<railyard_saga::EventRecord>> {
+        self.0.unfinished()
+    }
+    fn finished(
+        &self,
+        q: railyard_saga::SagaQuery,
+    ) -> StoreFuture<'_, Vec<railyard_saga::SagaSummary>> {
+        self.0.finished(q)
+    }
+    fn timeline(&self, g: String) -> StoreFuture<'_, Vec<railyard_saga::EventRecord>> {
+        self.0.timeline(g)
+    }
+    fn stats(&self) -> StoreFuture<'_, railyard_saga::StoreStats> {
+        self.0.stats()
+    }
+}
+
+/// A coordinator that welcomes every session and fails every batch is
+/// retried with a growing backoff: the backoff starts over only after a
+/// session that acknowledged something (it started over at every Welcome,
+/// so the client reconnected and resent its backlog every 50 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_that_fails_every_batch_is_retried_ever_more_slowly() {
+    let node = Node::start(Arc::new(BrokenStore(MemoryStore::new())), fast_config(), 0).await;
+    let client = SagaClient::builder(node.endpoint.clone(), "orders")
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_secs(5))
+        .connect()
+        .await
+        .expect("connect");
+    let start = tokio::spawn({
+        let client = client.clone();
+        async move { client.start_saga(None).await.map(|_| ()) }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // 20, 40, 80, ... ms (+ up to 25 % each): about 6 sessions in 1.5 s;
+    // with the backoff reset at every Welcome, about 1500 / 20 = 75.
+    let sessions = client.stats().sessions;
+    assert!(
+        (2..=10).contains(&sessions),
+        "sessions in 1.5 s: {sessions}"
+    );
+    client.close();
+    assert!(start.await.expect("task").is_err(), "never acknowledged");
+}
+
 /// A loopback proxy to `target` that counts the connections it accepted:
 /// returns its endpoint and the count.
 async fn counting_proxy(target: u16) -> (String, Arc<AtomicUsize>) {
@@ -518,6 +581,44 @@ async fn concurrent_sagas_share_batches_under_a_tight_in_flight_budget() {
         s.batches < s.events,
         "200 concurrent sagas must share frames: {s:?}"
     );
+}
+
+/// A coordinator that takes smaller batches than the client would send says
+/// so in its Welcome, and the client keeps to it: before, its first batch
+/// over the coordinator's limit ended the session for good (and failed
+/// events the coordinator may already have recorded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_keep_to_the_limit_the_coordinator_announces() {
+    let config = CoordinatorConfig {
+        max_batch_events: 8,
+        ..fast_config()
+    };
+    let node = Node::start(Arc::new(MemoryStore::new()), config, 0).await;
+    let client = SagaClient::builder(node.endpoint.clone(), "batcher")
+        .max_in_flight_events(64)
+        .connect()
+        .await
+        .expect("connect");
+    assert_eq!(
+        client
+            .server_meta()
+            .get(railyard_saga_proto::MAX_BATCH_EVENTS_META)
+            .map(String::as_str),
+        Some("8")
+    );
+    let starts: Vec<_> = (0..64)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.start_saga(None).await.map(|s| s.id().to_owned()) })
+        })
+        .collect();
+    for t in starts {
+        let id = t.await.expect("task").expect("every saga starts");
+        node.wait_state(&id, SagaState::Running).await;
+    }
+    let s = client.stats();
+    assert_eq!((s.acked, s.sessions), (64, 1), "{s:?}");
+    assert!(s.batches >= 8, "at most 8 events a batch: {s:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,6 +37,12 @@ pub const MAX_SESSION_PARTICIPANTS: usize = 64;
 /// not go on without it.
 pub const PARTICIPANTS_META: &str = "Participants";
 
+/// The `Welcome.meta` key by which a coordinator says how many events a
+/// batch may carry (its `max_batch_events`; a larger batch ends the session
+/// with `INVALID_ARGUMENT`). A client sends batches of at most the smaller
+/// of this and its own limit.
+pub const MAX_BATCH_EVENTS_META: &str = "MaxBatchEvents";
+
 /// ServiceComb Pack's `TxEventService` (Omega's contract).
 pub mod omega {
     tonic::include_proto!("_");

@@ -36,7 +36,7 @@ use railyard_saga_proto::native::{
     client_frame, server_frame, Ack, ClientFrame, EventResult, EventType, Hello, SagaEvent,
     ServerFrame, Welcome,
 };
-use railyard_saga_proto::{MAX_SESSION_PARTICIPANTS, PARTICIPANTS_META};
+use railyard_saga_proto::{MAX_BATCH_EVENTS_META, MAX_SESSION_PARTICIPANTS, PARTICIPANTS_META};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -280,6 +280,10 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     meta.insert(
         PARTICIPANTS_META.to_owned(),
         MAX_SESSION_PARTICIPANTS.to_string(),
+    );
+    meta.insert(
+        MAX_BATCH_EVENTS_META.to_owned(),
+        engine.config.max_batch_events.to_string(),
     );
     let welcome = ServerFrame {
         kind: Some(server_frame::Kind::Welcome(Welcome { meta })),
