@@ -158,21 +158,29 @@ impl Registry {
     /// address `OnDisconnected` came from (Omega sends it on the channel
     /// that carries its `OnConnected` stream). Another process with the same
     /// instance id keeps its link. Without an address nothing is removed:
-    /// the link goes when its stream ends.
+    /// the link goes when its stream ends. Returns the ids removed.
     pub(crate) fn unregister_instance(
         &self,
         service: &str,
         instance: &str,
         peer: Option<SocketAddr>,
-    ) {
-        let Some(peer) = peer else { return };
+    ) -> Vec<u64> {
+        let mut removed = Vec::new();
+        let Some(peer) = peer else { return removed };
         let mut g = self.services.write();
         if let Some(links) = g.get_mut(service) {
-            links.retain(|l| !(l.instance == instance && l.peer == Some(peer)));
+            links.retain(|l| {
+                let gone = l.instance == instance && l.peer == Some(peer);
+                if gone {
+                    removed.push(l.id);
+                }
+                !gone
+            });
             if links.is_empty() {
                 g.remove(service);
             }
         }
+        removed
     }
 
     /// Drops every link (server shutdown).
@@ -230,7 +238,7 @@ impl Route for Registry {
             for i in order {
                 match links[i].out.try_send(cmd.clone()) {
                     Sent::Ok => {
-                        result = RouteResult::Sent;
+                        result = RouteResult::Sent(links[i].id);
                         break;
                     }
                     Sent::Full => {}

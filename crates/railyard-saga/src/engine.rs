@@ -446,6 +446,9 @@ pub(crate) struct Engine {
 #[derive(Default)]
 struct Arrivals {
     pending: std::collections::HashSet<String>,
+    /// Links that ended, whose unanswered commands are not sent again yet
+    /// (see [`Engine::links_gone`]).
+    gone: std::collections::HashSet<u64>,
     walk_scheduled: bool,
 }
 
@@ -844,6 +847,9 @@ impl Engine {
             self.metrics
                 .compensations_failed
                 .inc_by(u64::from(stats.failed));
+            self.metrics
+                .compensations_rerouted
+                .inc_by(u64::from(stats.rerouted));
         }
         // The empty check keeps the usual case (nobody waiting) to a branch.
         if after.waiting {
@@ -1018,9 +1024,32 @@ impl Engine {
             a.pending.insert(service.to_owned());
             !std::mem::replace(&mut a.walk_scheduled, true)
         };
-        if !schedule {
-            return; // the walk under way, or scheduled, takes it
+        if schedule {
+            self.schedule_walk();
         }
+    }
+
+    /// Participant links (connections) ended: commands they took and did
+    /// not answer are sent again now (see `Saga::on_links_gone`), by the
+    /// same coalesced walk as arrivals. It visits the sagas with a deadline
+    /// (every one awaiting an answer has one), so its length grows with
+    /// those, not with every live saga.
+    pub(crate) fn links_gone(self: &Arc<Self>, links: &[u64]) {
+        if links.is_empty() {
+            return;
+        }
+        let schedule = {
+            let mut a = self.arrivals.lock();
+            a.gone.extend(links.iter().copied());
+            !std::mem::replace(&mut a.walk_scheduled, true)
+        };
+        if schedule {
+            self.schedule_walk();
+        }
+    }
+
+    /// Runs the arrivals' walk on the blocking pool (here outside a runtime).
+    fn schedule_walk(self: &Arc<Self>) {
         let walk = ArrivalWalk(Some(self.clone()));
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => drop(rt.spawn_blocking(move || walk.run())),
@@ -1032,15 +1061,56 @@ impl Engine {
     /// arrival is left; then a later arrival schedules a new walk.
     fn drive_arrivals(&self) {
         loop {
-            let services = {
+            let (services, gone) = {
                 let mut a = self.arrivals.lock();
-                if a.pending.is_empty() {
+                if a.pending.is_empty() && a.gone.is_empty() {
                     a.walk_scheduled = false;
                     return;
                 }
-                std::mem::take(&mut a.pending)
+                (std::mem::take(&mut a.pending), std::mem::take(&mut a.gone))
             };
-            self.on_instances(&services);
+            if !gone.is_empty() {
+                self.on_links_gone(&gone);
+            }
+            if !services.is_empty() {
+                self.on_instances(&services);
+            }
+        }
+    }
+
+    /// Links ended: their sagas' unanswered commands go again.
+    fn on_links_gone(&self, gone: &std::collections::HashSet<u64>) {
+        let is_gone = |link: u64| gone.contains(&link);
+        let now = Instant::now();
+        let mut rerouted = 0u64;
+        for m in self.shards.iter() {
+            let timed: Vec<Arc<str>> = {
+                let shard = m.lock();
+                shard.timers.iter().map(|(_, id)| id.clone()).collect()
+            };
+            for chunk in timed.chunks(WALK_CHUNK) {
+                let mut shard = m.lock();
+                let shard = &mut *shard;
+                for id in chunk {
+                    let Some(saga) = shard.live.get_mut(id) else {
+                        continue; // finished meanwhile
+                    };
+                    let before = (saga.deadline, saga.state);
+                    let mut stats = DriveStats::default();
+                    if saga.on_links_gone(&is_gone, now, &self.registry, &self.policy, &mut stats) {
+                        rerouted += 1;
+                        let after = After::of(saga);
+                        self.settle(shard, id, before, after, stats);
+                    }
+                }
+            }
+        }
+        if rerouted > 0 {
+            tracing::info!(
+                links = gone.len(),
+                commands = rerouted,
+                "participant connections ended with compensations unanswered; sent again"
+            );
         }
     }
 

@@ -12,6 +12,7 @@
 //! | `railyard_saga_compensations_sent_total` | counter | (first attempts) |
 //! | `railyard_saga_compensations_retried_total` | counter | (later attempts) |
 //! | `railyard_saga_compensations_failed_total` | counter | (sub-transactions given up) |
+//! | `railyard_saga_compensations_rerouted_total` | counter | (commands sent again, attempt not counted, because the connection that took them ended unanswered) |
 //! | `railyard_saga_instances` | gauge | (participant connections registered) |
 //! | `railyard_saga_waiting_for_instance` | gauge | (live sagas with a compensation waiting for a live instance of its service) |
 //!
@@ -77,6 +78,7 @@ pub(crate) struct SagaMetrics {
     pub(crate) compensations_sent: Counter,
     pub(crate) compensations_retried: Counter,
     pub(crate) compensations_failed: Counter,
+    pub(crate) compensations_rerouted: Counter,
     pub(crate) instances: Gauge,
     pub(crate) waiting_for_instance: Gauge,
     /// Each state's series of `sagas` (live states) or `finished`
@@ -131,6 +133,7 @@ impl SagaMetrics {
             compensations_sent: Counter::default(),
             compensations_retried: Counter::default(),
             compensations_failed: Counter::default(),
+            compensations_rerouted: Counter::default(),
             instances: Gauge::default(),
             waiting_for_instance: Gauge::default(),
         }
@@ -187,6 +190,11 @@ impl SagaMetrics {
             "compensations_failed",
             "Sub-transactions whose compensation attempts were exhausted",
             self.compensations_failed.clone(),
+        );
+        r.register(
+            "compensations_rerouted",
+            "Compensation commands sent again because the connection that took them ended unanswered",
+            self.compensations_rerouted.clone(),
         );
         r.register(
             "instances",

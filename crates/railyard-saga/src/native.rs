@@ -428,6 +428,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     }
     engine.registry.unregister_all(&links);
     engine.metrics.instances.set(engine.registry.len() as i64);
+    engine.links_gone(&links);
 }
 
 #[cfg(test)]

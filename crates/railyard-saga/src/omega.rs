@@ -165,6 +165,7 @@ impl TxEventService for OmegaService {
             if let Some(id) = link {
                 engine.registry.unregister(id);
                 engine.metrics.instances.set(engine.registry.len() as i64);
+                engine.links_gone(&[id]);
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -183,9 +184,11 @@ impl TxEventService for OmegaService {
     ) -> Result<Response<GrpcAck>, Status> {
         let peer = request.remote_addr();
         let cfg = request.into_inner();
-        self.engine
-            .registry
-            .unregister_instance(&cfg.service_name, &cfg.instance_id, peer);
+        let removed =
+            self.engine
+                .registry
+                .unregister_instance(&cfg.service_name, &cfg.instance_id, peer);
+        self.engine.links_gone(&removed);
         self.engine
             .metrics
             .instances

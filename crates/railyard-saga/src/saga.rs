@@ -57,8 +57,8 @@ pub struct Command {
 /// Whether a command reached an instance's outbound queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RouteResult {
-    /// Queued on a live instance's stream.
-    Sent,
+    /// Queued on a live instance's stream: the link (connection) with this id.
+    Sent(u64),
     /// No live instance of the service could take it now (none connected,
     /// or every one's queue is full).
     NoInstance,
@@ -127,8 +127,8 @@ pub(crate) enum DeadlineKind {
 enum Phase {
     /// To be sent on the next `drive`.
     Ready,
-    /// Sent; waiting for the participant's answer.
-    Awaiting,
+    /// Sent on the link with this id; waiting for the participant's answer.
+    Awaiting(u64),
     /// Failed attempt; waiting out the retry delay.
     Backoff,
     /// No instance could take it since this instant.
@@ -150,6 +150,8 @@ pub(crate) struct DriveStats {
     pub(crate) retried: u32,
     /// Sub-transactions whose compensation was given up.
     pub(crate) failed: u32,
+    /// Commands sent again because the link that took them ended.
+    pub(crate) rerouted: u32,
 }
 
 /// A saga in memory.
@@ -407,7 +409,7 @@ impl Saga {
                         // (after its reverse timeout sent the next one), is
                         // not the awaited attempt's answer.
                         let stale = ev.attempt != 0 && ev.attempt != self.subs[i].attempts;
-                        if c.sub == i && matches!(c.phase, Phase::Awaiting) && !stale {
+                        if c.sub == i && matches!(c.phase, Phase::Awaiting(_)) && !stale {
                             self.fail_attempt(now, stats);
                         }
                     }
@@ -529,7 +531,7 @@ impl Saga {
                         attempt: sub.attempts + 1,
                     };
                     match route.send(&sub.service_name, &sub.instance_id, cmd) {
-                        RouteResult::Sent => {
+                        RouteResult::Sent(link) => {
                             let sub = &mut self.subs[c.sub];
                             sub.attempts += 1;
                             if sub.attempts == 1 {
@@ -544,7 +546,7 @@ impl Saga {
                             };
                             self.current = Some(InFlight {
                                 sub: c.sub,
-                                phase: Phase::Awaiting,
+                                phase: Phase::Awaiting(link),
                             });
                             self.deadline = Some((now + t, DeadlineKind::AckTimeout));
                         }
@@ -567,7 +569,7 @@ impl Saga {
                     }
                     return;
                 }
-                Phase::Awaiting | Phase::Backoff => return,
+                Phase::Awaiting(_) | Phase::Backoff => return,
             }
         }
     }
@@ -610,7 +612,7 @@ impl Saga {
             DeadlineKind::AckTimeout => {
                 if self
                     .current
-                    .is_some_and(|c| matches!(c.phase, Phase::Awaiting))
+                    .is_some_and(|c| matches!(c.phase, Phase::Awaiting(_)))
                 {
                     self.fail_attempt(now, stats);
                 }
@@ -656,6 +658,39 @@ impl Saga {
                 self.drive(now, route, policy, stats);
             }
         }
+    }
+
+    /// Links (participant connections) ended: a command one of them took and
+    /// did not answer is sent again at once, to another instance or waiting
+    /// for one, without counting that attempt (nothing says the participant
+    /// ran it; a handler must be idempotent anyway, since an answer can be
+    /// lost too). Before, it waited out the reverse timeout (30 s by default)
+    /// and cost an attempt.
+    pub(crate) fn on_links_gone(
+        &mut self,
+        gone: &dyn Fn(u64) -> bool,
+        now: Instant,
+        route: &dyn Route,
+        policy: &Policy,
+        stats: &mut DriveStats,
+    ) -> bool {
+        let Some(c) = self.current else { return false };
+        let Phase::Awaiting(link) = c.phase else {
+            return false;
+        };
+        if !gone(link) {
+            return false;
+        }
+        let sub = &mut self.subs[c.sub];
+        sub.attempts = sub.attempts.saturating_sub(1);
+        self.current = Some(InFlight {
+            sub: c.sub,
+            phase: Phase::Ready,
+        });
+        self.deadline = None;
+        stats.rerouted += 1;
+        self.drive(now, route, policy, stats);
+        true
     }
 
     /// Whether a command is waiting for an instance of some service.
@@ -718,7 +753,7 @@ mod tests {
             self.sent
                 .borrow_mut()
                 .push((service.to_owned(), preferred.to_owned(), cmd));
-            RouteResult::Sent
+            RouteResult::Sent(1)
         }
     }
 

@@ -275,6 +275,49 @@ async fn a_participant_reconnecting_as_a_new_instance_gets_the_pending_compensat
     server.stop().await;
 }
 
+/// A command an instance took and did not answer goes to another instance
+/// as soon as its connection ends, without counting an attempt (before, it
+/// waited out the 30 s reverse timeout and cost one of the attempts).
+#[tokio::test]
+async fn a_command_held_by_an_instance_that_goes_away_goes_to_another_at_once() {
+    let (server, _store) = Server::memory(fast()).await;
+    let registry = railyard_saga::MetricsRegistry::default();
+    server.coordinator.register_metrics(&registry);
+    let mut c = server.omega().await;
+    let mut first = OmegaInstance::connect(&mut c, "svc", "svc-1").await;
+    let mut second = OmegaInstance::connect(&mut c, "svc", "svc-2").await;
+    server.wait_instances(2).await;
+    let g = "g-vanished";
+    send(&mut c, ev("SagaStartedEvent", g, g, "booking")).await;
+    let mut e = started(g, "l1", "svc", b"p");
+    e.instance_id = "svc-1".into();
+    e.reverse_retries = 1; // two attempts: a lost one must not use one up
+    send(&mut c, e).await;
+    send(&mut c, ev("TxEndedEvent", g, "l1", "svc")).await;
+    assert!(send(&mut c, ev("TxAbortedEvent", g, g, "booking")).await);
+    // The instance that ran the step gets it, and goes away unanswered.
+    assert_eq!(first.next().await.local_tx_id, "l1");
+    drop(first);
+    let t0 = std::time::Instant::now();
+    let again = second.next().await;
+    assert_eq!(again.local_tx_id, "l1");
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "sent again when the connection ended, not after the 30 s reverse timeout"
+    );
+    let text = railyard_saga::encode_metrics(&registry);
+    assert!(
+        text.contains("railyard_saga_compensations_rerouted_total 1"),
+        "{text}"
+    );
+    // The lost attempt was not counted: a failure now still leaves one.
+    send(&mut c, ev("TxCompensateAckFailedEvent", g, "l1", "svc")).await;
+    assert_eq!(second.next().await.local_tx_id, "l1", "the second attempt");
+    send(&mut c, ev("TxCompensatedEvent", g, "l1", "svc")).await;
+    server.wait_state(g, SagaState::Compensated).await;
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn an_unanswered_compensation_is_resent_and_exhausted_retries_fail_the_saga() {
     let config = CoordinatorConfig {
