@@ -308,6 +308,11 @@ fn benches(c: &mut Criterion) {
             drop(pg);
             drop(server);
         }
+        // scripts/test (CI) sets RAILYARD_REQUIRE_INTEROP: there a missing
+        // PostgreSQL fails the run instead of skipping silently.
+        Err(e) if std::env::var_os("RAILYARD_REQUIRE_INTEROP").is_some() => {
+            panic!("store_append/postgres: PostgreSQL did not start: {e}")
+        }
         Err(e) => eprintln!("store_append/postgres skipped: {e}"),
     }
 }
