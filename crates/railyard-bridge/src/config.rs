@@ -56,6 +56,13 @@ pub struct BridgeConfig {
     pub max_headers: usize,
     /// Most addresses one connection may be registered at. Default 1024.
     pub max_registrations: usize,
+    /// Messages each registration buffers for its client while the
+    /// connection cannot take them (a client that does not read): past it
+    /// the bus refuses new ones to their senders (see Back-pressure). With
+    /// `max_registrations` and `max_frame_size` it bounds what a client that
+    /// never reads can hold: registrations x capacity x the largest message.
+    /// Default 1024, the bus's own default.
+    pub registration_capacity: usize,
     /// Most requests (`send` with `replyAddress`) one connection may have
     /// waiting for a reply from the bus. Default 1024.
     pub max_pending_requests: usize,
@@ -117,6 +124,7 @@ impl Default for BridgeConfig {
             max_frame_size: 1 << 20,
             max_headers: 1024,
             max_registrations: 1024,
+            registration_capacity: railyard_bus::DEFAULT_CAPACITY,
             max_pending_requests: 1024,
             max_pending_replies: 1024,
             reply_timeout: railyard_bus::DEFAULT_TIMEOUT,

@@ -64,6 +64,10 @@ const READ_CHUNK: usize = 4 * 1024;
 const OUTPUT_TURNS: u32 = 4;
 
 /// A request from the client, waiting for the bus's answer.
+/// A registration on its way: the address and what the bus answered.
+type Registering<'a> =
+    Pin<Box<dyn Future<Output = (String, Result<MessageStream, BusError>)> + Send + 'a>>;
+
 struct InFlight<'a> {
     /// The client's `replyAddress`: the answer is addressed to it.
     reply_address: String,
@@ -107,6 +111,13 @@ struct Conn<'a> {
     /// kept). Bounded by `max_pending_replies` (see [`Conn::reply_room`]).
     replies: HashMap<String, (Instant, Message)>,
     inflight: FuturesUnordered<InFlight<'a>>,
+    /// Registrations still being advertised to the cluster (their consumer
+    /// is registered on this node already): the connection goes on serving
+    /// meanwhile. Counted toward `max_registrations`.
+    registering: FuturesUnordered<Registering<'a>>,
+    /// Their addresses, so a second `register` of one is not a second
+    /// registration.
+    registering_addresses: std::collections::HashSet<String>,
     /// Encoded frames not yet written: the bounded outbound queue.
     out: BytesMut,
     /// Bytes read and not yet handled (at most one partial frame once handled).
@@ -148,6 +159,8 @@ pub(crate) async fn serve(mut stream: TcpStream, shared: &Shared, shutdown: &Can
         regs: StreamMap::new(),
         replies: HashMap::new(),
         inflight: FuturesUnordered::new(),
+        registering: FuturesUnordered::new(),
+        registering_addresses: std::collections::HashSet::new(),
         out: BytesMut::new(),
         inbuf: BytesMut::new(),
         authed: shared.config.auth_token.is_none(),
@@ -281,6 +294,9 @@ impl<'a> Conn<'a> {
                     if r.is_err() {
                         return Flow::Close;
                     }
+                }
+                Some((address, r)) = self.registering.next(), if !self.registering.is_empty() => {
+                    self.on_registered(address, r);
                 }
                 // Input's turn found nothing ready: back to the output.
                 () = std::future::ready(()), if input_turn => {}
@@ -601,21 +617,53 @@ impl<'a> Conn<'a> {
         if !self.shared.outbound.allows(&address) {
             return self.denied();
         }
-        if self.regs.contains_key(&address) {
+        if self.regs.contains_key(&address) || self.registering_addresses.contains(&address) {
             // Already registered: one registration per address and
             // connection, so messages are never delivered twice.
             return;
         }
-        if self.regs.len() >= self.shared.config.max_registrations {
+        if self.regs.len() + self.registering.len() >= self.shared.config.max_registrations {
             self.local.0.limit_rejections += 1;
             return self.err("too_many_registrations");
         }
-        match self.bus.consumer(address.clone()).stream().await {
+        let bus = self.bus;
+        let capacity = self.shared.config.registration_capacity;
+        let key = address.clone();
+        let mut registering: Registering<'a> = Box::pin(async move {
+            let r = bus
+                .consumer(address.clone())
+                .capacity(capacity)
+                .stream()
+                .await;
+            (address, r)
+        });
+        // The first poll registers the consumer on this node, so frames
+        // after this one (a publish to the same address) already reach it;
+        // only the cluster's advertisement may have to be waited for, and
+        // the loop serves the connection meanwhile (an etcd outage can make
+        // that take seconds).
+        match registering.as_mut().now_or_never() {
+            Some((address, r)) => self.on_registered(address, r),
+            None => {
+                self.registering_addresses.insert(key);
+                self.registering.push(registering);
+            }
+        }
+    }
+
+    /// A registration was advertised, or failed.
+    fn on_registered(&mut self, address: String, r: Result<MessageStream, BusError>) {
+        self.registering_addresses.remove(&address);
+        match r {
             Ok(stream) => {
                 self.local.0.registrations += 1;
                 self.regs.insert(address, stream);
             }
-            Err(_) => self.err("invalid_address"),
+            Err(BusError::InvalidAddress { .. }) => self.err("invalid_address"),
+            Err(e) => {
+                tracing::warn!(address, error = %e, "bridge registration failed");
+                self.err("registration_failed");
+            }
         }
     }
 

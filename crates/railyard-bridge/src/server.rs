@@ -49,6 +49,7 @@ impl BridgeServer {
             ("max_frame_size", config.max_frame_size),
             ("max_headers", config.max_headers),
             ("max_registrations", config.max_registrations),
+            ("registration_capacity", config.registration_capacity),
             ("max_pending_requests", config.max_pending_requests),
             ("max_pending_replies", config.max_pending_replies),
             ("outbound_queue_bytes", config.outbound_queue_bytes),
@@ -61,6 +62,7 @@ impl BridgeServer {
         for (field, d) in [
             ("frame_timeout", Some(config.frame_timeout)),
             ("idle_timeout", config.idle_timeout),
+            ("reply_timeout", Some(config.reply_timeout)),
         ] {
             if d.is_some_and(|d| d.is_zero()) {
                 return Err(ConfigError::ZeroTimeout { field });

@@ -576,6 +576,116 @@ async fn requests_a_client_never_answers_are_let_go_to_make_room() {
     bridge.shutdown().await;
 }
 
+/// A cluster hook whose advertisements wait for `gate` (an etcd outage),
+/// or fail.
+struct StuckCluster {
+    fail: bool,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl railyard_bus::ClusterHook for StuckCluster {
+    fn advertise(&self, _address: &str) -> railyard_bus::Advertisement {
+        let (fail, gate) = (self.fail, self.gate.clone());
+        Box::pin(async move {
+            if fail {
+                return Err(BusError::Cluster {
+                    reason: "etcd unreachable".into(),
+                });
+            }
+            let _open = gate.acquire().await;
+            Ok(())
+        })
+    }
+    fn withdraw(&self, _address: &str) {}
+}
+
+/// A `register` the cluster takes long to advertise (an etcd outage) does
+/// not stall its connection: pings and the client's other frames are
+/// answered meanwhile, messages for it wait in its buffer and come once it
+/// is advertised, and registering it again meanwhile is not a second
+/// registration. One the cluster refuses is answered
+/// `registration_failed`, not `invalid_address`.
+#[tokio::test]
+async fn a_registration_the_cluster_holds_up_does_not_stall_the_connection() {
+    let bus = EventBus::new();
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    bus.set_cluster_hook(Some(std::sync::Arc::new(StuckCluster {
+        fail: false,
+        gate: gate.clone(),
+    })));
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.slow"}))
+        .await;
+    c.ping_pong().await;
+    c.send(json!({"type":"register","address":"test.slow"}))
+        .await;
+    c.ping_pong().await;
+    bus.publish("test.slow", json!("waits"))
+        .expect("one consumer");
+    c.ping_pong().await;
+    gate.add_permits(10);
+    assert_eq!(c.recv().await["body"], json!("waits"));
+    bus.publish("test.slow", json!("once"))
+        .expect("one consumer");
+    assert_eq!(c.recv().await["body"], json!("once"));
+    c.ping_pong().await;
+    bridge.shutdown().await;
+
+    let bus = EventBus::new();
+    bus.set_cluster_hook(Some(std::sync::Arc::new(StuckCluster {
+        fail: true,
+        gate: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+    })));
+    let bridge = start(&bus, open_config()).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.refused"}))
+        .await;
+    assert_eq!(
+        c.recv().await,
+        json!({"type":"err","message":"registration_failed"})
+    );
+    c.ping_pong().await;
+    bridge.shutdown().await;
+}
+
+/// `registration_capacity` bounds what a client that does not read holds
+/// for each of its registrations: past it the bus refuses sends to it.
+#[tokio::test]
+async fn registration_capacity_bounds_what_a_client_that_does_not_read_holds() {
+    let bus = EventBus::new();
+    let config = BridgeConfig {
+        registration_capacity: 4,
+        outbound_queue_bytes: 1024,
+        ..open_config()
+    };
+    let bridge = start(&bus, config).await;
+    let mut c = Client::connect(bridge.local_addr()).await;
+    c.send(json!({"type":"register","address":"test.full"}))
+        .await;
+    c.ping_pong().await;
+    // The client reads nothing from here: the kernel's buffers fill, then
+    // the connection's outbound queue, then the registration's 4 places.
+    let big = "x".repeat(64 * 1024);
+    let mut accepted = 0;
+    let mut refused = None;
+    for _ in 0..400 {
+        match bus.send("test.full", json!(big.clone())) {
+            Ok(()) => accepted += 1,
+            Err(e) => {
+                refused = Some(e.error);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(
+        matches!(refused, Some(BusError::Full { .. })),
+        "refused after {accepted} sends: {refused:?}"
+    );
+    bridge.shutdown().await;
+}
+
 #[tokio::test]
 async fn too_many_headers_refuse_the_frame_and_keep_the_connection() {
     let bus = EventBus::new();
