@@ -150,6 +150,37 @@ async fn queries_filter_by_state_service_and_time(t: &Target) {
     assert!(unknown.is_empty());
 }
 
+/// Newest started first, whatever order they finished in: the `limit`
+/// newest, not the `limit` last finished (re-sorted by the REST API, those
+/// left out sagas that started later but finished earlier).
+async fn newest_started_come_first_whatever_the_finish_order(t: &Target) {
+    let s = t.open(Retention::keep_all()).await;
+    for (id, started) in [("a", 100), ("b", 10), ("c", 5)] {
+        s.finish(vec![summary(
+            id,
+            "svc",
+            SagaState::Committed,
+            started,
+            9000,
+        )])
+        .await
+        .unwrap();
+    }
+    let ids = |v: Vec<railyard_saga::SagaSummary>| {
+        v.into_iter().map(|x| x.global_tx_id).collect::<Vec<_>>()
+    };
+    let two = s
+        .finished(SagaQuery {
+            limit: 2,
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(two), ["a", "b"]);
+    let all = s.finished(SagaQuery::default()).await.unwrap();
+    assert_eq!(ids(all), ["a", "b", "c"]);
+}
+
 async fn concurrent_appends_all_land(t: &Target) {
     let s = t.open(Retention::keep_all()).await;
     // An event no engine can store (PostgreSQL text cannot hold NUL) is
@@ -333,6 +364,7 @@ async fn run_contract(mut fresh: Fresh) {
     append_keeps_order_and_every_field(&fresh.next().await).await;
     finish_compacts_and_keeps_summaries(&fresh.next().await).await;
     queries_filter_by_state_service_and_time(&fresh.next().await).await;
+    newest_started_come_first_whatever_the_finish_order(&fresh.next().await).await;
     concurrent_appends_all_land(&fresh.next().await).await;
     let t = fresh.next().await;
     if t.durable() {

@@ -82,7 +82,7 @@ impl SagaStore for MemoryStore {
     fn finished(&self, query: SagaQuery) -> BoxFuture<'_, Result<Vec<SagaSummary>, StoreError>> {
         let g = self.inner.lock();
         let limit = if query.limit == 0 { 100 } else { query.limit };
-        let out: Vec<SagaSummary> = g
+        let mut out: Vec<&SagaSummary> = g
             .finished
             .iter()
             .rev()
@@ -101,9 +101,11 @@ impl SagaStore for MemoryStore {
                     .as_deref()
                     .is_none_or(|g| s.global_tx_id == g)
             })
-            .take(limit)
-            .cloned()
             .collect();
+        // Newest started first; among equal starts, the later finished
+        // (the stable sort keeps the reversed finish order).
+        out.sort_by_key(|s| std::cmp::Reverse(s.started_ms));
+        let out: Vec<SagaSummary> = out.into_iter().take(limit).cloned().collect();
         Box::pin(async move { Ok(out) })
     }
 

@@ -188,7 +188,8 @@ pub trait SagaStore: Send + Sync + 'static {
     /// [`StoreError`].
     fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>>;
 
-    /// Finished sagas matching `query`, newest first.
+    /// Finished sagas matching `query`, newest started first (ties: the
+    /// later finished first), at most `query.limit`.
     ///
     /// # Errors
     /// [`StoreError`].

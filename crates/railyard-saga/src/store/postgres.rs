@@ -744,7 +744,7 @@ impl SagaStore for PostgresStore {
                            AND ($3::int8 IS NULL OR started_ms >= $3)
                            AND ($4::int8 IS NULL OR started_ms < $4)
                            AND ($6::text IS NULL OR global_tx_id = $6)
-                         ORDER BY ord DESC LIMIT $5"
+                         ORDER BY started_ms DESC, ord DESC LIMIT $5"
                     ),
                     &[
                         &state,

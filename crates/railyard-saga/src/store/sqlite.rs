@@ -803,7 +803,7 @@ impl SagaStore for SqliteStore {
                        AND (?3 IS NULL OR started_ms >= ?3)
                        AND (?4 IS NULL OR started_ms < ?4)
                        AND (?6 IS NULL OR global_tx_id = ?6)
-                     ORDER BY ord DESC LIMIT ?5"
+                     ORDER BY started_ms DESC, ord DESC LIMIT ?5"
                 ))?;
                 let rows = st.query_map(
                     params![
