@@ -53,6 +53,14 @@ pub struct CoordinatorConfig {
     /// Event batches one native session may have outstanding (appending) at
     /// once; further frames are not read until one completes.
     pub session_in_flight: usize,
+    /// Bytes of native batches (encoded size) being appended at once,
+    /// across every session: a batch that finds no room waits, its session
+    /// reading nothing meanwhile (HTTP/2 flow control then holds its client
+    /// back). A batch larger than the whole budget waits for all of it.
+    /// Bounds the coordinator's memory for batches in flight, which
+    /// `session_in_flight` alone bounds only in count (x 64 MiB frames).
+    /// Default 256 MiB.
+    pub native_batch_bytes: usize,
     /// Events per native batch; a larger batch closes the session with
     /// `INVALID_ARGUMENT`.
     pub max_batch_events: usize,
@@ -82,6 +90,7 @@ impl Default for CoordinatorConfig {
             omega_queue: 1024,
             session_queue: 4096,
             session_in_flight: 256,
+            native_batch_bytes: 256 << 20,
             max_batch_events: 16_384,
             advertise_akka: true,
             token: None,

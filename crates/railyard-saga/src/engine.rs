@@ -439,6 +439,9 @@ pub(crate) struct Engine {
     /// Instances that arrived and the walk that drives their waiting sagas
     /// (see [`Engine::instance_arrived`]).
     arrivals: Mutex<Arrivals>,
+    /// Room for native batches being appended, in KiB of their encoded
+    /// size, across every session (`native_batch_bytes`).
+    pub(crate) native_room: Arc<tokio::sync::Semaphore>,
 }
 
 /// Services an instance of which arrived, whose waiting sagas are not
@@ -450,6 +453,13 @@ struct Arrivals {
     /// (see [`Engine::links_gone`]).
     gone: std::collections::HashSet<u64>,
     walk_scheduled: bool,
+}
+
+/// `native_batch_bytes` in KiB, at least 1 (a semaphore's permits).
+pub(crate) fn native_room_kib(config: &CoordinatorConfig) -> u32 {
+    u32::try_from(config.native_batch_bytes / 1024)
+        .unwrap_or(u32::MAX)
+        .clamp(1, tokio::sync::Semaphore::MAX_PERMITS as u32)
 }
 
 /// Waiting sagas an arrival's walk drives per hold of a shard lock.
@@ -512,6 +522,9 @@ impl Engine {
             straggler_wait: config.straggler_wait,
             orphan_wait: config.orphan_wait,
         };
+        let native_room = Arc::new(tokio::sync::Semaphore::new(
+            native_room_kib(&config) as usize
+        ));
         let engine = Arc::new(Self {
             store,
             shards: (0..n).map(|_| Mutex::new(Shard::default())).collect(),
@@ -527,6 +540,7 @@ impl Engine {
             tasks: Mutex::new(Vec::new()),
             closing: tokio::sync::watch::channel(false).0,
             arrivals: Mutex::new(Default::default()),
+            native_room,
         });
         engine.recover().await?;
         let timer = tokio::spawn(timer_loop(

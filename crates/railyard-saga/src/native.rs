@@ -363,12 +363,19 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         let Ok(permit) = slots.clone().acquire_owned().await else {
             break;
         };
+        // And while the batches of every session hold `native_batch_bytes`.
+        let kib = u32::try_from(prost::Message::encoded_len(&batch) / 1024 + 1)
+            .unwrap_or(u32::MAX)
+            .min(crate::engine::native_room_kib(&engine.config));
+        let Ok(room) = engine.native_room.clone().acquire_many_owned(kib).await else {
+            break;
+        };
         let engine = engine.clone();
         let tx = tx.clone();
         let participants = participants.clone();
         let names = names.clone();
         tokio::spawn(async move {
-            let _permit = permit;
+            let _permit = (permit, room);
             let seq = batch.seq;
             // Valid events go to the engine (moved, not copied); the
             // invalid ones keep their error for their slot in the ack.

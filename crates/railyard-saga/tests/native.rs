@@ -255,6 +255,42 @@ async fn many_batches_are_outstanding_on_one_session() {
     server.stop().await;
 }
 
+/// `native_batch_bytes` bounds the batches being appended across every
+/// session: with room for one, another session's batch waits until the one
+/// being appended is done (before, only the count per session was bounded:
+/// 256 batches of up to 64 MiB each, per session).
+#[tokio::test]
+async fn batches_of_every_session_share_one_byte_budget() {
+    use std::sync::atomic::Ordering;
+    let (store, appends, open) = common::second_append_gated();
+    let server = Server::start(
+        store,
+        CoordinatorConfig {
+            native_batch_bytes: 1024,
+            ..CoordinatorConfig::default()
+        },
+    )
+    .await;
+    let mut a = Session::hello(&server, "a").await;
+    let mut b = Session::hello(&server, "b").await;
+    a.send(1, vec![e(EventType::SagaStarted, "g1", "g1")]).await;
+    assert_eq!(a.ack().await.seq, 1);
+    // The second append waits at the gate, holding all the room.
+    a.send(2, vec![e(EventType::SagaStarted, "g2", "g2")]).await;
+    b.send(1, vec![e(EventType::SagaStarted, "g3", "g3")]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        appends.load(Ordering::SeqCst),
+        2,
+        "b's batch waited for room instead of being appended alongside"
+    );
+    open.send(true).unwrap();
+    assert_eq!(a.ack().await.seq, 2);
+    assert_eq!(b.ack().await.seq, 1);
+    assert_eq!(appends.load(Ordering::SeqCst), 3);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
     let (server, _store) = Server::memory(CoordinatorConfig {
