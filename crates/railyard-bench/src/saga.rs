@@ -20,11 +20,12 @@
 //!
 //! With `abort_ratio > 0`, that share of the transactions (spread evenly)
 //! fail on the third service: it reports `TxAborted` instead of `TxEnded`,
-//! then the starter reports the saga's failure as Omega 0.7 does (without
-//! `AkkaEnabled`: `TxAborted` with `localTxId = globalTxId`; natively:
-//! `SAGA_ABORTED`), still 8 events. The coordinator must then compensate the
-//! two ended steps: the bench answers each compensation command with
-//! `TxCompensated` and counts a transaction compensated when all its ended
+//! then the starter reports the saga's failure as Omega 0.7 does against a
+//! coordinator that advertises `AkkaEnabled` (Railyard's default:
+//! `SagaAborted` with `localTxId = globalTxId`; natively: `SAGA_ABORTED`),
+//! still 8 events. The coordinator must then compensate the two ended steps:
+//! the bench answers each compensation command as that Omega does
+//! (`TxCompensateAckSucceed`; natively `TX_COMPENSATED`) and counts a transaction compensated when all its ended
 //! steps were, at the moment the last answer was acknowledged (Omega) or the
 //! last handler ran (native; its ack follows in the next batch).
 //!
@@ -596,7 +597,8 @@ fn instance_id(service: &str, k: usize) -> String {
 
 /// One simulated Omega process's instance of `service` on `wire`: keeps
 /// its `OnConnected` stream open and answers every compensation command with
-/// `TxCompensatedEvent`. Returns the task reading the stream, whose abort
+/// `TxCompensateAckSucceedEvent` (Omega 0.7 with `AkkaEnabled`, which
+/// Railyard advertises by default). Returns the task reading the stream, whose abort
 /// ends the stream.
 async fn omega_instance(
     wire: OmegaWire,
@@ -639,7 +641,7 @@ async fn omega_instance(
                     global_tx_id: global_tx_id.clone(),
                     local_tx_id: local_tx_id.clone(),
                     parent_tx_id,
-                    r#type: "TxCompensatedEvent".into(),
+                    r#type: "TxCompensateAckSucceedEvent".into(),
                     compensation_method,
                     service_name: service,
                     instance_id: instance,
@@ -823,9 +825,9 @@ async fn omega_worker(
                 t.events += 1;
             }
             if abort {
-                // Omega 0.7 without AkkaEnabled: the failed @SagaStart.
+                // Omega 0.7 with AkkaEnabled: the failed @SagaStart.
                 if tx
-                    .call("TxAbortedEvent", &starter, &global, "")
+                    .call("SagaAbortedEvent", &starter, &global, "")
                     .await
                     .is_none()
                 {

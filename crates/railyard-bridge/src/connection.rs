@@ -64,9 +64,10 @@ const READ_CHUNK: usize = 4 * 1024;
 const OUTPUT_TURNS: u32 = 4;
 
 /// A request from the client, waiting for the bus's answer.
-/// A registration on its way: the address and what the bus answered.
+/// A registration on its way: the address, the `register`'s number and
+/// what the bus answered.
 type Registering<'a> =
-    Pin<Box<dyn Future<Output = (String, Result<MessageStream, BusError>)> + Send + 'a>>;
+    Pin<Box<dyn Future<Output = (String, u64, Result<MessageStream, BusError>)> + Send + 'a>>;
 
 struct InFlight<'a> {
     /// The client's `replyAddress`: the answer is addressed to it.
@@ -116,8 +117,12 @@ struct Conn<'a> {
     /// meanwhile. Counted toward `max_registrations`.
     registering: FuturesUnordered<Registering<'a>>,
     /// Their addresses, so a second `register` of one is not a second
-    /// registration.
-    registering_addresses: std::collections::HashSet<String>,
+    /// registration, with the number of the `register` each answers: an
+    /// `unregister` meanwhile removes the address, and the registration,
+    /// once advertised, is then dropped instead of kept.
+    registering_addresses: HashMap<String, u64>,
+    /// Numbers `register`s (see `registering_addresses`).
+    next_registration: u64,
     /// Encoded frames not yet written: the bounded outbound queue.
     out: BytesMut,
     /// Bytes read and not yet handled (at most one partial frame once handled).
@@ -160,7 +165,8 @@ pub(crate) async fn serve(mut stream: TcpStream, shared: &Shared, shutdown: &Can
         replies: HashMap::new(),
         inflight: FuturesUnordered::new(),
         registering: FuturesUnordered::new(),
-        registering_addresses: std::collections::HashSet::new(),
+        registering_addresses: HashMap::new(),
+        next_registration: 0,
         out: BytesMut::new(),
         inbuf: BytesMut::new(),
         authed: shared.config.auth_token.is_none(),
@@ -295,8 +301,8 @@ impl<'a> Conn<'a> {
                         return Flow::Close;
                     }
                 }
-                Some((address, r)) = self.registering.next(), if !self.registering.is_empty() => {
-                    self.on_registered(address, r);
+                Some((address, number, r)) = self.registering.next(), if !self.registering.is_empty() => {
+                    self.on_registered(address, number, r);
                 }
                 // Input's turn found nothing ready: back to the output.
                 () = std::future::ready(()), if input_turn => {}
@@ -617,7 +623,7 @@ impl<'a> Conn<'a> {
         if !self.shared.outbound.allows(&address) {
             return self.denied();
         }
-        if self.regs.contains_key(&address) || self.registering_addresses.contains(&address) {
+        if self.regs.contains_key(&address) || self.registering_addresses.contains_key(&address) {
             // Already registered: one registration per address and
             // connection, so messages are never delivered twice.
             return;
@@ -629,30 +635,34 @@ impl<'a> Conn<'a> {
         let bus = self.bus;
         let capacity = self.shared.config.registration_capacity;
         let key = address.clone();
+        self.next_registration += 1;
+        let number = self.next_registration;
         let mut registering: Registering<'a> = Box::pin(async move {
             let r = bus
                 .consumer(address.clone())
                 .capacity(capacity)
                 .stream()
                 .await;
-            (address, r)
+            (address, number, r)
         });
         // The first poll registers the consumer on this node, so frames
         // after this one (a publish to the same address) already reach it;
         // only the cluster's advertisement may have to be waited for, and
         // the loop serves the connection meanwhile (an etcd outage can make
         // that take seconds).
+        self.registering_addresses.insert(key, number);
         match registering.as_mut().now_or_never() {
-            Some((address, r)) => self.on_registered(address, r),
-            None => {
-                self.registering_addresses.insert(key);
-                self.registering.push(registering);
-            }
+            Some((address, number, r)) => self.on_registered(address, number, r),
+            None => self.registering.push(registering),
         }
     }
 
-    /// A registration was advertised, or failed.
-    fn on_registered(&mut self, address: String, r: Result<MessageStream, BusError>) {
+    /// A registration was advertised, or failed. One whose address was
+    /// unregistered meanwhile (or registered again since) is dropped.
+    fn on_registered(&mut self, address: String, number: u64, r: Result<MessageStream, BusError>) {
+        if self.registering_addresses.get(&address) != Some(&number) {
+            return; // dropping the stream unregisters it
+        }
         self.registering_addresses.remove(&address);
         match r {
             Ok(stream) => {
@@ -671,7 +681,11 @@ impl<'a> Conn<'a> {
         if !self.shared.outbound.allows(address) {
             return self.denied();
         }
-        if self.regs.remove(address).is_none() {
+        // A registration still being advertised is cancelled: dropped
+        // when its advertisement completes.
+        if self.regs.remove(address).is_none()
+            && self.registering_addresses.remove(address).is_none()
+        {
             self.err("unknown_address");
         }
     }

@@ -621,11 +621,20 @@ async fn a_registration_the_cluster_holds_up_does_not_stall_the_connection() {
     c.send(json!({"type":"register","address":"test.slow"}))
         .await;
     c.ping_pong().await;
+    // Unregistered while it is advertised: cancelled (no error), and not
+    // registered once the advertisement completes.
+    c.send(json!({"type":"register","address":"test.cancel"}))
+        .await;
+    c.send(json!({"type":"unregister","address":"test.cancel"}))
+        .await;
+    c.ping_pong().await;
     bus.publish("test.slow", json!("waits"))
         .expect("one consumer");
     c.ping_pong().await;
     gate.add_permits(10);
     assert_eq!(c.recv().await["body"], json!("waits"));
+    let _ = bus.publish("test.cancel", json!("not for this client"));
+    c.ping_pong().await;
     bus.publish("test.slow", json!("once"))
         .expect("one consumer");
     assert_eq!(c.recv().await["body"], json!("once"));
@@ -666,10 +675,12 @@ async fn registration_capacity_bounds_what_a_client_that_does_not_read_holds() {
     c.ping_pong().await;
     // The client reads nothing from here: the kernel's buffers fill, then
     // the connection's outbound queue, then the registration's 4 places.
+    // 1,000 sends of 64 KiB (62.5 MiB) are more than the kernel's loopback
+    // buffers take, and fewer than the default capacity (1,024) alone.
     let big = "x".repeat(64 * 1024);
     let mut accepted = 0;
     let mut refused = None;
-    for _ in 0..400 {
+    for _ in 0..1000 {
         match bus.send("test.full", json!(big.clone())) {
             Ok(()) => accepted += 1,
             Err(e) => {
@@ -677,7 +688,7 @@ async fn registration_capacity_bounds_what_a_client_that_does_not_read_holds() {
                 break;
             }
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     assert!(
         matches!(refused, Some(BusError::Full { .. })),

@@ -64,16 +64,16 @@ enum Settled {
 }
 
 impl Held {
-    /// After a run for `attempt`: a success, or a failure with no later
+    /// After a run for `attempt`: a success, or a failure with no other
     /// attempt sent meanwhile, is reported (for the latest attempt) and the
-    /// entry removed; a failure with a later attempt pending runs again.
+    /// entry removed; a failure with another attempt pending runs again.
     fn settle(&mut self, attempt: u32, ok: bool) -> Settled {
         let Some(key) = self.key.as_ref() else {
             return Settled::Report(attempt);
         };
         let mut running = lock(&self.running);
         let latest = running.get(key).copied().unwrap_or(attempt);
-        if !ok && latest > attempt {
+        if !ok && latest != attempt {
             return Settled::RunAgain(latest);
         }
         running.remove(key);
@@ -614,7 +614,9 @@ impl Session {
             if let Some(attempt) = held.get_mut(&key) {
                 // Already running (or waiting for a slot): the coordinator
                 // sent its next attempt meanwhile. One run answers both.
-                *attempt = (*attempt).max(c.attempt);
+                // The latest command's number, not the highest: after a
+                // coordinator restart its numbers start again at 1.
+                *attempt = c.attempt;
                 self.stats
                     .compensations_joined
                     .fetch_add(1, Ordering::Relaxed);

@@ -59,7 +59,8 @@ pub struct CoordinatorConfig {
     /// back). A batch larger than the whole budget waits for all of it.
     /// Bounds the coordinator's memory for batches in flight, which
     /// `session_in_flight` alone bounds only in count (x 64 MiB frames).
-    /// Default 256 MiB.
+    /// Counted in KiB; less than 1 KiB counts as 1 KiB (one batch at a
+    /// time). Default 256 MiB.
     pub native_batch_bytes: usize,
     /// Events per native batch; a larger batch closes the session with
     /// `INVALID_ARGUMENT`.

@@ -15,7 +15,8 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 use railyard_saga_proto::native::{server_frame, Compensate, ServerFrame};
@@ -94,6 +95,9 @@ struct Link {
     /// default is `service-IP`, shared by every JVM on a host).
     peer: Option<SocketAddr>,
     out: Outbound,
+    /// Whether a command was ever queued on it: only such a link's end
+    /// needs the walk that sends unanswered commands again.
+    carried: Arc<AtomicBool>,
 }
 
 /// A connected instance, for the query API.
@@ -118,15 +122,19 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
-    /// Registers a connection; returns its id for [`unregister`](Self::unregister).
+    /// Registers a connection; returns its id for [`unregister`](Self::unregister)
+    /// and the flag that says whether a command was ever queued on it (kept
+    /// by the connection's task: the link may leave the registry before the
+    /// task sees its stream end, e.g. when a send finds it closed).
     pub(crate) fn register(
         &self,
         service: &str,
         instance: &str,
         peer: Option<SocketAddr>,
         out: Outbound,
-    ) -> u64 {
+    ) -> (u64, Arc<AtomicBool>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let carried = Arc::<AtomicBool>::default();
         let mut g = self.services.write();
         let links = g.entry(service.to_owned()).or_default();
         links.retain(|l| !l.out.is_closed());
@@ -135,8 +143,9 @@ impl Registry {
             instance: instance.to_owned(),
             peer,
             out,
+            carried: carried.clone(),
         });
-        id
+        (id, carried)
     }
 
     /// Removes one connection (its stream ended).
@@ -158,7 +167,8 @@ impl Registry {
     /// address `OnDisconnected` came from (Omega sends it on the channel
     /// that carries its `OnConnected` stream). Another process with the same
     /// instance id keeps its link. Without an address nothing is removed:
-    /// the link goes when its stream ends. Returns the ids removed.
+    /// the link goes when its stream ends. Returns the ids removed that ever
+    /// carried a command.
     pub(crate) fn unregister_instance(
         &self,
         service: &str,
@@ -171,7 +181,7 @@ impl Registry {
         if let Some(links) = g.get_mut(service) {
             links.retain(|l| {
                 let gone = l.instance == instance && l.peer == Some(peer);
-                if gone {
+                if gone && l.carried.load(Ordering::Relaxed) {
                     removed.push(l.id);
                 }
                 !gone
@@ -238,6 +248,7 @@ impl Route for Registry {
             for i in order {
                 match links[i].out.try_send(cmd.clone()) {
                     Sent::Ok => {
+                        links[i].carried.store(true, Ordering::Relaxed);
                         result = RouteResult::Sent(links[i].id);
                         break;
                     }

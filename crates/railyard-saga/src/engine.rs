@@ -1098,14 +1098,29 @@ impl Engine {
         let now = Instant::now();
         let mut rerouted = 0u64;
         for m in self.shards.iter() {
-            let timed: Vec<Arc<str>> = {
-                let shard = m.lock();
-                shard.timers.iter().map(|(_, id)| id.clone()).collect()
-            };
-            for chunk in timed.chunks(WALK_CHUNK) {
+            // WALK_CHUNK deadlines per hold of the shard lock, resuming after
+            // the last one seen (a deadline moved meanwhile may be seen
+            // twice or not at all; it then belongs to a saga whose command
+            // was answered or timed out, which has nothing to send again).
+            let mut after: Option<(Instant, Arc<str>)> = None;
+            loop {
                 let mut shard = m.lock();
                 let shard = &mut *shard;
-                for id in chunk {
+                let chunk: Vec<(Instant, Arc<str>)> = match &after {
+                    None => shard.timers.iter().take(WALK_CHUNK).cloned().collect(),
+                    Some(k) => shard
+                        .timers
+                        .range((
+                            std::ops::Bound::Excluded(k.clone()),
+                            std::ops::Bound::Unbounded,
+                        ))
+                        .take(WALK_CHUNK)
+                        .cloned()
+                        .collect(),
+                };
+                let Some(last) = chunk.last() else { break };
+                after = Some(last.clone());
+                for (_, id) in &chunk {
                     let Some(saga) = shard.live.get_mut(id) else {
                         continue; // finished meanwhile
                     };
@@ -1113,8 +1128,8 @@ impl Engine {
                     let mut stats = DriveStats::default();
                     if saga.on_links_gone(&is_gone, now, &self.registry, &self.policy, &mut stats) {
                         rerouted += 1;
-                        let after = After::of(saga);
-                        self.settle(shard, id, before, after, stats);
+                        let state = After::of(saga);
+                        self.settle(shard, id, before, state, stats);
                     }
                 }
             }

@@ -293,7 +293,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     }
     // One link per participant, all on this stream; its commands carry the
     // participant's number.
-    let links: Vec<u64> = (0u32..)
+    let links: Vec<(u64, Arc<std::sync::atomic::AtomicBool>)> = (0u32..)
         .zip(participants.iter())
         .map(|(k, (service, instance))| {
             engine
@@ -367,15 +367,19 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         let kib = u32::try_from(prost::Message::encoded_len(&batch) / 1024 + 1)
             .unwrap_or(u32::MAX)
             .min(crate::engine::native_room_kib(&engine.config));
-        let Ok(room) = engine.native_room.clone().acquire_many_owned(kib).await else {
-            break;
+        // Not past the session's end or the server's stop.
+        let room = tokio::select! {
+            r = engine.native_room.clone().acquire_many_owned(kib) => r,
+            () = tx.closed() => break,
+            () = &mut closed => break,
         };
+        let Ok(room) = room else { break };
         let engine = engine.clone();
         let tx = tx.clone();
         let participants = participants.clone();
         let names = names.clone();
         tokio::spawn(async move {
-            let _permit = (permit, room);
+            let _permit = permit;
             let seq = batch.seq;
             // Valid events go to the engine (moved, not copied); the
             // invalid ones keep their error for their slot in the ack.
@@ -394,7 +398,13 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                     })
                     .collect()
             };
-            let outcomes = match engine.handle(valid, "native").await {
+            let handled = engine.handle(valid, "native").await;
+            // The batch's events are in the engine now: its share of the
+            // budget goes back before the ack waits for room in this
+            // session's queue (a client that does not read its acks holds
+            // up only its own session).
+            drop(room);
+            let outcomes = match handled {
                 Ok(o) => o,
                 Err(e) => {
                     let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
@@ -433,10 +443,32 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                 .await;
         });
     }
-    engine.registry.unregister_all(&links);
+    // The batches this session sent are applied before its links go, so a
+    // compensation result it carried is not taken for a command left
+    // unanswered (which would send that command to another instance).
+    // Bounded: a store that does not answer does not keep the links.
+    let _ = tokio::time::timeout(
+        SESSION_END_WAIT,
+        slots.acquire_many(
+            u32::try_from(engine.config.session_in_flight.max(1)).unwrap_or(u32::MAX),
+        ),
+    )
+    .await;
+    let ids: Vec<u64> = links.iter().map(|(id, _)| *id).collect();
+    engine.registry.unregister_all(&ids);
     engine.metrics.instances.set(engine.registry.len() as i64);
-    engine.links_gone(&links);
+    // Only links that carried a command need the walk.
+    let carried: Vec<u64> = links
+        .iter()
+        .filter(|(_, c)| c.load(std::sync::atomic::Ordering::Relaxed))
+        .map(|(id, _)| *id)
+        .collect();
+    engine.links_gone(&carried);
 }
+
+/// How long a session's end waits for its batches in flight to be applied
+/// before its links go.
+const SESSION_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {

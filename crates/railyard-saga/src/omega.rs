@@ -11,10 +11,11 @@
 //! - `OnTxEvent`: validated (malformed -> `INVALID_ARGUMENT`), appended
 //!   durably, applied, then acknowledged with `aborted`. A store failure
 //!   answers `UNAVAILABLE`, never an ack.
-//! - `OnDisconnected`: unregisters the instance.
-//! - `onGetServerMeta`: `AkkaEnabled` is `false` unless configured (Omega
-//!   then reports `TxCompensatedEvent`); both that and
-//!   `TxCompensateAck*Event` are accepted either way.
+//! - `OnDisconnected`: unregisters that instance's links from the caller's
+//!   address (instance ids are not unique across processes).
+//! - `onGetServerMeta`: `AkkaEnabled` is `true` unless configured (Omega
+//!   then reports `TxCompensateAck*Event`, a failed compensation included);
+//!   both that and `TxCompensatedEvent` are accepted either way.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -162,10 +163,12 @@ impl TxEventService for OmegaService {
                     Some(Err(_)) | None => break,
                 }
             }
-            if let Some(id) = link {
+            if let Some((id, carried)) = link {
                 engine.registry.unregister(id);
                 engine.metrics.instances.set(engine.registry.len() as i64);
-                engine.links_gone(&[id]);
+                if carried.load(std::sync::atomic::Ordering::Relaxed) {
+                    engine.links_gone(&[id]);
+                }
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))

@@ -103,6 +103,9 @@ pub(crate) struct Sub {
     max_attempts: u32,
     /// Delay between attempts, resolved likewise.
     retry_delay: Duration,
+    /// A command of this step was already lost with its connection once
+    /// (see [`Saga::on_links_gone`]).
+    rerouted: bool,
 }
 
 /// What the saga's single deadline is for.
@@ -280,6 +283,7 @@ impl Saga {
             attempts: 0,
             max_attempts: 1,
             retry_delay: Duration::ZERO,
+            rerouted: false,
         }
     }
 
@@ -662,10 +666,14 @@ impl Saga {
 
     /// Links (participant connections) ended: a command one of them took and
     /// did not answer is sent again at once, to another instance or waiting
-    /// for one, without counting that attempt (nothing says the participant
-    /// ran it; a handler must be idempotent anyway, since an answer can be
-    /// lost too). Before, it waited out the reverse timeout (30 s by default)
-    /// and cost an attempt.
+    /// for one (a handler must be idempotent anyway, since an answer can be
+    /// lost too). The first such loss of a step is free: the step gets one
+    /// more attempt, and the resend carries a new attempt number, so a late
+    /// answer to the lost one is stale. A later loss counts as a failed
+    /// attempt (retry delay, then the next, within the budget), so a
+    /// compensation that brings its participant down every time still ends
+    /// the saga `FAILED`. Before, a lost command waited out the reverse
+    /// timeout (30 s by default) and cost an attempt.
     pub(crate) fn on_links_gone(
         &mut self,
         gone: &dyn Fn(u64) -> bool,
@@ -682,7 +690,12 @@ impl Saga {
             return false;
         }
         let sub = &mut self.subs[c.sub];
-        sub.attempts = sub.attempts.saturating_sub(1);
+        if sub.rerouted {
+            self.fail_attempt(now, stats);
+            return true;
+        }
+        sub.rerouted = true;
+        sub.max_attempts = sub.max_attempts.saturating_add(1);
         self.current = Some(InFlight {
             sub: c.sub,
             phase: Phase::Ready,
