@@ -65,6 +65,26 @@ fn aborted_after_one_step(g: &str) -> Vec<EventRecord> {
     ]
 }
 
+/// Saga `g`: step `l1` ended with `retries` reverse retries, a 2 s reverse
+/// timeout and 300 ms between attempts, then the saga aborted: its
+/// compensation's first attempt is due.
+async fn abort_one_step_with_retries(c: &Coordinator, g: &str, retries: i32) {
+    let mut s = tx_started(g, "l1", b"p");
+    s.reverse_retries = retries;
+    s.reverse_timeout_s = 2;
+    s.retry_delay_ms = 300;
+    submit(
+        c,
+        vec![
+            start(g, 0),
+            s,
+            rec(EventKind::TxEnded, g, "l1"),
+            rec(EventKind::TxAborted, g, g),
+        ],
+    )
+    .await;
+}
+
 async fn submit(c: &Coordinator, events: Vec<EventRecord>) -> Vec<bool> {
     c.submit(events)
         .await
@@ -213,20 +233,7 @@ async fn an_unanswered_command_is_resent_after_reverse_timeout_then_fails() {
     let c = Coordinator::start(store.clone(), config()).await.unwrap();
     let mut rx = c.connect_local("svc", "svc-1", 16);
     let g = "g-retry";
-    let mut s = tx_started(g, "l1", b"p");
-    s.reverse_retries = 1;
-    s.reverse_timeout_s = 2;
-    s.retry_delay_ms = 300;
-    submit(
-        &c,
-        vec![
-            start(g, 0),
-            s,
-            rec(EventKind::TxEnded, g, "l1"),
-            rec(EventKind::TxAborted, g, g),
-        ],
-    )
-    .await;
+    abort_one_step_with_retries(&c, g, 1).await;
     assert_eq!(command(&mut rx).await.attempt, 1);
     let t0 = tokio::time::Instant::now();
     let again = command(&mut rx).await;
@@ -248,20 +255,7 @@ async fn a_late_failure_of_an_earlier_attempt_is_not_the_awaited_ones() {
     let c = on_memory(config()).await;
     let mut rx = c.connect_local("svc", "svc-1", 16);
     let g = "g-stale";
-    let mut s = tx_started(g, "l1", b"p");
-    s.reverse_retries = 2; // three attempts
-    s.reverse_timeout_s = 2;
-    s.retry_delay_ms = 300;
-    submit(
-        &c,
-        vec![
-            start(g, 0),
-            s,
-            rec(EventKind::TxEnded, g, "l1"),
-            rec(EventKind::TxAborted, g, g),
-        ],
-    )
-    .await;
+    abort_one_step_with_retries(&c, g, 2).await; // three attempts
     assert_eq!(command(&mut rx).await.attempt, 1);
     assert_eq!(command(&mut rx).await.attempt, 2);
     let failed = |attempt| EventRecord {
