@@ -4,12 +4,19 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 macro_rules! counters {
-    ($( $(#[$doc:meta])* $name:ident ),* $(,)?) => {
+    ($( $(#[doc = $doc:literal])* $name:ident ),* $(,)?) => {
         /// A point-in-time reading of the bridge's counters, for exporters
         /// (e.g. Prometheus). Counters only grow, except the `*_open` gauges.
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
         pub struct BridgeMetricsSnapshot {
-            $( $(#[$doc])* pub $name: u64, )*
+            $( $(#[doc = $doc])* pub $name: u64, )*
+        }
+
+        impl BridgeMetricsSnapshot {
+            /// Every counter as `(name, help, value)`, for exporters.
+            pub fn all(&self) -> Vec<(&'static str, &'static str, u64)> {
+                vec![ $( (stringify!($name), concat!($($doc),*), self.$name), )* ]
+            }
         }
 
         /// The live counters behind [`BridgeMetricsSnapshot`].

@@ -23,7 +23,7 @@ pub enum HttpError {
     Config(#[from] ConfigError),
     /// A listener could not be opened.
     #[error(
-        "cannot listen on {addr}: {source}; is the port in use? choose another with --http-port"
+        "cannot listen on {addr}: {source}; is the port in use? choose another (railyard node: --http-port for HTTP, --admin-port for metrics)"
     )]
     Bind {
         /// The address.

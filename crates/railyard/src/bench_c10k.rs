@@ -201,6 +201,9 @@ pub(crate) async fn run(a: C10kArgs) -> anyhow::Result<()> {
             let phase = |name: &str, expected: Duration| {
                 pb.set_message(format!("{name} (~{}s)", expected.as_secs()));
             };
+            // Another server on these ports (a running `railyard node`)
+            // would answer instead of the one under test, unnoticed.
+            ports_free(&[(a.port, "--port"), (a.admin_port, "--admin-port")]).await?;
             let r = c10k::run(sys, &cfg, &phase, a.verbose)
                 .await
                 .with_context(|| format!("c10k run {run} against {label}"))?;
@@ -261,6 +264,26 @@ fn summarize(label: String, rs: &[&C10kResult]) -> Summary {
         per_conn_kb: m(|r| r.rss_per_conn_kb),
         cpu_us: m(|r| r.cpu_us_per_request),
     }
+}
+
+/// Fails unless each port can be bound on loopback, waiting up to 5 s for
+/// the previous run's server to let go of it.
+async fn ports_free(ports: &[(u16, &str)]) -> anyhow::Result<()> {
+    for &(port, flag) in ports {
+        let mut tries = 0;
+        while std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+            tries += 1;
+            if tries >= 50 {
+                bail!(
+                    "port {port} is in use (a running `railyard node`, or another server?): \
+                     the bench would measure that server instead of the one it starts; \
+                     stop it, or pass {flag} with a free port"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
 }
 
 fn report(a: &C10kArgs, results: &[C10kResult]) {
@@ -342,5 +365,24 @@ fn report(a: &C10kArgs, results: &[C10kResult]) {
             o.per_conn_kb,
             v.per_conn_kb
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ports_free;
+
+    /// A port another server holds is refused, naming the flag to change;
+    /// a free one passes.
+    #[tokio::test(start_paused = true)]
+    async fn a_port_in_use_is_refused_before_the_run() {
+        let held = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind");
+        let port = held.local_addr().expect("addr").port();
+        let err = ports_free(&[(port, "--port")]).await.expect_err("in use");
+        let text = err.to_string();
+        assert!(text.contains(&format!("port {port} is in use")), "{text}");
+        assert!(text.contains("--port"), "{text}");
+        drop(held);
+        ports_free(&[(port, "--port")]).await.expect("free now");
     }
 }

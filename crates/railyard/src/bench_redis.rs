@@ -26,7 +26,7 @@ pub(crate) enum LettucePeer {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct RedisRefreshArgs {
-    /// Cluster nodes (masters x (1 + replicas)); 1000 uses the test double.
+    /// Cluster nodes (masters x (1 + replicas)); 1000 or more use the test double.
     #[arg(long, default_value_t = 96)]
     nodes: usize,
     /// Replicas per master.

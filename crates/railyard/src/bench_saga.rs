@@ -32,7 +32,7 @@ pub(crate) struct SagaArgs {
     store: StoreArg,
     /// Share of transactions that fail on their third step and must be
     /// compensated end to end (0 to 1).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_ratio)]
     abort_ratio: f64,
     /// Simulated participant processes: HTTP/2 connections (omega) or
     /// connections of the native SDK (see --sessions); workers are spread over them.
@@ -408,4 +408,34 @@ fn num(v: &serde_json::Value, key: &str) -> f64 {
     v.get(key)
         .and_then(serde_json::Value::as_f64)
         .unwrap_or(0.0)
+}
+
+/// A share from 0 to 1, checked when the command line is read (before any
+/// coordinator or PostgreSQL is started).
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number; give a share from 0 to 1, e.g. 0.1"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{v} is not a share from 0 to 1; e.g. 0.1 aborts one transaction in ten"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_ratio;
+
+    #[test]
+    fn the_abort_ratio_is_a_share_checked_on_the_command_line() {
+        assert_eq!(parse_ratio("0"), Ok(0.0));
+        assert_eq!(parse_ratio("0.1"), Ok(0.1));
+        assert_eq!(parse_ratio("1"), Ok(1.0));
+        for bad in ["1.5", "-0.1", "NaN", "ten"] {
+            assert!(parse_ratio(bad).is_err(), "{bad}");
+        }
+    }
 }

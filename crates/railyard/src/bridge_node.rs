@@ -66,3 +66,40 @@ pub(crate) fn log_stats(bridge: Option<&RunningBridge>) {
         );
     }
 }
+
+/// The bridge's counters on the node's `/metrics`, as
+/// `railyard_bridge_<name>_total`, read when scraped.
+pub(crate) struct BridgeCollector {
+    pub(crate) server: railyard_bridge::BridgeServer,
+}
+
+impl std::fmt::Debug for BridgeCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BridgeCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for BridgeCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let m = self.server.metrics();
+        for (name, help, v) in m.all() {
+            let c = ConstCounter::new(v);
+            let name = format!("railyard_bridge_{name}");
+            c.encode(encoder.encode_descriptor(&name, help.trim(), None, c.metric_type())?)?;
+        }
+        let open = ConstGauge::new(i64::try_from(m.connections_open()).unwrap_or(i64::MAX));
+        open.encode(encoder.encode_descriptor(
+            "railyard_bridge_connections_open",
+            "Bridge connections open now",
+            None,
+            open.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}

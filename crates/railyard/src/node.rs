@@ -11,7 +11,7 @@ pub(crate) struct NodeArgs {
     /// Node name, used in logs.
     #[arg(long, default_value = "railyard-1", env = "RAILYARD_NODE_NAME")]
     name: String,
-    /// How often to log the bus's counters (0 disables).
+    /// How often to log the counters of the bus, the bridge and the cluster (0 disables).
     #[arg(long, default_value = "60s", value_parser = crate::bench_cmd::parse_duration)]
     stats_every: Duration,
     #[command(flatten)]
@@ -76,6 +76,14 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|p| p.into_inner())
             .register_collector(Box::new(crate::cluster_node::ClusterCollector {
                 observer: c.observer(),
+            }));
+    }
+    if let Some(b) = &bridge {
+        registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .register_collector(Box::new(crate::bridge_node::BridgeCollector {
+                server: b.server().clone(),
             }));
     }
     let saga = crate::saga_node::start(&args.saga, file.saga, Some(&registry)).await?;

@@ -28,7 +28,7 @@ pub(crate) struct SagaArgs {
     saga_data_dir: PathBuf,
     /// PostgreSQL connection string for `--saga-store postgres`
     /// (e.g. postgres://railyard@127.0.0.1:5432/railyard).
-    #[arg(long, env = "RAILYARD_SAGA_POSTGRES_URL")]
+    #[arg(long, env = "RAILYARD_SAGA_POSTGRES_URL", hide_env_values = true)]
     saga_postgres_url: Option<String>,
     /// Do not start the saga coordinator.
     #[arg(long)]

@@ -76,6 +76,15 @@ fn node_starts_and_stops_gracefully_on_sigterm() {
     );
     // The node's echo and info services.
     assert!(metrics.contains("railyard_bus_consumers 2"), "{metrics}");
+    // The bridge's counters (its listener is up; nobody connected yet).
+    assert!(
+        metrics.contains("railyard_bridge_connections_accepted_total 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("railyard_bridge_connections_open 0"),
+        "{metrics}"
+    );
     // The saga coordinator: its REST API on its port (on the embedded store
     // in the data directory), its metrics on the admin port.
     let saga = saga.expect("the node logs the saga coordinator's address before it starts");
