@@ -207,7 +207,14 @@ impl Shared {
         }
         let list = self.interceptors.load();
         for (_, i) in list.iter() {
-            if let Verdict::Reject(reason) = i.inbound(msg) {
+            // Inbound interceptors run on the consumer's task or its loop's
+            // dispatcher: a panic there would take down every consumer the
+            // loop runs, so it counts as a veto of this message instead.
+            let verdict = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| i.inbound(msg)))
+                .unwrap_or_else(|_| {
+                    Verdict::Reject("an inbound interceptor panicked on this message".into())
+                });
+            if let Verdict::Reject(reason) = verdict {
                 return Err(BusError::Rejected { reason });
             }
         }
@@ -832,7 +839,8 @@ impl EventBus {
         env: Envelope,
         options: &DeliveryOptions,
     ) -> Result<(), (BusError, Envelope)> {
-        let kind = if env.reply.is_some() {
+        let request = env.reply.is_some();
+        let kind = if request {
             RemoteKind::Request {
                 timeout: options.timeout,
             }
@@ -849,18 +857,26 @@ impl EventBus {
             reply: env.reply.map(|tx| ReplyHandle { tx }),
         };
         crate::dispatch::note_sent_away();
-        node.deliver(msg).map_err(|u| {
-            let Undelivered { error, message: m } = *u;
-            (
-                error,
-                Envelope {
-                    headers: m.headers,
-                    body: m.body,
-                    reply: m.reply.map(|h| h.tx),
-                    send: true,
-                },
-            )
-        })
+        match node.deliver(msg) {
+            Ok(()) => Ok(()),
+            // A request handed back without its reply handle was already
+            // answered (the link failed it, e.g. its peer was lost between
+            // taking the request and refusing it): routing it on would
+            // deliver it a second time, as a send nobody can answer.
+            Err(u) if request && u.message.reply.is_none() => Ok(()),
+            Err(u) => {
+                let Undelivered { error, message: m } = *u;
+                Err((
+                    error,
+                    Envelope {
+                        headers: m.headers,
+                        body: m.body,
+                        reply: m.reply.map(|h| h.tx),
+                        send: true,
+                    },
+                ))
+            }
+        }
     }
 
     /// The registry snapshot for one send or publish.

@@ -30,6 +30,11 @@ use crate::{Body, BusError, Headers};
 /// Most messages a consumer takes per lock acquisition.
 pub(crate) const BATCH: usize = 64;
 
+/// Wakers of senders waiting for room, at most: past it they are all woken
+/// and the live ones register again (see `ConsumerQueue::poll_push`'s
+/// full branch). Well above the waiters a queue has at once in practice.
+const ROOM_WAITERS_MAX: usize = 1024;
+
 /// A message in flight between a sender and a consumer.
 #[derive(Debug)]
 pub(crate) struct Envelope {
@@ -385,6 +390,19 @@ impl ConsumerQueue {
                     .last()
                     .is_some_and(|w| w.will_wake(cx.waker()))
                 {
+                    // Waiters that gave up (a request that timed out while
+                    // blocked, a dropped `send_wait`) leave their wakers
+                    // here until the consumer takes a batch; a consumer that
+                    // takes none would let them pile up. Past the bound every
+                    // waiter is woken and the list starts over: those still
+                    // waiting register again.
+                    if s.room_waiters.len() >= ROOM_WAITERS_MAX {
+                        let stale = std::mem::take(&mut s.room_waiters);
+                        drop(s);
+                        stale.into_iter().for_each(Waker::wake);
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
                     s.room_waiters.push(cx.waker().clone());
                 }
                 return Poll::Pending;
@@ -500,5 +518,54 @@ impl ConsumerQueue {
 
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Body, Headers};
+
+    struct Nobody;
+    impl std::task::Wake for Nobody {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    fn envelope() -> Envelope {
+        Envelope {
+            headers: Headers::new(),
+            body: Body::new(1u32),
+            reply: None,
+            send: true,
+        }
+    }
+
+    /// Senders that gave up waiting for room (a request that timed out
+    /// while blocked) leave wakers behind; a consumer that takes nothing
+    /// would let them pile up without bound.
+    #[test]
+    fn wakers_of_senders_that_gave_up_do_not_pile_up() {
+        let bus = crate::EventBus::new();
+        let q = Arc::new(ConsumerQueue::new(
+            "a",
+            bus.inner.shared.clone(),
+            1,
+            false,
+            1,
+            false,
+            None,
+        ));
+        let waker = Waker::from(Arc::new(Nobody));
+        let mut slot = Some(envelope());
+        let r = q.poll_push(&mut slot, &mut Context::from_waker(&waker));
+        assert!(matches!(r, Poll::Ready(Ok(()))), "room for one");
+        for _ in 0..5 * ROOM_WAITERS_MAX {
+            // A distinct waker each time: a sender that polled once and left.
+            let waker = Waker::from(Arc::new(Nobody));
+            let mut slot = Some(envelope());
+            let r = q.poll_push(&mut slot, &mut Context::from_waker(&waker));
+            assert!(r.is_pending(), "full");
+        }
+        assert!(q.state.lock().room_waiters.len() <= ROOM_WAITERS_MAX);
     }
 }

@@ -199,7 +199,11 @@ impl<'a> PendingReply<'a> {
             shared,
             router,
             state,
-            deadline: start + timeout,
+            // `Duration::MAX` ("no timeout") would overflow `Instant`: a
+            // century stands in for it.
+            deadline: start
+                .checked_add(timeout)
+                .unwrap_or_else(|| start + Duration::from_secs(100 * 365 * 24 * 3600)),
             timeout,
             timer: None,
         }

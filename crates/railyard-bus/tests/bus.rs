@@ -436,6 +436,41 @@ async fn sending_with_moved_headers_gives_them_back_on_refusal() {
     assert_eq!(got, [pair("b", "2"), pair("stamped", "yes")]);
 }
 
+/// An inbound interceptor that panics vetoes that message; the consumer
+/// goes on with the next ones (the panic no longer ends its task), and a
+/// request with an unbounded timeout (`Duration::MAX`, "no timeout") works.
+#[tokio::test]
+async fn a_panicking_inbound_interceptor_vetoes_one_message_and_the_consumer_goes_on() {
+    struct Fragile;
+    impl Interceptor for Fragile {
+        fn inbound(&self, msg: &mut Message) -> Verdict {
+            assert!(msg.body::<u64>() != Some(&13), "cannot stand 13");
+            Verdict::Continue
+        }
+    }
+    let bus = EventBus::new();
+    let _c = bus
+        .consumer("fragile")
+        .handler(|mut m| async move {
+            let n = *m.body::<u64>().unwrap();
+            m.reply(n + 1).unwrap();
+        })
+        .await
+        .unwrap();
+    bus.add_interceptor(Arc::new(Fragile));
+    let e = bus.request("fragile", 13u64).await.unwrap_err();
+    assert!(
+        matches!(&e, BusError::Rejected { reason } if reason.contains("panicked")),
+        "{e:?}"
+    );
+    let no_timeout = DeliveryOptions::new().timeout(Duration::MAX);
+    let reply = bus
+        .request_with("fragile", 1u64, &no_timeout)
+        .await
+        .expect("the consumer is still there");
+    assert_eq!(reply.body::<u64>(), Some(&2));
+}
+
 #[tokio::test]
 async fn interceptors_see_rewrite_and_veto() {
     struct Stamp;
@@ -979,6 +1014,65 @@ mod remote {
             }
             Ok(())
         }
+    }
+
+    /// A link that fails a request's handle (its peer was lost) and then
+    /// hands the message back without it.
+    #[derive(Debug)]
+    struct LostPeer;
+
+    impl RemoteNode for LostPeer {
+        fn id(&self) -> &str {
+            "lost"
+        }
+        fn deliver(&self, mut msg: RemoteMessage) -> Result<(), Box<Undelivered>> {
+            if let Some(reply) = msg.reply.take() {
+                reply.fail(BusError::Cluster {
+                    reason: "peer lost".into(),
+                });
+            }
+            Err(Box::new(Undelivered {
+                error: BusError::NoHandlers {
+                    address: msg.address.to_string(),
+                },
+                message: msg,
+            }))
+        }
+    }
+
+    /// A request the link already failed is not routed on to another
+    /// consumer as a send nobody can answer (it would run twice if the
+    /// requester retried).
+    #[tokio::test]
+    async fn a_request_the_link_already_failed_is_not_delivered_again() {
+        let bus = EventBus::new();
+        let mut local = bus.consumer("r").stream().await.unwrap();
+        bus.set_remote_nodes("r", vec![Arc::new(LostPeer) as Arc<dyn RemoteNode>]);
+        // Round-robin over the local consumer (which never answers) and the
+        // lost peer: each request either meets the peer first and fails
+        // there, or reaches the local consumer and times out.
+        let quick = DeliveryOptions::new().timeout(std::time::Duration::from_millis(100));
+        let mut failed_at_peer = 0;
+        for i in 0..4u8 {
+            match bus.request_with("r", i, &quick).await {
+                Err(BusError::Cluster { .. }) => failed_at_peer += 1,
+                Err(BusError::Timeout { .. }) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(failed_at_peer >= 1, "the peer took some");
+        use futures::StreamExt;
+        let mut got = 0;
+        while let Ok(Some(m)) =
+            tokio::time::timeout(std::time::Duration::from_millis(50), local.next()).await
+        {
+            assert!(
+                m.expects_reply(),
+                "a request the peer failed reached the local consumer as a bare send"
+            );
+            got += 1;
+        }
+        assert_eq!(got + failed_at_peer, 4, "each request went one way only");
     }
 
     #[derive(Default)]
