@@ -263,9 +263,16 @@ impl Consumer {
     /// fail with [`BusError::NoHandlers`]; the handler finishes the message it
     /// is on and the batch it already took, then the task ends. Resolves when
     /// it has ended.
+    ///
+    /// Called from the consumer's own handler (a one-shot consumer), it
+    /// resolves at once: the handler's message is the one in progress, and
+    /// the consumer ends when the handler returns.
     pub async fn unregister(mut self) {
         self.bus.unregister(&self.queue);
         if let Some(task) = self.task.take() {
+            if tokio::task::try_id() == Some(task.id()) {
+                return; // inside its own handler: waiting would never end
+            }
             // A handler panic is caught inside the task, so join errors only
             // mean cancellation at runtime shutdown: nothing left to do.
             let _ = task.await;

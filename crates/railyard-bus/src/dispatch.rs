@@ -615,12 +615,40 @@ impl Future for DispatchTask {
     }
 }
 
+thread_local! {
+    /// The dispatched consumer whose handler this thread is polling, if any:
+    /// its `unregister`, called from that handler, must not wait for the
+    /// batch the handler itself is in.
+    static HANDLING: std::cell::Cell<*const ConsumerQueue> = const { std::cell::Cell::new(std::ptr::null()) };
+}
+
+/// Marks `queue`'s handler as being polled on this thread until dropped.
+struct Running(*const ConsumerQueue);
+
+impl Running {
+    fn enter(queue: &ConsumerQueue) -> Self {
+        Self(HANDLING.replace(std::ptr::from_ref(queue)))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        HANDLING.set(self.0);
+    }
+}
+
+/// Whether this thread is polling `queue`'s handler right now.
+pub(crate) fn is_running(queue: &ConsumerQueue) -> bool {
+    std::ptr::eq(HANDLING.get(), queue)
+}
+
 /// Runs one batch of a scheduled consumer's messages.
 fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: &mut Context<'_>) {
     debug_assert!(batch.is_empty(), "a batch left over from another consumer");
     let Some(runner) = queue.runner() else {
         return;
     };
+    let _running = Running::enter(queue);
     let more = match queue.take_scheduled(batch, BATCH) {
         Take::Skip | Take::Empty => return,
         Take::Batch { more } => more,
@@ -680,15 +708,22 @@ async fn finish_on_task(mut task: BatchTask, rest: VecDeque<Envelope>) {
     let runner = queue.runner().expect("a dispatched consumer has a runner");
     // Safety (here and below): this task holds the consumer's run token
     // from `enter_task` until `leave_task`.
-    std::future::poll_fn(|cx| unsafe { runner.resume(cx) }).await;
+    std::future::poll_fn(|cx| {
+        let _running = Running::enter(queue);
+        unsafe { runner.resume(cx) }
+    })
+    .await;
     for env in rest {
         let Some(msg) = admit(queue, env) else {
             continue;
         };
         let mut msg = Some(msg);
-        std::future::poll_fn(|cx| match msg.take() {
-            Some(m) => unsafe { runner.start(m, cx) },
-            None => unsafe { runner.resume(cx) },
+        std::future::poll_fn(|cx| {
+            let _running = Running::enter(queue);
+            match msg.take() {
+                Some(m) => unsafe { runner.start(m, cx) },
+                None => unsafe { runner.resume(cx) },
+            }
         })
         .await;
     }

@@ -325,6 +325,11 @@ impl ConsumerQueue {
         let Some(d) = &self.dispatch else {
             return;
         };
+        if crate::dispatch::is_running(self) {
+            // Called from this consumer's own handler: the batch in progress
+            // is the caller's, and it ends when the handler returns.
+            return;
+        }
         // The queue is closed, so no new batch starts: only the one in
         // progress can keep `active` set. A few yields cover a synchronous
         // handler on this loop; then check after pauses growing from 1 to

@@ -356,3 +356,54 @@ fn unregister_waits_without_a_timer_on_the_awaiting_runtime() {
         .recv_timeout(Duration::from_secs(5))
         .expect("unregister returns once the handler finished");
 }
+
+/// A one-shot consumer: its handler unregisters it. On a dispatched loop
+/// and on a plain task, `unregister` called from the handler resolves at
+/// once (it waited for the batch the handler itself was in, for ever), and
+/// no later message reaches the consumer.
+#[tokio::test]
+async fn a_consumer_can_unregister_itself_from_its_handler() {
+    for dispatched in [true, false] {
+        let bus = EventBus::new();
+        let rt = timed_loop();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        let (bus2, seen2) = (bus.clone(), seen.clone());
+        std::thread::spawn(move || {
+            rt.block_on(async move {
+                if dispatched {
+                    assert!(enable_loop_dispatch());
+                }
+                let slot: Arc<Mutex<Option<Consumer>>> = Arc::default();
+                let s = slot.clone();
+                let c = bus2
+                    .consumer("once")
+                    .handler(move |_m| {
+                        let (s, seen, done) = (s.clone(), seen2.clone(), done_tx.clone());
+                        async move {
+                            seen.fetch_add(1, Ordering::SeqCst);
+                            let me = s.lock().unwrap().take();
+                            if let Some(me) = me {
+                                me.unregister().await;
+                                let _ = done.send(());
+                            }
+                        }
+                    })
+                    .await
+                    .unwrap();
+                *slot.lock().unwrap() = Some(c);
+                bus2.send("once", 1u8).unwrap();
+                // Keep the loop running for the handler.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            });
+        });
+        tokio::time::timeout(Duration::from_secs(2), done_rx.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("unregister from the handler hung (dispatched: {dispatched})")
+            })
+            .expect("done");
+        assert!(bus.send("once", 2u8).is_err(), "unregistered");
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+    }
+}
