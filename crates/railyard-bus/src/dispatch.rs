@@ -616,9 +616,11 @@ impl Future for DispatchTask {
 }
 
 thread_local! {
-    /// The dispatched consumer whose handler this thread is polling, if any:
-    /// its `unregister`, called from that handler, must not wait for the
-    /// batch the handler itself is in.
+    /// The dispatched consumer whose handler this thread is polling on a
+    /// task of its own (`finish_on_task`), if any: its `unregister`, called
+    /// from that handler, must not wait for the batch the handler itself is
+    /// in. (Inside the dispatcher's own poll, `RUNNING` tells the same
+    /// without a per-batch cost: see [`handling_inline`].)
     static HANDLING: std::cell::Cell<*const ConsumerQueue> = const { std::cell::Cell::new(std::ptr::null()) };
 }
 
@@ -637,9 +639,17 @@ impl Drop for Running {
     }
 }
 
-/// Whether this thread is polling `queue`'s handler right now.
+/// Whether this thread is polling `queue`'s handler on the handler's own
+/// task right now.
 pub(crate) fn is_running(queue: &ConsumerQueue) -> bool {
     std::ptr::eq(HANDLING.get(), queue)
+}
+
+/// Whether this thread is inside `dispatcher`'s poll: a consumer of it whose
+/// batch is active and not on a task of its own is then the one whose
+/// handler this poll is running (one at a time).
+pub(crate) fn handling_inline(dispatcher: &Dispatcher) -> bool {
+    RUNNING.with(Cell::get) == std::ptr::from_ref(dispatcher)
 }
 
 /// Runs one batch of a scheduled consumer's messages.
@@ -648,7 +658,6 @@ fn run_consumer(queue: &Arc<ConsumerQueue>, batch: &mut VecDeque<Envelope>, cx: 
     let Some(runner) = queue.runner() else {
         return;
     };
-    let _running = Running::enter(queue);
     let more = match queue.take_scheduled(batch, BATCH) {
         Take::Skip | Take::Empty => return,
         Take::Batch { more } => more,

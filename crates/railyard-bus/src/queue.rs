@@ -325,7 +325,8 @@ impl ConsumerQueue {
         let Some(d) = &self.dispatch else {
             return;
         };
-        if crate::dispatch::is_running(self) {
+        let inline = crate::dispatch::handling_inline(&d.dispatcher) && !self.state.lock().in_task;
+        if inline || crate::dispatch::is_running(self) {
             // Called from this consumer's own handler: the batch in progress
             // is the caller's, and it ends when the handler returns.
             return;
