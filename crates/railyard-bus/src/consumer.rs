@@ -157,9 +157,14 @@ where
 {
     let mut batch: VecDeque<Envelope> = VecDeque::with_capacity(BATCH);
     let mut since_yield = 0;
+    let mut ends = EndsWithTask {
+        queue: queue.clone(),
+        finished: false,
+    };
     loop {
         let open = std::future::poll_fn(|cx| queue.poll_batch(cx, &mut batch, BATCH)).await;
         if !open {
+            ends.finished = true;
             return;
         }
         crate::idle_spin::note_loop_work();
@@ -175,6 +180,29 @@ where
         if since_yield >= YIELD_EVERY {
             since_yield = 0;
             tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// A handler consumer's queue, closed if its task is dropped before it ends
+/// (its runtime shut down): routing then skips it (sends go to the
+/// address's other consumers, or fail with `NoHandlers`) and what it held
+/// fails at once, instead of a consumer that stays registered, takes
+/// messages and never handles them (requests waiting their whole timeout).
+struct EndsWithTask {
+    queue: Arc<ConsumerQueue>,
+    finished: bool,
+}
+
+impl Drop for EndsWithTask {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        if let Some(left) = self.queue.close() {
+            for env in left {
+                env.fail_unhandled(&self.queue.address);
+            }
         }
     }
 }

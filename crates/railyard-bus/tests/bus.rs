@@ -1243,3 +1243,35 @@ fn a_decoded_string_does_not_keep_a_larger_buffer_it_was_cut_from() {
     assert_eq!(s, "hello");
     assert!(s.capacity() < 1_000, "kept {} bytes", s.capacity());
 }
+
+/// A handler consumer whose runtime shut down (its handle detached) no
+/// longer takes messages it will never handle: sends skip it (here: no
+/// other consumer, so `NoHandlers`) and a request fails at once instead of
+/// waiting its whole timeout.
+#[tokio::test]
+async fn a_consumer_whose_runtime_is_gone_takes_no_more_messages() {
+    let bus = EventBus::new();
+    let b = bus.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            // Detached: the handle is dropped, the consumer keeps running.
+            drop(b.consumer("orphan").handler(|_m| async {}).await.unwrap());
+            b.send("orphan", 0u8).unwrap();
+            tokio::task::yield_now().await;
+        });
+        // The runtime ends here, and its tasks with it.
+    })
+    .join()
+    .unwrap();
+    let e = bus.send("orphan", 1u8).unwrap_err();
+    assert_eq!(e.error.kind().as_str(), "NO_HANDLERS", "{:?}", e.error);
+    let opts = DeliveryOptions::new().timeout(Duration::from_secs(5));
+    let t0 = std::time::Instant::now();
+    let e = bus.request_with("orphan", 2u8, &opts).await.unwrap_err();
+    assert_eq!(e.kind().as_str(), "NO_HANDLERS", "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(1), "failed at once");
+}
