@@ -521,6 +521,34 @@ pub(crate) fn progress_bar(label: String, total: Duration) -> ProgressBar {
     pb
 }
 
+/// A spinner that shows how long its work has taken so far, for work of
+/// unknown length (a build, a cluster converging).
+pub(crate) fn spinner(msg: String) -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("the template is valid"),
+    );
+    pb.set_message(msg);
+    pb.enable_steady_tick(Duration::from_millis(200));
+    pb
+}
+
+/// A [`progress_bar`] for work that reports no progress of its own (a peer
+/// process, a load tool): it moves with the clock toward `total`, the
+/// work's expected length, and stops when finished.
+pub(crate) fn clock_bar(label: String, total: Duration) -> ProgressBar {
+    let pb = progress_bar(label, total);
+    let ticking = pb.clone();
+    let t0 = std::time::Instant::now();
+    tokio::spawn(async move {
+        while !ticking.is_finished() {
+            ticking.set_position((t0.elapsed().min(total)).as_millis() as u64);
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    pb
+}
+
 async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
     check_common(&a.common)?;
     if a.instances == 0 || a.in_flight == 0 {
@@ -559,10 +587,10 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
             ));
             ours.push(r);
             if let Some(p) = &peer {
-                let pb = ProgressBar::new_spinner();
                 let name = a.common.vs.map_or("vertx", Peer::label);
-                pb.set_message(format!("{name} {label} #{run}"));
-                pb.enable_steady_tick(Duration::from_millis(200));
+                // The peer reports nothing until it is done: the bar moves
+                // with the clock over its warm-up and window.
+                let pb = clock_bar(format!("{name} {label} #{run}"), cfg.warmup + cfg.duration);
                 let vs = a.common.vs.expect("a peer is set");
                 let v = p
                     .run(&peer_echo_args(cfg, vs, a.common.nodes), false)

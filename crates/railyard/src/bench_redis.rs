@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use indicatif::ProgressBar;
 use railyard_bench::peer::default_peers_dir;
 use railyard_bench::redis_refresh::{self, RedisRefreshResult, RunConfig, System};
 use railyard_bench::report::{median, table, write_json};
@@ -194,9 +193,19 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                         String::from_utf8_lossy(&o.stdout)
                             .lines()
                             .nth(1)
-                            .map(|ms| format!("{ms} ms"))
-                    })
-                    .unwrap_or_else(|| "unknown".to_owned());
+                            .map(str::to_owned)
+                    });
+                let wanted = a.node_timeout.as_millis().to_string();
+                if timeout.as_deref().is_some_and(|ms| ms != wanted) {
+                    eprintln!(
+                        "warning: the reused cluster's cluster-node-timeout is {} ms, not --node-timeout's {wanted} ms: \
+                         its gossip differs from a fresh cluster's and skews the tail; stop it \
+                         (railyard dev redis-cluster down --base-port {}) to let the bench start one",
+                        timeout.as_deref().unwrap_or("?"),
+                        a.base_port
+                    );
+                }
+                let timeout = timeout.map_or_else(|| "unknown".to_owned(), |ms| format!("{ms} ms"));
                 eprintln!(
                     "reusing the redis cluster on base port {} ({} nodes, cluster-node-timeout {timeout})",
                     a.base_port, a.nodes
@@ -204,9 +213,7 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                 c
             }
             None => {
-                let pb = ProgressBar::new_spinner();
-                pb.enable_steady_tick(Duration::from_millis(200));
-                pb.set_message(format!(
+                let pb = crate::bench_cmd::spinner(format!(
                     "starting a {}-node redis cluster and waiting until it agrees...",
                     a.nodes
                 ));
@@ -248,16 +255,16 @@ pub(crate) async fn run(a: RedisRefreshArgs) -> anyhow::Result<()> {
                     warmup: a.warmup,
                     run,
                 };
-                let pb = ProgressBar::new_spinner();
-                pb.enable_steady_tick(Duration::from_millis(500));
-                pb.set_message(format!(
-                    "run {run}/{}: {} refresh {} at {}/s for {:?}",
-                    a.runs,
-                    system.label(),
-                    fmt_refresh(refresh),
-                    a.rate,
-                    a.duration
-                ));
+                let pb = crate::bench_cmd::clock_bar(
+                    format!(
+                        "run {run}/{}: {} refresh {} at {}/s",
+                        a.runs,
+                        system.label(),
+                        fmt_refresh(refresh),
+                        a.rate
+                    ),
+                    a.warmup + a.duration,
+                );
                 let r = redis_refresh::run_one(&cfg, &work).await;
                 pb.finish_and_clear();
                 let r = r.with_context(|| {

@@ -286,9 +286,7 @@ pub(crate) async fn run(a: SagaArgs) -> anyhow::Result<()> {
                 o.store.as_str(),
                 o.transactions
             );
-            let pb = ProgressBar::new_spinner();
-            pb.set_message(format!("dtm run {run} (the first run builds DTM)"));
-            pb.enable_steady_tick(Duration::from_millis(200));
+            let pb = crate::bench_cmd::spinner(format!("dtm run {run} (the first run builds DTM)"));
             let v = run_dtm(o).await;
             pb.finish_and_clear();
             let v = v?;
