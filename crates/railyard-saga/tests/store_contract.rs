@@ -443,6 +443,82 @@ async fn sqlite_disk_stays_bounded_under_churn() {
     }
 }
 
+/// One saga that never finishes (a starter that died, no timeout) does not
+/// make the embedded store keep every segment written after it: the
+/// segments kept only by pins are stripped to their marks, so the log stays
+/// small, and a restart still finds exactly the unfinished saga.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || SqliteStore::open(dir.path(), SqliteConfig::default());
+    let s: Arc<dyn SagaStore> = Arc::new(open().await.unwrap());
+    // "stuck" shares its segment with the first saga of each of 16 chains.
+    // Then each chain appends its saga n and finishes its saga n - 1 at
+    // once: commits mix one chain's events with others' marks, whose
+    // events sit in earlier segments, back to the one "stuck" keeps.
+    // Without stripping, those chains of pins keep most segments.
+    let name = |t: usize, n: usize| format!("chain-{t}-{n}");
+    const TASKS: usize = 16;
+    let mut first = saga_events("stuck");
+    for t in 0..TASKS {
+        first.extend(saga_events(&name(t, 0)));
+    }
+    s.append(first).await.unwrap();
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            for n in 1..100 {
+                let (a, f) = tokio::join!(
+                    s.append(saga_events(&name(t, n))),
+                    s.finish(vec![summary(
+                        &name(t, n - 1),
+                        "svc",
+                        SagaState::Committed,
+                        1,
+                        now_ms()
+                    )])
+                );
+                a.unwrap();
+                f.unwrap();
+            }
+            s.finish(vec![summary(
+                &name(t, 99),
+                "svc",
+                SagaState::Committed,
+                1,
+                now_ms(),
+            )])
+            .await
+            .unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // More commits than STRIP_LAG, for the writer to strip the last ones.
+    for n in 0..80 {
+        let g = format!("tail-{n}");
+        s.append(saga_events(&g)).await.unwrap();
+        s.finish(vec![summary(&g, "svc", SagaState::Committed, 1, now_ms())])
+            .await
+            .unwrap();
+    }
+    let segments = || -> i64 {
+        let c = rusqlite::Connection::open(dir.path().join("saga.db")).unwrap();
+        c.query_row("SELECT count(*) FROM segments", [], |r| r.get(0))
+            .unwrap()
+    };
+    let kept = segments();
+    eprintln!("segments kept: {kept}");
+    assert!(kept <= 100, "{kept} segments kept for one unfinished saga");
+    drop(s);
+    let s = open().await.unwrap();
+    let left = s.unfinished().await.unwrap();
+    assert!(left.iter().all(|e| e.global_tx_id == "stuck"), "{left:?}");
+    assert_eq!(left.len(), saga_events("stuck").len());
+}
+
 /// A burst of unfinished sagas grows the file; once they finish and are
 /// pruned, their pages are free. With `reclaim_free_pages` the file gives
 /// them back (beyond 4 MiB kept for later commits); by default it keeps

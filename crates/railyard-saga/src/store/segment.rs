@@ -29,13 +29,25 @@
 //! are zero: nothing in it is needed any more. Marks only point back, so
 //! the oldest segment never has pins and deletions always make progress.
 //! A saga that never finishes keeps its segments (with whatever dead
-//! entries share them): disk is bounded by the unfinished sagas times the
-//! size of a group commit.
+//! entries share them). A kept segment's marks pin the segment they are
+//! in, whose own dead entries pin the marks after them, and so on: one
+//! saga that never finishes would keep every later segment. So a segment
+//! kept only by its pins, once it is [`STRIP_LAG`] commits old, is
+//! *stripped*: rewritten with its marks alone ([`marks_only`]); its dead
+//! entries then count as gone, which releases the pins that covered them.
+//! Disk is then bounded by the unfinished sagas times the size of a group
+//! commit, plus a mark per finished saga that shared a segment with one.
 
 use std::collections::{BTreeMap, HashMap};
 
 use super::codec::{self, put_len, read_strings, Reader, Strings};
 use crate::event::EventRecord;
+
+/// How many commits old a segment kept only by its pins must be before it
+/// is stripped. Pins usually go within a few commits (the sagas whose
+/// marks they are end in milliseconds); stripping only old ones keeps the
+/// rewrite off the common path.
+pub(crate) const STRIP_LAG: i64 = 64;
 
 const VERSION_1: u8 = 1;
 const VERSION: u8 = 2;
@@ -253,6 +265,23 @@ struct Seg {
     dead: Vec<u64>,
 }
 
+/// A stored segment rewritten with its marks alone (see the module docs):
+/// the same version-2 layout, with an empty string table.
+///
+/// # Errors
+/// What is wrong with the stored bytes.
+pub(crate) fn marks_only(data: &[u8]) -> Result<Vec<u8>, String> {
+    let mut buf = SegmentBuf::default();
+    buf.start(0);
+    entries(data, |e, _| {
+        if let Entry::Mark { global_tx_id } = e {
+            buf.mark(global_tx_id);
+        }
+        Ok(())
+    })?;
+    Ok(buf.finish().to_vec())
+}
+
 /// A finished saga whose mark still matters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Dead {
@@ -336,6 +365,46 @@ impl Index {
         true
     }
 
+    /// Segments older than `before` kept only by their pins whose dead
+    /// entries still hold up other segments' pins: to be stripped (see the
+    /// module docs), then passed to [`stripped`](Self::stripped).
+    pub(crate) fn strippable(&self, before: i64) -> Vec<i64> {
+        self.segs
+            .range(..before)
+            .filter(|(_, g)| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
+    /// Segment `seq` was rewritten with its marks alone: its dead entries
+    /// are gone, as if it had been deleted, so the marks that covered them
+    /// may no longer pin theirs (pushed on `touched`, for [`collect`](Self::collect)).
+    pub(crate) fn stripped(&mut self, seq: i64, touched: &mut Vec<i64>) {
+        let Some(seg) = self.segs.get_mut(&seq) else {
+            return;
+        };
+        for id in std::mem::take(&mut seg.dead) {
+            self.release(id, touched);
+        }
+    }
+
+    /// One segment with entries of finished saga `id` is gone (deleted or
+    /// stripped): when none is left, its mark no longer pins its segment.
+    fn release(&mut self, id: u64, touched: &mut Vec<i64>) {
+        let Some(d) = self.dead.get_mut(&id) else {
+            return;
+        };
+        d.remaining -= 1;
+        if d.remaining == 0 {
+            let mark = d.mark;
+            self.dead.remove(&id);
+            if let Some(m) = self.segs.get_mut(&mark) {
+                m.pins -= 1;
+                touched.push(mark);
+            }
+        }
+    }
+
     /// Removes every segment among `touched` (and those that frees in
     /// turn) that nothing needs any more; returns their `seq`s.
     pub(crate) fn collect(&mut self, mut touched: Vec<i64>) -> Vec<i64> {
@@ -353,18 +422,7 @@ impl Index {
             };
             gone.push(s);
             for id in seg.dead {
-                let Some(d) = self.dead.get_mut(&id) else {
-                    continue;
-                };
-                d.remaining -= 1;
-                if d.remaining == 0 {
-                    let mark = d.mark;
-                    self.dead.remove(&id);
-                    if let Some(m) = self.segs.get_mut(&mark) {
-                        m.pins -= 1;
-                        touched.push(mark);
-                    }
-                }
+                self.release(id, &mut touched);
             }
         }
         gone
@@ -495,6 +553,81 @@ mod tests {
         assert_eq!(gone, [1, 2, 3]);
         assert_eq!(index.segments(), 0, "{index:?}");
         assert_eq!(index.live_events, 0);
+    }
+
+    /// One saga that never finishes, sharing its first segment: the marks
+    /// of the sagas after it pin each other's segments in a chain (each
+    /// pinned segment's dead entries hold the next mark's pin), so without
+    /// stripping every later segment stays. With it (as the writer does,
+    /// `STRIP_LAG` commits behind), the segments stay few, and replaying
+    /// what is stored still gives exactly the unfinished events.
+    #[test]
+    fn a_saga_that_never_finishes_does_not_keep_every_later_segment() {
+        let mut index = Index::default();
+        let mut stored: BTreeMap<i64, Vec<u8>> = BTreeMap::new();
+        let name = |k: i64| format!("s{k}");
+        let mut commit =
+            |index: &mut Index, seq: i64, events: &[String], finish: Option<String>| {
+                let mut buf = SegmentBuf::default();
+                buf.start(2);
+                let mut touched = vec![seq];
+                for g in events {
+                    buf.events(g, &[ev(g, &format!("{g}-0"))]);
+                    index.events(seq, g, 1);
+                }
+                if let Some(g) = finish {
+                    if index.finish(seq, &g, &mut touched) {
+                        buf.mark(&g);
+                    }
+                }
+                if !buf.is_empty() {
+                    stored.insert(seq, buf.finish().to_vec());
+                }
+                let mut gone = index.collect(touched);
+                let mut touched = Vec::new();
+                for s in index.strippable(seq - STRIP_LAG) {
+                    let data = stored.get(&s).expect("a stored segment");
+                    let marks = marks_only(data).expect("readable");
+                    stored.insert(s, marks);
+                    index.stripped(s, &mut touched);
+                }
+                gone.extend(index.collect(touched));
+                for g in gone {
+                    stored.remove(&g);
+                }
+            };
+        commit(&mut index, 1, &["L".to_owned(), name(1)], None);
+        for k in 2..1000 {
+            commit(&mut index, k, &[name(k)], Some(name(k - 1)));
+        }
+        assert!(
+            index.segments() <= STRIP_LAG as usize + 4,
+            "{} segments kept",
+            index.segments()
+        );
+        assert_eq!(index.segments(), stored.len());
+        let mut replay = Replay::default();
+        for data in stored.values() {
+            replay.segment(data, None).unwrap();
+        }
+        let left: Vec<String> = replay
+            .into_events()
+            .into_iter()
+            .map(|e| e.global_tx_id)
+            .collect();
+        assert_eq!(
+            left,
+            ["L", "s999"],
+            "the unfinished sagas, nothing finished"
+        );
+        // Rebuilt from what is stored, the index agrees.
+        let mut rebuilt = Index::default();
+        let mut touched = Vec::new();
+        for (seq, data) in &stored {
+            rebuilt.index_segment(*seq, data, &mut touched).unwrap();
+        }
+        assert!(rebuilt.collect(touched).is_empty());
+        assert_eq!(rebuilt.live_events, 2);
     }
 
     #[test]
