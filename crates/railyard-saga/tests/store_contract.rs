@@ -675,6 +675,38 @@ async fn postgres_down_is_unavailable_with_the_address() {
     assert!(matches!(bad, StoreError::Unavailable(_)), "{bad}");
 }
 
+/// Two coordinators on one database would each recover and drive the
+/// other's sagas (rows carry no owner): the second store is refused, with
+/// what to do, while the first holds the database; once it is gone, a new
+/// one opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_refuses_a_second_coordinator_on_one_database() {
+    let server = railyard_saga::PgServer::start().expect("PostgreSQL starts");
+    let first = PostgresStore::connect(PostgresConfig::new(server.url()))
+        .await
+        .expect("the first coordinator opens");
+    let err = PostgresStore::connect(PostgresConfig::new(server.url()))
+        .await
+        .expect_err("a second one is refused");
+    let msg = err.to_string();
+    assert!(msg.contains("another Railyard saga coordinator"), "{msg}");
+    assert!(msg.contains("database of its own"), "{msg}");
+    drop(first);
+    // The first one's writer lets go of its session as it ends.
+    let mut reopened = None;
+    for _ in 0..100 {
+        if let Ok(s) = PostgresStore::connect(PostgresConfig::new(server.url())).await {
+            reopened = Some(s);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        reopened.is_some(),
+        "a new coordinator opens once the first is gone"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_fails_appends_then_recovers() {
     let Fresh::Postgres { mut server, .. } = Fresh::postgres().await else {

@@ -130,7 +130,15 @@ struct Connector {
     target: String,
     /// The live client, if any; a short std lock, never held across await.
     client: Mutex<Option<Arc<Client>>>,
+    /// The writer's connector holds [`OWNER_LOCK`] in each session it opens
+    /// (one coordinator per database); readers hold nothing.
+    owner: bool,
 }
+
+/// The session-level advisory lock the writer's connection holds: rows
+/// carry no owner, so a second coordinator on the same database would
+/// recover and drive the first one's sagas. (7261746 is the schema lock.)
+const OWNER_LOCK: i64 = 7_261_747;
 
 impl Connector {
     fn new(config: &PostgresConfig) -> Result<Self, StoreError> {
@@ -155,6 +163,15 @@ impl Connector {
             target: format!("{}:{port}", hosts.join(",")),
             config: pg,
             client: Mutex::new(None),
+            owner: false,
+        })
+    }
+
+    /// The writer's connector: see [`OWNER_LOCK`].
+    fn owner(config: &PostgresConfig) -> Result<Self, StoreError> {
+        Ok(Self {
+            owner: true,
+            ..Self::new(config)?
         })
     }
 
@@ -199,6 +216,26 @@ impl Connector {
             .batch_execute("SET synchronous_commit = on")
             .await
             .map_err(|e| self.error(&e))?;
+        if self.owner {
+            // Held by this session until it ends (a reconnect takes it
+            // again, unless another coordinator took it meanwhile).
+            let row = client
+                .query_one("SELECT pg_try_advisory_lock($1)", &[&OWNER_LOCK])
+                .await
+                .map_err(|e| self.error(&e))?;
+            if !row.get::<_, bool>(0) {
+                return Err(StoreError::Engine(format!(
+                    "another Railyard saga coordinator uses the database at {} (it holds \
+                     advisory lock {OWNER_LOCK}): the PostgreSQL store takes one coordinator \
+                     per database, since its rows carry no owner; give this coordinator a \
+                     database of its own, or stop the other one (if its host died, the server \
+                     keeps its session until it notices; end it now with SELECT \
+                     pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND \
+                     objid = {OWNER_LOCK})",
+                    self.target
+                )));
+            }
+        }
         let client = Arc::new(client);
         *self.client.lock() = Some(client.clone());
         Ok(client)
@@ -284,7 +321,7 @@ impl PostgresStore {
     pub async fn connect(config: PostgresConfig) -> Result<Self, StoreError> {
         let reader = Arc::new(Connector::new(&config)?);
         let mut writer = Writer {
-            conn: Connector::new(&config)?,
+            conn: Connector::owner(&config)?,
             statements: None,
             retention: config.retention.clone(),
             max_rows: config.max_batch_rows.max(1),
