@@ -675,6 +675,66 @@ async fn postgres_down_is_unavailable_with_the_address() {
     assert!(matches!(bad, StoreError::Unavailable(_)), "{bad}");
 }
 
+/// A server that stops answering without closing the connection (its
+/// backends stopped, as a host cut off would look): a commit fails as
+/// `Unavailable` after `commit_timeout_secs` (nothing acknowledged) instead
+/// of hanging, and once the server answers again the store reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_silent_server_fails_the_commit_in_time() {
+    let server = railyard_saga::PgServer::start().expect("PostgreSQL starts");
+    let store = PostgresStore::connect(PostgresConfig {
+        commit_timeout_secs: 2,
+        ..PostgresConfig::new(server.url())
+    })
+    .await
+    .expect("opens");
+    store.append(saga_events("before")).await.expect("answered");
+    // Stop the store's backends (the kernel still takes the bytes).
+    let (admin, conn) = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls)
+        .await
+        .expect("an admin connection");
+    tokio::spawn(conn);
+    let pids: Vec<String> = admin
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'railyard-saga'",
+            &[],
+        )
+        .await
+        .expect("the store's backends")
+        .iter()
+        .map(|r| r.get::<_, i32>(0).to_string())
+        .collect();
+    assert!(!pids.is_empty(), "the store's backends run");
+    let signal = |sig: &str| {
+        for pid in &pids {
+            let _ = std::process::Command::new("kill").args([sig, pid]).status();
+        }
+    };
+    signal("-STOP");
+    let t0 = std::time::Instant::now();
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        store.append(saga_events("during")),
+    )
+    .await;
+    signal("-CONT");
+    let err = err
+        .expect("the commit fails in time instead of hanging")
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+    // Answering again: the next commit connects anew.
+    let mut ok = false;
+    for _ in 0..50 {
+        if store.append(saga_events("after")).await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the store recovers once the server answers");
+}
+
 /// Two coordinators on one database would each recover and drive the
 /// other's sagas (rows carry no owner): the second store is refused, with
 /// what to do, while the first holds the database; once it is gone, a new

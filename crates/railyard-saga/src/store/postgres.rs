@@ -81,6 +81,13 @@ pub struct PostgresConfig {
     pub retention: Retention,
     /// How long to wait for a connection, seconds. Default 5.
     pub connect_timeout_secs: u64,
+    /// How long one group commit may take, seconds. A server that stops
+    /// answering without closing the connection (a host cut off, a stopped
+    /// process) then fails the commit as `Unavailable` (nothing
+    /// acknowledged; a restart recovers whatever did land) and the next one
+    /// connects again, instead of every append waiting for TCP to give up
+    /// (minutes to hours). Default 30.
+    pub commit_timeout_secs: u64,
 }
 
 impl Default for PostgresConfig {
@@ -91,6 +98,7 @@ impl Default for PostgresConfig {
             max_batch_rows: 16_384,
             retention: Retention::default(),
             connect_timeout_secs: 5,
+            commit_timeout_secs: 30,
         }
     }
 }
@@ -149,6 +157,18 @@ impl Connector {
             ))
         })?;
         pg.connect_timeout(Duration::from_secs(config.connect_timeout_secs.max(1)));
+        // A server that vanished without closing (host down, cable cut) is
+        // noticed in about half a minute rather than TCP's defaults (2 h of
+        // idle before keep-alives, ~15 min of retransmissions), unless the
+        // connection string says otherwise.
+        if pg.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+            pg.keepalives_idle(Duration::from_secs(10));
+            pg.keepalives_interval(Duration::from_secs(5));
+            pg.keepalives_retries(3);
+        }
+        if pg.get_tcp_user_timeout().is_none() {
+            pg.tcp_user_timeout(Duration::from_secs(30));
+        }
         pg.application_name("railyard-saga");
         let hosts: Vec<String> = pg
             .get_hosts()
@@ -327,6 +347,7 @@ impl PostgresStore {
             max_rows: config.max_batch_rows.max(1),
             commits: Arc::new(AtomicU64::new(0)),
             since_prune: 0,
+            commit_timeout: Duration::from_secs(config.commit_timeout_secs.max(1)),
         };
         let commits = writer.commits.clone();
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
@@ -392,9 +413,18 @@ struct Writer {
     max_rows: usize,
     commits: Arc<AtomicU64>,
     since_prune: u64,
+    /// See [`PostgresConfig::commit_timeout_secs`].
+    commit_timeout: Duration,
 }
 
 impl Writer {
+    /// Forgets the connection (and its prepared statements): the next
+    /// commit connects again.
+    fn drop_connection(&mut self) {
+        self.statements = None;
+        self.conn.client.lock().take();
+    }
+
     async fn run(mut self, mut rx: mpsc::Receiver<WriteRequest>) {
         while let Some(first) = rx.recv().await {
             let batch = take_batch(first, &mut rx, self.max_rows);
@@ -561,10 +591,26 @@ impl Writer {
         }
         // synchronous_commit = on: COMMIT returns once the WAL is flushed.
         pipeline.push(Box::pin(c.batch_execute("COMMIT")));
-        let result = in_order(pipeline).await;
+        let result = match tokio::time::timeout(self.commit_timeout, in_order(pipeline)).await {
+            Ok(r) => r,
+            Err(_) => {
+                drop(c);
+                self.drop_connection();
+                return Err(StoreError::Unavailable(format!(
+                    "PostgreSQL at {} did not answer a commit within {:?}; nothing of it was \
+                     acknowledged (a restart recovers whatever landed); reconnecting",
+                    self.conn.target, self.commit_timeout
+                )));
+            }
+        };
         if let Err(e) = result {
-            if !c.is_closed() {
-                let _ = c.batch_execute("ROLLBACK").await;
+            if !c.is_closed()
+                && tokio::time::timeout(self.commit_timeout, c.batch_execute("ROLLBACK"))
+                    .await
+                    .is_err()
+            {
+                drop(c);
+                self.drop_connection();
             }
             return Err(self.conn.error(&e));
         }
