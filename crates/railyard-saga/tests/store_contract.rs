@@ -519,6 +519,32 @@ async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
     assert_eq!(left.len(), saga_events("stuck").len());
 }
 
+/// A commit that fails, followed by a log that cannot be re-read, leaves
+/// the writer's index possibly wrong: the store refuses every later write
+/// (until a restart rebuilds the index) instead of writing on with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_refuses_writes_once_its_index_cannot_be_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SqliteStore::open(dir.path(), SqliteConfig::default())
+        .await
+        .unwrap();
+    s.append(saga_events("a")).await.unwrap();
+    // From outside: the next commit fails, and the stored segment is damaged.
+    let c = rusqlite::Connection::open(dir.path().join("saga.db")).unwrap();
+    c.execute_batch(
+        "CREATE TRIGGER refuse BEFORE INSERT ON segments BEGIN SELECT RAISE(ABORT, 'refused'); END;
+         UPDATE segments SET data = x'09';",
+    )
+    .unwrap();
+    assert!(
+        s.append(saga_events("b")).await.is_err(),
+        "the commit fails"
+    );
+    c.execute_batch("DROP TRIGGER refuse;").unwrap();
+    let err = s.append(saga_events("c")).await.expect_err("refused");
+    assert!(err.to_string().contains("restart the coordinator"), "{err}");
+}
+
 /// A burst of unfinished sagas grows the file; once they finish and are
 /// pruned, their pages are free. With `reclaim_free_pages` the file gives
 /// them back (beyond 4 MiB kept for later commits); by default it keeps

@@ -474,15 +474,28 @@ impl Writer {
         let max_rows = self.config.max_batch_rows.max(1);
         // `blocking_recv` is fine: this is a dedicated thread, not a tokio
         // worker. It returns `None` once every sender is gone.
+        // Set when the index could not be rebuilt after a failed commit: it
+        // may then disagree with the file (events of the failed commit
+        // counted, segments its finishes freed forgotten), so nothing more
+        // is written until a restart rebuilds it.
+        let mut broken: Option<String> = None;
         while let Some(first) = rx.blocking_recv() {
             let batch = take_batch(first, &mut rx, max_rows);
+            if let Some(why) = &broken {
+                answer(batch, &Err(StoreError::Engine(why.clone())));
+                continue;
+            }
             let result = self.write(&batch).map_err(engine);
             if let Err(e) = &result {
                 tracing::error!(error = %e, requests = batch.len(), "saga store commit failed");
                 // The index already counted the failed commit: rebuild it
                 // from what is stored.
                 if let Err(e) = self.load() {
-                    tracing::error!(error = %e, "re-reading the saga log after a failed commit failed");
+                    tracing::error!(error = %e, "re-reading the saga log after a failed commit failed; the store refuses writes until the coordinator restarts");
+                    broken = Some(format!(
+                        "the saga log could not be re-read after a failed commit ({e}); \
+                         restart the coordinator (it rebuilds its index from the file)"
+                    ));
                 }
             }
             answer(batch, &result);
