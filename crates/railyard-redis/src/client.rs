@@ -358,15 +358,25 @@ impl Drop for Inner {
 impl Inner {
     /// The command connection to `addr`.
     pub(crate) fn conn(&self, addr: &Arc<str>) -> NodeConn {
-        self.get_or_spawn(&self.pool, &self.commands_rt, addr)
+        self.get_or_spawn(&self.pool, &self.commands_rt, addr, Some(&self.trigger))
     }
 
-    /// The topology connection to `addr` (never carries commands).
+    /// The topology connection to `addr` (never carries commands). Its
+    /// losses and failed connects fire no refresh: the refresh that uses it
+    /// sees them itself, and a seed that is down (seeds are always refresh
+    /// targets) would otherwise trigger a full refresh every backoff, for
+    /// ever.
     pub(crate) fn topo_conn(&self, addr: &Arc<str>) -> NodeConn {
-        self.get_or_spawn(&self.topo_pool, &self.topo.handle, addr)
+        self.get_or_spawn(&self.topo_pool, &self.topo.handle, addr, None)
     }
 
-    fn get_or_spawn(&self, pool: &Pool, rt: &tokio::runtime::Handle, addr: &Arc<str>) -> NodeConn {
+    fn get_or_spawn(
+        &self,
+        pool: &Pool,
+        rt: &tokio::runtime::Handle,
+        addr: &Arc<str>,
+        trigger: Option<&Trigger>,
+    ) -> NodeConn {
         if let Some(c) = pool.read().get(addr) {
             if !c.is_closed() {
                 return c.clone();
@@ -376,12 +386,7 @@ impl Inner {
         match pool.get(addr) {
             Some(c) if !c.is_closed() => c.clone(),
             _ => {
-                let c = NodeConn::spawn(
-                    rt,
-                    addr.clone(),
-                    self.cfg.conn.clone(),
-                    self.trigger.clone(),
-                );
+                let c = NodeConn::spawn(rt, addr.clone(), self.cfg.conn.clone(), trigger.cloned());
                 pool.insert(addr.clone(), c.clone());
                 c
             }
@@ -401,10 +406,13 @@ impl Inner {
     /// Swaps `table` in and drops connections to nodes it no longer lists.
     pub(crate) fn install(&self, table: SlotTable) {
         let seeds = &self.cfg.seeds;
+        // The table first: commands routed meanwhile by the old one would
+        // otherwise re-create connections to the nodes being dropped.
+        let table = Arc::new(table);
+        self.table.store(table.clone());
         let known = |a: &str| table.knows(a) || seeds.iter().any(|s| &**s == a);
         drop_unknown(&self.pool, known);
         drop_unknown(&self.topo_pool, known);
-        self.table.store(Arc::new(table));
     }
 
     fn fire(&self, r: Reason) {
@@ -575,6 +583,9 @@ impl ClusterClient {
     }
 
     async fn route(&self, cmd: &Cmd, read: bool) -> Result<Value, RedisError> {
+        if changes_connection_state(cmd) {
+            return Err(RedisError::StatefulCommand(cmd.name().to_ascii_uppercase()));
+        }
         let inner = &self.inner;
         let slot = cmd.routing_key().map(|k| key_slot(k));
         let deadline = Instant::now() + inner.cfg.command_timeout;
@@ -893,6 +904,56 @@ fn group_by_slot(keys: impl Iterator<Item = Bytes>) -> Vec<(u16, Vec<(usize, Byt
     let mut v: Vec<_> = map.into_iter().collect();
     v.sort_by_key(|(s, _)| *s);
     v
+}
+
+/// Whether `cmd` would change the state of the connection it is sent on: on
+/// the connection every caller shares, a `MULTI` would turn other callers'
+/// writes into `QUEUED`, a subscription or client tracking would put push
+/// frames between replies, and a blocking pop (often with no timeout) would
+/// hold up every caller of that node. `WAIT` stays allowed: it is bounded
+/// by its own timeout, like any slow command.
+fn changes_connection_state(cmd: &Cmd) -> bool {
+    const STATEFUL: &[&str] = &[
+        "MULTI",
+        "EXEC",
+        "DISCARD",
+        "WATCH",
+        "UNWATCH",
+        "SUBSCRIBE",
+        "PSUBSCRIBE",
+        "SSUBSCRIBE",
+        "UNSUBSCRIBE",
+        "PUNSUBSCRIBE",
+        "SUNSUBSCRIBE",
+        "MONITOR",
+        "RESET",
+        "QUIT",
+        "BLPOP",
+        "BRPOP",
+        "BRPOPLPUSH",
+        "BLMOVE",
+        "BLMPOP",
+        "BZPOPMIN",
+        "BZPOPMAX",
+        "BZMPOP",
+    ];
+    let name = cmd.name();
+    let is = |s: &str| name.eq_ignore_ascii_case(s);
+    let has_arg = |word: &[u8]| {
+        (1..)
+            .map_while(|i| cmd.arg_at(i))
+            .any(|a| a.eq_ignore_ascii_case(word))
+    };
+    if is("CLIENT") {
+        // CLIENT TRACKING / REPLY change the connection; CLIENT INFO etc. do not.
+        return cmd.arg_at(1).is_some_and(|a| {
+            a.eq_ignore_ascii_case(b"TRACKING") || a.eq_ignore_ascii_case(b"REPLY")
+        });
+    }
+    if is("XREAD") || is("XREADGROUP") {
+        return has_arg(b"BLOCK");
+    }
+    STATEFUL.iter().any(|s| is(s))
 }
 
 #[cfg(test)]

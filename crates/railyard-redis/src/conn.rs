@@ -138,7 +138,7 @@ impl NodeConn {
         rt: &tokio::runtime::Handle,
         addr: Arc<str>,
         cfg: ConnConfig,
-        trigger: Trigger,
+        trigger: Option<Trigger>,
     ) -> Self {
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
         let stats = Arc::new(ConnStats::default());
@@ -251,7 +251,7 @@ async fn run(
     cfg: ConnConfig,
     mut rx: mpsc::Receiver<Request>,
     stats: Arc<ConnStats>,
-    trigger: Trigger,
+    trigger: Option<Trigger>,
 ) {
     let mut backoff = cfg.backoff_min;
     let mut failures: u32 = 0;
@@ -268,7 +268,9 @@ async fn run(
                     End::Closed => return,
                     End::Failed(e) => {
                         tracing::warn!(node = %addr, error = %e, "redis connection lost; reconnecting");
-                        trigger.fire(Reason::ConnectionLost);
+                        if let Some(t) = &trigger {
+                            t.fire(Reason::ConnectionLost);
+                        }
                     }
                 }
             }
@@ -276,7 +278,9 @@ async fn run(
                 failures += 1;
                 tracing::debug!(node = %addr, error = %e, failures, "redis connect failed");
                 if failures >= cfg.reconnects_before_refresh {
-                    trigger.fire(Reason::Reconnects);
+                    if let Some(t) = &trigger {
+                        t.fire(Reason::Reconnects);
+                    }
                 }
             }
         }

@@ -120,6 +120,11 @@ pub enum RedisError {
     /// A configuration value was rejected.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A command that changes its connection's state (a transaction, a
+    /// subscription, a blocking pop, ...), refused: every caller shares the
+    /// pipelined connection to a node.
+    #[error("{0} is refused: it would change the state of the connection every caller shares (transactions, subscriptions, client tracking and blocking commands need a connection of their own)")]
+    StatefulCommand(String),
     /// The client was shut down.
     #[error("the cluster client was shut down")]
     Shutdown,

@@ -805,6 +805,11 @@ impl Cmd {
             .or_else(|| self.key.map(|i| &self.args[i]))
     }
 
+    /// Argument `i` (0 is the command's name), if there is one.
+    pub(crate) fn arg_at(&self, i: usize) -> Option<&Bytes> {
+        self.args.get(i)
+    }
+
     /// The command's name as sent.
     pub fn name(&self) -> String {
         String::from_utf8_lossy(&self.args[0]).into_owned()

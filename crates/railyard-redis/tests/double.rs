@@ -681,3 +681,56 @@ async fn del_across_slots_counts_every_removed_key() {
         assert_eq!(c.get(k.as_str()).await.unwrap(), None);
     }
 }
+
+/// A seed that is down (seeds stay refresh targets) does not set off a full
+/// refresh every reconnect backoff: the topology connections' failures fire
+/// no adaptive refresh (the refresh that uses them sees them itself). It
+/// did, for ever: the seed-002 load this client exists to avoid.
+#[tokio::test]
+async fn a_dead_seed_does_not_trigger_refreshes() {
+    let d = ClusterDouble::start(3, 0, None).await.unwrap();
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let mut seeds: Vec<String> = d.addrs().iter().map(ToString::to_string).collect();
+    seeds.push(dead);
+    let c = ClusterClient::builder(&seeds)
+        .adaptive_refresh(true, Duration::from_millis(100))
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    c.set("k", "v").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let s = c.refresh_stats();
+    assert_eq!(s.adaptive, 0, "{s:?}");
+    assert_eq!(s.full_refreshes, 1, "only the initial refresh: {s:?}");
+}
+
+/// Commands that would change the shared pipelined connection's state are
+/// refused before they are sent (a MULTI made other callers' SETs answer
+/// QUEUED, read as success); ordinary ones, and XREAD without BLOCK, go.
+#[tokio::test]
+async fn commands_that_change_the_shared_connection_are_refused() {
+    let d = ClusterDouble::start(3, 0, None).await.unwrap();
+    let c = ClusterClient::builder(d.addrs()).build().await.unwrap();
+    for cmd in [
+        Cmd::new("MULTI"),
+        Cmd::new("subscribe").arg("news"),
+        Cmd::new("BLPOP").key("q").arg(0),
+        Cmd::new("CLIENT").arg("TRACKING").arg("on"),
+        Cmd::new("XREAD")
+            .arg("BLOCK")
+            .arg(0)
+            .arg("STREAMS")
+            .key("s")
+            .arg("$"),
+    ] {
+        let e = c.cmd(&cmd).await.unwrap_err();
+        assert!(matches!(e, RedisError::StatefulCommand(_)), "{e}");
+    }
+    // Still usable, and nothing was sent: a plain SET answers OK.
+    c.set("k", "v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+}
