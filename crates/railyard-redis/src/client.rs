@@ -229,6 +229,7 @@ impl ClusterClientBuilder {
             trigger: trigger.clone(),
             stats: StatsCells::default(),
             baseline: parking_lot::Mutex::new(None),
+            full_refresh_turn: tokio::sync::Mutex::new(()),
             rr: AtomicUsize::new(0),
         });
         refresh::full_refresh(&inner, inner.cfg.seeds.clone(), Vec::new()).await?;
@@ -347,6 +348,10 @@ pub(crate) struct Inner {
     /// Touched once per round and per full refresh, never across an await.
     pub(crate) baseline: parking_lot::Mutex<Option<refresh::Baseline>>,
     rr: AtomicUsize,
+    /// One full refresh at a time (the refresher's and `refresh_now`'s):
+    /// one that read its views earlier must not install its table over one
+    /// built from later views.
+    pub(crate) full_refresh_turn: tokio::sync::Mutex<()>,
 }
 
 impl Drop for Inner {
@@ -593,12 +598,16 @@ impl ClusterClient {
         let mut target: Option<Redirect> = None;
         let mut attempt = 0u32;
         let asking = Cmd::new("ASKING");
+        // A read that failed on a replica (down but not yet flagged, still
+        // loading) tries the master next: it is there, and the replica may
+        // stay unusable for the whole cluster-node-timeout.
+        let mut on_replica = read;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let (addr, ask) = match target.take() {
                 Some(Redirect::Moved(a)) => (a, false),
                 Some(Redirect::Ask(a)) => (a, true),
-                None => match self.pick(&inner.table.load(), slot, read) {
+                None => match self.pick(&inner.table.load(), slot, on_replica) {
                     Ok(a) => (a, false),
                     Err(e) => {
                         inner.fire(Reason::Uncovered);
@@ -661,6 +670,9 @@ impl ClusterClient {
                 // slots elsewhere.
                 RedisError::Timeout { .. } => inner.fire(Reason::Timeout),
                 _ => {}
+            }
+            if not_sent {
+                on_replica = false;
             }
             let delay = inner.cfg.retry_delay * 2u32.saturating_pow(attempt.min(4));
             if not_sent && deadline.saturating_duration_since(Instant::now()) > delay {

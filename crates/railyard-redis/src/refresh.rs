@@ -412,6 +412,7 @@ pub(crate) async fn full_refresh(
     addrs: Vec<Arc<str>>,
     seen: Vec<Summary>,
 ) -> Result<(), RedisError> {
+    let _turn = inner.full_refresh_turn.lock().await;
     let wall = Instant::now();
     let (tx, rx) = mpsc::channel::<(Arc<str>, Bytes)>(inner.cfg.refresh_concurrency);
     let worker = tokio::task::spawn_blocking(move || build_from_stream(rx));

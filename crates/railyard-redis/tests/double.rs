@@ -734,3 +734,36 @@ async fn commands_that_change_the_shared_connection_are_refused() {
     c.set("k", "v").await.unwrap();
     assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
 }
+
+/// A replica that cannot be reached (down, not yet flagged failed): a read
+/// retried after it failed there goes to the master, which answers,
+/// instead of retrying replicas until the command timeout.
+#[tokio::test]
+async fn a_read_falls_back_to_the_master_when_its_replica_is_unreachable() {
+    use railyard_redis::double::Topology;
+    use railyard_redis::ReadFrom;
+    let d = ClusterDouble::start(3, 0, None).await.unwrap();
+    let mut ports: Vec<u16> = d
+        .addrs()
+        .iter()
+        .map(|a| a.rsplit(':').next().unwrap().parse().unwrap())
+        .collect();
+    for _ in 0..3 {
+        // A port nothing listens on.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        ports.push(l.local_addr().unwrap().port());
+    }
+    d.apply(Topology::generate(3, &ports), None);
+    let c = ClusterClient::builder(d.addrs())
+        .read_from(ReadFrom::Replica)
+        .command_timeout(Duration::from_secs(2))
+        .adaptive_refresh(false, Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(c.table().nodes().len(), 6, "the view lists the replicas");
+    c.set("k", "v").await.unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+}
