@@ -57,7 +57,9 @@ impl Encoding {
                 let name = parts.next().unwrap_or("").trim();
                 let refused = parts.any(|p| {
                     let p = p.trim();
+                    // The parameter name is case-insensitive (RFC 9110, 12.4.2).
                     p.strip_prefix("q=")
+                        .or_else(|| p.strip_prefix("Q="))
                         .and_then(|q| q.trim().parse::<f32>().ok())
                         .is_some_and(|q| q <= 0.0)
                 });
@@ -289,6 +291,8 @@ mod tests {
             Encoding::Deflate
         );
         assert_eq!(Encoding::negotiate(&accept("br")), Encoding::Identity);
+        // The weight's name is case-insensitive.
+        assert_eq!(Encoding::negotiate(&accept("gzip;Q=0")), Encoding::Identity);
     }
 
     #[test]

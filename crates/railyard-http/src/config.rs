@@ -34,6 +34,12 @@ pub struct HttpConfig {
     /// Time a handler has to produce a response head; slower gets 408.
     #[serde(with = "secs")]
     pub request_timeout: Duration,
+    /// Longest time a response may wait for the client to take any of it (a
+    /// client that stops reading): past it the connection is closed. Without
+    /// it such a client would hold its connection, its buffers and its
+    /// kernel send buffer for as long as it answers TCP's window probes.
+    #[serde(with = "secs")]
+    pub write_timeout: Duration,
     /// On shutdown, how long in-flight requests get to finish before their
     /// connections are dropped.
     #[serde(with = "secs")]
@@ -68,6 +74,7 @@ impl Default for HttpConfig {
             max_body_bytes: 64 * 1024 * 1024,
             header_read_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
             shutdown_deadline: Duration::from_secs(10),
             compress_min_bytes: 1024,
             tcp_fastopen_queue: 256,
@@ -117,6 +124,7 @@ impl HttpConfig {
         for (name, d) in [
             ("header_read_timeout", self.header_read_timeout),
             ("request_timeout", self.request_timeout),
+            ("write_timeout", self.write_timeout),
         ] {
             if d.is_zero() {
                 return Err(ConfigError::Zero(name));
@@ -125,6 +133,7 @@ impl HttpConfig {
         for (name, d) in [
             ("header_read_timeout", self.header_read_timeout),
             ("request_timeout", self.request_timeout),
+            ("write_timeout", self.write_timeout),
             ("shutdown_deadline", self.shutdown_deadline),
             ("park_idle_after", self.park_idle_after),
         ] {

@@ -338,6 +338,7 @@ async fn serve_active(
         prefix: leftover,
         state: state.clone(),
         core: core.clone(),
+        stalled: None,
     });
     let svc = ConnService {
         core: core.clone(),
@@ -552,6 +553,10 @@ pub(crate) struct ConnIo {
     prefix: Bytes,
     state: Rc<ConnState>,
     core: Rc<Core>,
+    /// Armed when a write finds the socket full, cleared by any progress:
+    /// when it fires the write fails (`TimedOut`) and hyper drops the
+    /// connection (see `HttpConfig::write_timeout`).
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl ConnIo {
@@ -647,9 +652,39 @@ impl ConnIo {
         }
     }
 
-    fn count_out(&self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+    fn count_out(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
         if let Poll::Ready(Ok(n)) = r {
             self.core.stats.bytes_out.add(n as u64);
+        }
+        self.stall(cx, r)
+    }
+
+    /// Arms, clears or fires the write deadline (see `stalled`).
+    fn stall(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match r {
+            Poll::Ready(Ok(_)) => self.stalled = None,
+            Poll::Pending => {
+                let timeout = self.core.config.write_timeout;
+                let stall = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if stall.as_mut().poll(cx).is_ready() {
+                    self.stalled = None;
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client took nothing within write_timeout",
+                    )));
+                }
+            }
+            Poll::Ready(Err(_)) => {}
         }
         r
     }
@@ -692,10 +727,11 @@ impl AsyncWrite for ConnIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if sendfile::is_placeholder(buf) {
-            return this.poll_sendfile(cx, buf.len());
+            let r = this.poll_sendfile(cx, buf.len());
+            return this.stall(cx, r);
         }
         let r = Pin::new(&mut this.tcp).poll_write(cx, buf);
-        this.count_out(r)
+        this.count_out(cx, r)
     }
 
     fn poll_write_vectored(
@@ -715,10 +751,11 @@ impl AsyncWrite for ConnIo {
             .position(|b| sendfile::is_placeholder(b))
             .unwrap_or(bufs.len());
         if cut == 0 {
-            return this.poll_sendfile(cx, bufs[0].len());
+            let r = this.poll_sendfile(cx, bufs[0].len());
+            return this.stall(cx, r);
         }
         let r = Pin::new(&mut this.tcp).poll_write_vectored(cx, &bufs[..cut]);
-        this.count_out(r)
+        this.count_out(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -517,7 +517,15 @@ fn flush(core: &Core, tcp: &TcpStream, owed: &[Owed<'_>], date: &[u8; DATE_LINE]
 async fn write_unsent(core: &Core, tcp: &TcpStream, mut unsent: Vec<Bytes>) -> io::Result<()> {
     let mut i = 0;
     while i < unsent.len() {
-        tcp.writable().await?;
+        // A client that takes nothing for `write_timeout` is dropped.
+        tokio::time::timeout(core.config.write_timeout, tcp.writable())
+            .await
+            .map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took nothing within write_timeout",
+                )
+            })??;
         let iov: Vec<IoSlice<'_>> = unsent[i..]
             .iter()
             .take(BATCH * 3)

@@ -484,3 +484,42 @@ async fn a_client_leaving_mid_upload_leaves_no_file() {
     }
     server.stop().await;
 }
+
+/// A client that sends requests and never reads the answers holds its
+/// connection only until `write_timeout` passes without progress: here it
+/// holds the only slot, and a second client is served once the first is
+/// dropped (on the fixed lane and through hyper).
+#[tokio::test]
+async fn a_client_that_never_reads_is_dropped_after_the_write_timeout() {
+    for fixed_lane in [true, false] {
+        let (app, _) = upload_app("stalled", 1000);
+        let config = HttpConfig {
+            max_connections: 1,
+            write_timeout: Duration::from_secs(1),
+            fixed_lane,
+            ..HttpConfig::default()
+        };
+        let server = TestServer::start(app, config).await;
+        // A small receive buffer, so the answers fill it quickly.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut deaf = socket.connect(server.addr).await.unwrap();
+        let mut pipelined = Vec::new();
+        // 300 heads (under the lane's 16 KiB), 19 MiB of answers.
+        for _ in 0..300 {
+            pipelined.extend_from_slice(b"GET /static/64k HTTP/1.1\r\nHost: t\r\n\r\n");
+        }
+        tokio::io::AsyncWriteExt::write_all(&mut deaf, &pipelined)
+            .await
+            .unwrap();
+        // Never read: the server's writes stall, and its only slot is taken.
+        let mut second = Client::connect(server.addr).await;
+        second.send(b"GET /0k HTTP/1.1\r\nHost: t\r\n\r\n").await;
+        let served = tokio::time::timeout(Duration::from_secs(10), second.read_response())
+            .await
+            .unwrap_or_else(|_| panic!("still held after 10 s (fixed lane: {fixed_lane})"));
+        assert_eq!(served.unwrap().status, 200);
+        drop(deaf);
+        server.stop().await;
+    }
+}
