@@ -397,7 +397,36 @@ async fn serve_active(
         tokio::io::AsyncWriteExt::shutdown(&mut io.tcp),
     )
     .await;
+    if state.had_body.get() && !stopping {
+        linger(core, &mut io.tcp).await;
+    }
     Phase::Closed
+}
+
+/// After answering early (a 413 or 400 before the request body was read,
+/// a 408) and sending FIN: reads and drops what the client still sends,
+/// until it closes or pauses for 2 s, 10 s at most. Closing at once with
+/// unread input makes the kernel reset the connection, and a client still
+/// sending its body would then see a reset instead of the answer.
+async fn linger(core: &Core, tcp: &mut TcpStream) {
+    const IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+    const TOTAL: std::time::Duration = std::time::Duration::from_secs(10);
+    let mut shutdown = core.shutdown.clone();
+    let end = tokio::time::Instant::now() + TOTAL;
+    // On the heap: the connection future stays small (see its test).
+    let mut scratch = vec![0u8; 4096];
+    while !*shutdown.borrow() {
+        let until = (tokio::time::Instant::now() + IDLE).min(end);
+        tokio::select! {
+            r = tokio::time::timeout_at(until, tokio::io::AsyncReadExt::read(tcp, &mut scratch)) => match r {
+                Ok(Ok(n)) if n > 0 => {}
+                // EOF, an error, or the client paused: done.
+                _ => return,
+            },
+            // A shutdown ends it at once.
+            _ = shutdown.changed() => return,
+        }
+    }
 }
 
 /// hyper's view of a request: route it, bound it in time, meter it.

@@ -523,3 +523,28 @@ async fn a_client_that_never_reads_is_dropped_after_the_write_timeout() {
         server.stop().await;
     }
 }
+
+/// A client still sending a body the server refused early (413 on the
+/// declared length) gets to finish sending and read the answer: the server
+/// reads and drops the rest before it closes, instead of closing with
+/// input unread, which makes the kernel reset the connection under the
+/// client's next write.
+#[tokio::test]
+async fn a_refused_upload_is_answered_without_a_reset() {
+    let (app, _) = upload_app("linger", 1000);
+    let server = TestServer::start(app, HttpConfig::default()).await;
+    let mut c = Client::connect(server.addr).await;
+    c.send(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 4000000\r\n\r\n")
+        .await;
+    let chunk = vec![b'x'; 64 * 1024];
+    c.send(&chunk).await;
+    assert_eq!(c.read_response().await.unwrap().status, 413);
+    // The client goes on sending, as a streaming client does.
+    for _ in 0..16 {
+        tokio::io::AsyncWriteExt::write_all(&mut c.stream, &chunk)
+            .await
+            .expect("no reset while the client finishes sending");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.stop().await;
+}
