@@ -30,9 +30,9 @@ use crate::{Body, BusError, Headers};
 /// Most messages a consumer takes per lock acquisition.
 pub(crate) const BATCH: usize = 64;
 
-/// Wakers of senders waiting for room, at most: past it they are all woken
-/// and the live ones register again (see `ConsumerQueue::poll_push`'s
-/// full branch). Well above the waiters a queue has at once in practice.
+/// Wakers of senders waiting for room before they are all woken and the
+/// live ones register again (see `ConsumerQueue::poll_push`'s full branch);
+/// the bound doubles each time, and starts over at a batch taken.
 const ROOM_WAITERS_MAX: usize = 1024;
 
 /// A message in flight between a sender and a consumer.
@@ -161,6 +161,11 @@ struct State {
     consumer: Option<Waker>,
     /// Senders waiting for room (`send_wait`, blocked requests).
     room_waiters: Vec<Waker>,
+    /// How many `room_waiters` may hold before they are all woken (see
+    /// `poll_push`): doubles each time it is reached, so many live waiters
+    /// cost amortized O(1) each instead of a wake-up storm, and starts over
+    /// when the consumer takes a batch.
+    room_bound: usize,
     /// The other counters (`received` is kept above).
     stats: ConsumerStats,
 }
@@ -206,6 +211,7 @@ impl ConsumerQueue {
                 items: VecDeque::new(),
                 consumer: None,
                 room_waiters: Vec::new(),
+                room_bound: ROOM_WAITERS_MAX,
                 demand: if paused { 0 } else { FLOWING },
                 received: 0,
                 closed: false,
@@ -279,6 +285,7 @@ impl ConsumerQueue {
             // Ordered by the lock against `close`, which `unregister` takes
             // before it looks at `active`.
             d.active.store(true, Ordering::Relaxed);
+            s.room_bound = ROOM_WAITERS_MAX;
             (std::mem::take(&mut s.room_waiters), more)
         };
         let (waiters, more) = waiters;
@@ -399,14 +406,18 @@ impl ConsumerQueue {
                     // Waiters that gave up (a request that timed out while
                     // blocked, a dropped `send_wait`) leave their wakers
                     // here until the consumer takes a batch; a consumer that
-                    // takes none would let them pile up. Past the bound every
-                    // waiter is woken and the list starts over: those still
-                    // waiting register again.
-                    if s.room_waiters.len() >= ROOM_WAITERS_MAX {
+                    // takes none would let them pile up. At the bound every
+                    // waiter is woken and the list starts over (those still
+                    // waiting register again), and the bound doubles, so that
+                    // many live waiters do not make a wake-up storm: the list
+                    // holds at most about twice the live waiters, plus the
+                    // base bound.
+                    if s.room_waiters.len() >= s.room_bound {
                         let stale = std::mem::take(&mut s.room_waiters);
+                        s.room_bound = s.room_bound.saturating_mul(2);
+                        s.room_waiters.push(cx.waker().clone());
                         drop(s);
                         stale.into_iter().for_each(Waker::wake);
-                        cx.waker().wake_by_ref();
                         return Poll::Pending;
                     }
                     s.room_waiters.push(cx.waker().clone());
@@ -446,6 +457,7 @@ impl ConsumerQueue {
                 return Poll::Pending;
             }
             s.take_into(out, max);
+            s.room_bound = ROOM_WAITERS_MAX;
             std::mem::take(&mut s.room_waiters)
         };
         for w in waiters {
@@ -572,6 +584,69 @@ mod tests {
             let r = q.poll_push(&mut slot, &mut Context::from_waker(&waker));
             assert!(r.is_pending(), "full");
         }
-        assert!(q.state.lock().room_waiters.len() <= ROOM_WAITERS_MAX);
+        // Stale wakers are bounded (the bound doubles at each wake-all, so
+        // 5 x the base fits in base + 2 x base + 4 x base).
+        let s = q.state.lock();
+        assert!(
+            s.room_waiters.len() <= 4 * ROOM_WAITERS_MAX,
+            "{}",
+            s.room_waiters.len()
+        );
+    }
+
+    /// Many live senders waiting for room at once do not make a wake-up
+    /// storm: each wake-all doubles the bound, so 5,000 waiters that poll
+    /// again after every wake-up cost a handful of wake-alls, not one per
+    /// poll past 1,024.
+    #[test]
+    fn many_live_waiters_are_not_woken_over_and_over() {
+        use std::sync::atomic::{AtomicUsize, Ordering as O};
+        struct Counter(AtomicUsize);
+        impl std::task::Wake for Counter {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, O::Relaxed);
+            }
+        }
+        let bus = crate::EventBus::new();
+        let q = Arc::new(ConsumerQueue::new(
+            "a",
+            bus.inner.shared.clone(),
+            1,
+            false,
+            1,
+            false,
+            None,
+        ));
+        let mut slot = Some(envelope());
+        let w = Waker::from(Arc::new(Nobody));
+        assert!(q
+            .poll_push(&mut slot, &mut Context::from_waker(&w))
+            .is_ready());
+        let counters: Vec<Arc<Counter>> = (0..5000)
+            .map(|_| Arc::new(Counter(AtomicUsize::new(0))))
+            .collect();
+        let wakers: Vec<Waker> = counters.iter().map(|c| Waker::from(c.clone())).collect();
+        // Every waiter polls once, then again whenever it was woken, until
+        // no more wake-ups come (bounded: 20 rounds).
+        let mut seen = vec![0usize; wakers.len()];
+        for round in 0..20 {
+            let mut polled = 0;
+            for (i, w) in wakers.iter().enumerate() {
+                let woken = counters[i].0.load(O::Relaxed);
+                if round == 0 || woken > seen[i] {
+                    seen[i] = woken;
+                    let mut slot = Some(envelope());
+                    assert!(q
+                        .poll_push(&mut slot, &mut Context::from_waker(w))
+                        .is_pending());
+                    polled += 1;
+                }
+            }
+            if polled == 0 {
+                break;
+            }
+        }
+        let wakes: usize = counters.iter().map(|c| c.0.load(O::Relaxed)).sum();
+        assert!(wakes < 4 * 5000, "{wakes} wake-ups for 5,000 waiters");
     }
 }
