@@ -761,6 +761,105 @@ async fn postgres_silent_server_fails_the_commit_in_time() {
     assert!(ok, "the store recovers once the server answers");
 }
 
+/// A loopback proxy to `target` that can cut off the connections it has
+/// (`cut` sets their flags): a cut connection forwards nothing and closes
+/// nothing, for good, as a network partition looks to both ends; new
+/// connections go through.
+async fn partitioning_proxy(
+    target: u16,
+) -> (
+    u16,
+    std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>>>,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let flags: Arc<Mutex<Vec<Arc<AtomicBool>>>> = Arc::default();
+    let all = flags.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+                continue;
+            };
+            let cut = Arc::new(AtomicBool::new(false));
+            all.lock().unwrap().push(cut.clone());
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            for (mut r, mut w) in [(cr, sw), (sr, cw)] {
+                let cut = cut.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if cut.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        if w.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    // A cut connection is never closed: the other end must
+                    // not learn (bounded: the test ends first).
+                    while cut.load(Ordering::SeqCst) {
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                    drop((r, w));
+                });
+            }
+        }
+    });
+    (port, flags)
+}
+
+/// A partition during a commit: the commit times out and the writer
+/// reconnects, but the server still has the old session, which holds the
+/// coordinator's lock. The reconnect ends that session (its own) instead of
+/// taking itself for another coordinator, and writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_partition_does_not_lock_the_coordinator_out() {
+    use std::sync::atomic::Ordering;
+    let server = railyard_saga::PgServer::start().expect("PostgreSQL starts");
+    let pg_port: u16 = server
+        .url()
+        .rsplit(':')
+        .next()
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("the server's port");
+    let (port, connections) = partitioning_proxy(pg_port).await;
+    let store = PostgresStore::connect(PostgresConfig {
+        commit_timeout_secs: 1,
+        ..PostgresConfig::new(format!("postgres://railyard@127.0.0.1:{port}/postgres"))
+    })
+    .await
+    .expect("opens through the proxy");
+    store.append(saga_events("before")).await.expect("answered");
+    for c in connections.lock().unwrap().iter() {
+        c.store(true, Ordering::SeqCst);
+    }
+    let err = store.append(saga_events("during")).await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    // New connections go through; the old session still waits on the
+    // server with its lock (the proxy holds its socket open).
+    let mut last = None;
+    for _ in 0..50 {
+        match store.append(saga_events("after")).await {
+            Ok(()) => {
+                last = None;
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(last.is_none(), "locked out: {last:?}");
+}
+
 /// Two coordinators on one database would each recover and drive the
 /// other's sagas (rows carry no owner): the second store is refused, with
 /// what to do, while the first holds the database; once it is gone, a new

@@ -141,6 +141,13 @@ struct Connector {
     /// The writer's connector holds [`OWNER_LOCK`] in each session it opens
     /// (one coordinator per database); readers hold nothing.
     owner: bool,
+    /// The server process of the writer's last session: a reconnect ends it
+    /// first. After a commit timeout or a partition the server may keep
+    /// that session (and its lock) until it notices the client is gone,
+    /// which would lock this coordinator out of its own database.
+    last_backend: Mutex<Option<i32>>,
+    /// Bound on the set-up queries of a new session (`connect_timeout`).
+    setup_timeout: Duration,
 }
 
 /// The session-level advisory lock the writer's connection holds: rows
@@ -184,6 +191,8 @@ impl Connector {
             config: pg,
             client: Mutex::new(None),
             owner: false,
+            last_backend: Mutex::new(None),
+            setup_timeout: Duration::from_secs(config.connect_timeout_secs.max(1)),
         })
     }
 
@@ -232,18 +241,62 @@ impl Connector {
                 tracing::debug!(server = %target, error = %e, "saga store connection ended");
             }
         });
+        tokio::time::timeout(self.setup_timeout, self.set_up(&client))
+            .await
+            .map_err(|_| {
+                StoreError::Unavailable(format!(
+                    "PostgreSQL at {} did not answer a new session's set-up within {:?}",
+                    self.target, self.setup_timeout
+                ))
+            })??;
+        let client = Arc::new(client);
+        *self.client.lock() = Some(client.clone());
+        Ok(client)
+    }
+
+    /// A new session's settings; for the writer, its lock.
+    async fn set_up(&self, client: &Client) -> Result<(), StoreError> {
+        // Server-side keep-alives: the server notices a vanished client
+        // (and ends its session, releasing its lock) in about half a
+        // minute. Ignored on a Unix socket.
         client
-            .batch_execute("SET synchronous_commit = on")
+            .batch_execute(
+                "SET synchronous_commit = on; SET tcp_keepalives_idle = 10; \
+                 SET tcp_keepalives_interval = 5; SET tcp_keepalives_count = 3",
+            )
             .await
             .map_err(|e| self.error(&e))?;
         if self.owner {
+            let old = self.last_backend.lock().take();
+            if let Some(pid) = old {
+                // This coordinator's previous session, if the server still
+                // has it and it still holds the lock (a process id can be
+                // reused): ours to end (same role).
+                let _ = client
+                    .execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_locks \
+                         WHERE locktype = 'advisory' AND objid::bigint = $1 AND pid = $2",
+                        &[&OWNER_LOCK, &pid],
+                    )
+                    .await;
+            }
             // Held by this session until it ends (a reconnect takes it
-            // again, unless another coordinator took it meanwhile).
-            let row = client
-                .query_one("SELECT pg_try_advisory_lock($1)", &[&OWNER_LOCK])
-                .await
-                .map_err(|e| self.error(&e))?;
-            if !row.get::<_, bool>(0) {
+            // again, unless another coordinator took it meanwhile). An
+            // ended session lets go of it as its process exits: asked a
+            // few times when one was just ended.
+            let mut held = false;
+            for _ in 0..if old.is_some() { 50 } else { 1 } {
+                let row = client
+                    .query_one("SELECT pg_try_advisory_lock($1)", &[&OWNER_LOCK])
+                    .await
+                    .map_err(|e| self.error(&e))?;
+                held = row.get::<_, bool>(0);
+                if held {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if !held {
                 return Err(StoreError::Engine(format!(
                     "another Railyard saga coordinator uses the database at {} (it holds \
                      advisory lock {OWNER_LOCK}): the PostgreSQL store takes one coordinator \
@@ -255,10 +308,13 @@ impl Connector {
                     self.target
                 )));
             }
+            let row = client
+                .query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .map_err(|e| self.error(&e))?;
+            *self.last_backend.lock() = Some(row.get::<_, i32>(0));
         }
-        let client = Arc::new(client);
-        *self.client.lock() = Some(client.clone());
-        Ok(client)
+        Ok(())
     }
 }
 
@@ -618,8 +674,15 @@ impl Writer {
         self.since_prune = self.since_prune.saturating_add(finished);
         if finished > 0 && self.since_prune >= self.retention.slack() {
             self.since_prune = 0;
-            if let Err(e) = self.prune().await {
-                tracing::warn!(error = %e, "pruning saga summaries failed");
+            // Bounded like a commit: a server gone silent here would
+            // otherwise hold every later append.
+            match tokio::time::timeout(self.commit_timeout, self.prune()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "pruning saga summaries failed"),
+                Err(_) => {
+                    self.drop_connection();
+                    tracing::warn!(timeout = ?self.commit_timeout, "pruning saga summaries got no answer in time; reconnecting");
+                }
             }
         }
         Ok(())
