@@ -194,6 +194,9 @@ pub(crate) struct ConnState {
     /// A request with a body was seen: never park this connection (hyper
     /// must finish or discard that body itself).
     had_body: Cell<bool>,
+    /// A request with a body was answered early (400, 408, 413: its body
+    /// possibly unread): the close lingers (see `linger`).
+    answered_early: Cell<bool>,
     /// Requests received, to tell whether an idle connection was busy since.
     served: Cell<u64>,
     /// When the connection was last seen idle: (`served`, park epoch).
@@ -339,6 +342,7 @@ async fn serve_active(
         state: state.clone(),
         core: core.clone(),
         stalled: None,
+        warming: std::cell::Cell::new(false),
     });
     let svc = ConnService {
         core: core.clone(),
@@ -397,7 +401,7 @@ async fn serve_active(
         tokio::io::AsyncWriteExt::shutdown(&mut io.tcp),
     )
     .await;
-    if state.had_body.get() && !stopping {
+    if state.answered_early.get() && !stopping {
         linger(core, &mut io.tcp).await;
     }
     Phase::Closed
@@ -514,6 +518,16 @@ impl Future for ResponseFuture {
             },
         };
         let conn = this.conn.take().expect("polled after completion");
+        if conn.had_body.get()
+            && matches!(
+                resp.status(),
+                StatusCode::BAD_REQUEST
+                    | StatusCode::REQUEST_TIMEOUT
+                    | StatusCode::PAYLOAD_TOO_LARGE
+            )
+        {
+            conn.answered_early.set(true);
+        }
         // Before the file run is taken: the run is the body's whole range,
         // and the header must announce exactly that.
         router::body_length_wins(&mut resp);
@@ -586,6 +600,8 @@ pub(crate) struct ConnIo {
     /// when it fires the write fails (`TimedOut`) and hyper drops the
     /// connection (see `HttpConfig::write_timeout`).
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The last write waited for a file's pages, not for the client.
+    warming: std::cell::Cell<bool>,
 }
 
 impl ConnIo {
@@ -600,7 +616,10 @@ impl ConnIo {
         let want = max.min(usize::try_from(run.remaining).unwrap_or(usize::MAX));
         // `sendfile` reads the file on this thread: the pages it is about to
         // read must be cached first (see `sendfile`).
-        ready!(self.poll_cached(run, want as u64, cx))?;
+        let cached = self.poll_cached(run, want as u64, cx);
+        // Waiting for the disk is not the client's stall (see `stall`).
+        self.warming.set(cached.is_pending());
+        ready!(cached)?;
         loop {
             ready!(self.tcp.poll_write_ready(cx))?;
             let mut off = run.offset;
@@ -689,6 +708,7 @@ impl ConnIo {
         if let Poll::Ready(Ok(n)) = r {
             self.core.stats.bytes_out.add(n as u64);
         }
+        self.warming.set(false);
         self.stall(cx, r)
     }
 
@@ -700,6 +720,8 @@ impl ConnIo {
     ) -> Poll<io::Result<usize>> {
         match r {
             Poll::Ready(Ok(_)) => self.stalled = None,
+            // Reading the file from disk: the client is not the one slow.
+            Poll::Pending if self.warming.get() => self.stalled = None,
             Poll::Pending => {
                 let timeout = self.core.config.write_timeout;
                 let stall = self
