@@ -402,7 +402,8 @@ async fn serve_active(
     )
     .await;
     if state.answered_early.get() && !stopping {
-        linger(core, &mut io.tcp).await;
+        // Boxed: rare, and the connection future stays small (its test).
+        Box::pin(linger(core, &mut io.tcp)).await;
     }
     Phase::Closed
 }
