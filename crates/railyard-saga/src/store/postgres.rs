@@ -155,6 +155,11 @@ struct Connector {
 /// recover and drive the first one's sagas. (7261746 is the schema lock.)
 const OWNER_LOCK: i64 = 7_261_747;
 
+/// How long a new writer session waits for [`OWNER_LOCK`] before it takes
+/// the holder for another coordinator (a killed coordinator's session lets
+/// go of it once the server notices; a restart must not be refused for it).
+const OWNER_WAIT: Duration = Duration::from_secs(5);
+
 impl Connector {
     fn new(config: &PostgresConfig) -> Result<Self, StoreError> {
         let mut pg: tokio_postgres::Config = config.url.parse().map_err(|e| {
@@ -241,7 +246,7 @@ impl Connector {
                 tracing::debug!(server = %target, error = %e, "saga store connection ended");
             }
         });
-        tokio::time::timeout(self.setup_timeout, self.set_up(&client))
+        tokio::time::timeout(self.setup_timeout + OWNER_WAIT, self.set_up(&client))
             .await
             .map_err(|_| {
                 StoreError::Unavailable(format!(
@@ -281,21 +286,22 @@ impl Connector {
                     .await;
             }
             // Held by this session until it ends (a reconnect takes it
-            // again, unless another coordinator took it meanwhile). An
-            // ended session lets go of it as its process exits: asked a
-            // few times when one was just ended.
-            let mut held = false;
-            for _ in 0..if old.is_some() { 50 } else { 1 } {
+            // again, unless another coordinator took it meanwhile). A
+            // session that ended (ours just now, or a coordinator killed a
+            // moment ago and restarting) lets go of it once its server
+            // process notices and exits: asked again for up to OWNER_WAIT.
+            let until = tokio::time::Instant::now() + OWNER_WAIT;
+            let held = loop {
                 let row = client
                     .query_one("SELECT pg_try_advisory_lock($1)", &[&OWNER_LOCK])
                     .await
                     .map_err(|e| self.error(&e))?;
-                held = row.get::<_, bool>(0);
-                if held {
-                    break;
+                let held = row.get::<_, bool>(0);
+                if held || tokio::time::Instant::now() >= until {
+                    break held;
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
             if !held {
                 return Err(StoreError::Engine(format!(
                     "another Railyard saga coordinator uses the database at {} (it holds \
