@@ -925,45 +925,53 @@ fn group_by_slot(keys: impl Iterator<Item = Bytes>) -> Vec<(u16, Vec<(usize, Byt
 /// hold up every caller of that node. `WAIT` stays allowed: it is bounded
 /// by its own timeout, like any slow command.
 fn changes_connection_state(cmd: &Cmd) -> bool {
-    const STATEFUL: &[&str] = &[
-        "MULTI",
-        "EXEC",
-        "DISCARD",
-        "WATCH",
-        "UNWATCH",
-        "SUBSCRIBE",
-        "PSUBSCRIBE",
-        "SSUBSCRIBE",
-        "UNSUBSCRIBE",
-        "PUNSUBSCRIBE",
-        "SUNSUBSCRIBE",
-        "MONITOR",
-        "RESET",
-        "QUIT",
-        "BLPOP",
-        "BRPOP",
-        "BRPOPLPUSH",
-        "BLMOVE",
-        "BLMPOP",
-        "BZPOPMIN",
-        "BZPOPMAX",
-        "BZMPOP",
+    const STATEFUL: &[&[u8]] = &[
+        b"MULTI",
+        b"EXEC",
+        b"DISCARD",
+        b"WATCH",
+        b"UNWATCH",
+        b"SUBSCRIBE",
+        b"PSUBSCRIBE",
+        b"SSUBSCRIBE",
+        b"UNSUBSCRIBE",
+        b"PUNSUBSCRIBE",
+        b"SUNSUBSCRIBE",
+        b"MONITOR",
+        b"RESET",
+        b"QUIT",
+        b"HELLO",
+        b"AUTH",
+        b"READONLY",
+        b"READWRITE",
+        b"SYNC",
+        b"PSYNC",
+        b"BLPOP",
+        b"BRPOP",
+        b"BRPOPLPUSH",
+        b"BLMOVE",
+        b"BLMPOP",
+        b"BZPOPMIN",
+        b"BZPOPMAX",
+        b"BZMPOP",
     ];
-    let name = cmd.name();
-    let is = |s: &str| name.eq_ignore_ascii_case(s);
-    let has_arg = |word: &[u8]| {
-        (1..)
-            .map_while(|i| cmd.arg_at(i))
-            .any(|a| a.eq_ignore_ascii_case(word))
+    // The name's bytes, not a copy: this runs for every command.
+    let Some(name) = cmd.arg_at(0) else {
+        return false;
     };
-    if is("CLIENT") {
+    let is = |s: &[u8]| name.eq_ignore_ascii_case(s);
+    if is(b"CLIENT") {
         // CLIENT TRACKING / REPLY change the connection; CLIENT INFO etc. do not.
         return cmd.arg_at(1).is_some_and(|a| {
             a.eq_ignore_ascii_case(b"TRACKING") || a.eq_ignore_ascii_case(b"REPLY")
         });
     }
-    if is("XREAD") || is("XREADGROUP") {
-        return has_arg(b"BLOCK");
+    if is(b"XREAD") || is(b"XREADGROUP") {
+        // BLOCK is an option before STREAMS; after it come stream names.
+        return (1..)
+            .map_while(|i| cmd.arg_at(i))
+            .take_while(|a| !a.eq_ignore_ascii_case(b"STREAMS"))
+            .any(|a| a.eq_ignore_ascii_case(b"BLOCK"));
     }
     STATEFUL.iter().any(|s| is(s))
 }

@@ -726,10 +726,21 @@ async fn commands_that_change_the_shared_connection_are_refused() {
             .arg("STREAMS")
             .key("s")
             .arg("$"),
+        Cmd::new("hello").arg(3),
+        Cmd::new("READWRITE"),
     ] {
         let e = c.cmd(&cmd).await.unwrap_err();
         assert!(matches!(e, RedisError::StatefulCommand(_)), "{e}");
     }
+    // A stream named "block" is not the BLOCK option.
+    let not_blocking = Cmd::new("XREAD").arg("STREAMS").key("block").arg("0");
+    assert!(
+        !matches!(
+            c.cmd(&not_blocking).await,
+            Err(RedisError::StatefulCommand(_))
+        ),
+        "XREAD STREAMS block 0 is not blocking"
+    );
     // Still usable, and nothing was sent: a plain SET answers OK.
     c.set("k", "v").await.unwrap();
     assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));

@@ -543,6 +543,12 @@ async fn sqlite_refuses_writes_once_its_index_cannot_be_rebuilt() {
     c.execute_batch("DROP TRIGGER refuse;").unwrap();
     let err = s.append(saga_events("c")).await.expect_err("refused");
     assert!(err.to_string().contains("restart the coordinator"), "{err}");
+    // Once the log reads back again (the damaged segment mended here), the
+    // next batch rebuilds the index and is written.
+    c.execute("DELETE FROM segments", []).unwrap();
+    s.append(saga_events("d")).await.expect("writes again");
+    let left = s.unfinished().await.unwrap();
+    assert!(left.iter().all(|e| e.global_tx_id == "d"), "{left:?}");
 }
 
 /// A burst of unfinished sagas grows the file; once they finish and are

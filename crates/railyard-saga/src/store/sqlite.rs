@@ -482,8 +482,18 @@ impl Writer {
         while let Some(first) = rx.blocking_recv() {
             let batch = take_batch(first, &mut rx, max_rows);
             if let Some(why) = &broken {
-                answer(batch, &Err(StoreError::Engine(why.clone())));
-                continue;
+                // Tried again before each batch: a passing error (busy, I/O)
+                // need not wait for a restart.
+                match self.load() {
+                    Ok(()) => {
+                        tracing::info!("the saga log was re-read; the store writes again");
+                        broken = None;
+                    }
+                    Err(_) => {
+                        answer(batch, &Err(StoreError::Engine(why.clone())));
+                        continue;
+                    }
+                }
             }
             let result = self.write(&batch).map_err(engine);
             if let Err(e) = &result {
