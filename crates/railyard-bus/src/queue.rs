@@ -549,6 +549,21 @@ mod tests {
         fn wake(self: Arc<Self>) {}
     }
 
+    /// A consumer queue with room for one message (and its bus).
+    fn queue_of_one() -> (crate::EventBus, Arc<ConsumerQueue>) {
+        let bus = crate::EventBus::new();
+        let q = Arc::new(ConsumerQueue::new(
+            "a",
+            bus.inner.shared.clone(),
+            1,
+            false,
+            1,
+            false,
+            None,
+        ));
+        (bus, q)
+    }
+
     fn envelope() -> Envelope {
         Envelope {
             headers: Headers::new(),
@@ -563,16 +578,7 @@ mod tests {
     /// would let them pile up without bound.
     #[test]
     fn wakers_of_senders_that_gave_up_do_not_pile_up() {
-        let bus = crate::EventBus::new();
-        let q = Arc::new(ConsumerQueue::new(
-            "a",
-            bus.inner.shared.clone(),
-            1,
-            false,
-            1,
-            false,
-            None,
-        ));
+        let (_bus, q) = queue_of_one();
         let waker = Waker::from(Arc::new(Nobody));
         let mut slot = Some(envelope());
         let r = q.poll_push(&mut slot, &mut Context::from_waker(&waker));
@@ -607,16 +613,7 @@ mod tests {
                 self.0.fetch_add(1, O::Relaxed);
             }
         }
-        let bus = crate::EventBus::new();
-        let q = Arc::new(ConsumerQueue::new(
-            "a",
-            bus.inner.shared.clone(),
-            1,
-            false,
-            1,
-            false,
-            None,
-        ));
+        let (_bus, q) = queue_of_one();
         let mut slot = Some(envelope());
         let w = Waker::from(Arc::new(Nobody));
         assert!(q

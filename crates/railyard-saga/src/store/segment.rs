@@ -466,6 +466,15 @@ mod tests {
     use super::super::sqlite::tests::ev;
     use super::*;
 
+    /// What replaying the stored segments in order leaves.
+    fn replay_all(stored: &BTreeMap<i64, Vec<u8>>) -> Vec<EventRecord> {
+        let mut replay = Replay::default();
+        for data in stored.values() {
+            replay.segment(data, None).unwrap();
+        }
+        replay.into_events()
+    }
+
     /// Writes segments through the index as the writer does, then checks
     /// that replaying what is left gives the unfinished events, and that
     /// rebuilding the index from the stored segments gives the same index.
@@ -509,12 +518,7 @@ mod tests {
                 stored.remove(&gone);
             }
         }
-        let mut replay = Replay::default();
-        for data in stored.values() {
-            replay.segment(data, None).unwrap();
-        }
-        let left: Vec<String> = replay
-            .into_events()
+        let left: Vec<String> = replay_all(&stored)
             .into_iter()
             .map(|e| e.local_tx_id)
             .collect();
@@ -606,12 +610,7 @@ mod tests {
             index.segments()
         );
         assert_eq!(index.segments(), stored.len());
-        let mut replay = Replay::default();
-        for data in stored.values() {
-            replay.segment(data, None).unwrap();
-        }
-        let left: Vec<String> = replay
-            .into_events()
+        let left: Vec<String> = replay_all(&stored)
             .into_iter()
             .map(|e| e.global_tx_id)
             .collect();
