@@ -380,6 +380,10 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         let names = names.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            // Ends the session if this task ends without an answer (a bug
+            // panicked in it): the client resends its unacknowledged
+            // batches on a new session instead of waiting for ever.
+            let mut unanswered = Unanswered(Some(tx.clone()));
             let seq = batch.seq;
             // Valid events go to the engine (moved, not copied); the
             // invalid ones keep their error for their slot in the ack.
@@ -407,6 +411,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
             let outcomes = match handled {
                 Ok(o) => o,
                 Err(e) => {
+                    unanswered.0 = None;
                     let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
                     return;
                 }
@@ -436,6 +441,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
                 .acks
                 .get_or_create(&ProtocolLabels { protocol: "native" })
                 .inc();
+            unanswered.0 = None;
             let _ = tx
                 .send(Ok(ServerFrame {
                     kind: Some(server_frame::Kind::Ack(Ack { seq, results })),
@@ -464,6 +470,31 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         .map(|(id, _)| *id)
         .collect();
     engine.links_gone(&carried);
+}
+
+/// A batch task's guard: dropped while still holding the session's sender
+/// (the task panicked before answering), it ends the session with
+/// `INTERNAL`, so the client reconnects and resends.
+struct Unanswered(Option<Tx>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            tracing::error!("a native batch ended without an answer (a bug); ending its session so the client resends");
+            let status = Status::internal(
+                "the coordinator failed while handling a batch; reconnect and send it again",
+            );
+            if let Err(tokio::sync::mpsc::error::TrySendError::Full(frame)) =
+                tx.try_send(Err(status))
+            {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move {
+                        let _ = tx.send(frame).await;
+                    });
+                }
+            }
+        }
+    }
 }
 
 /// How long a session's end waits for its batches in flight to be applied

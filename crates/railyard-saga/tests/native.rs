@@ -291,6 +291,42 @@ async fn batches_of_every_session_share_one_byte_budget() {
     server.stop().await;
 }
 
+/// A batch whose handling panics on the coordinator (a bug, here a store
+/// that panics) ends its session with `INTERNAL` instead of leaving the
+/// client waiting for an ack that never comes; other sessions go on.
+#[tokio::test]
+async fn a_batch_that_panics_ends_its_session_instead_of_hanging_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let store = std::sync::Arc::new(common::GatedStore::new(move || {
+        let n = c.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            assert!(n != 1, "the store breaks on its second append");
+            Ok(())
+        })
+    }));
+    let server = Server::start(store, CoordinatorConfig::default()).await;
+    let mut s = Session::hello(&server, "svc").await;
+    s.send(1, vec![e(EventType::SagaStarted, "g1", "g1")]).await;
+    assert_eq!(s.ack().await.seq, 1);
+    s.send(2, vec![e(EventType::SagaStarted, "g2", "g2")]).await;
+    let end = tokio::time::timeout(Duration::from_secs(10), s.rx.next())
+        .await
+        .expect("the session ends instead of hanging");
+    match end {
+        Some(Err(status)) => assert_eq!(status.code(), tonic::Code::Internal, "{status:?}"),
+        other => panic!("expected INTERNAL, got {other:?}"),
+    }
+    // Another session is served.
+    let mut other = Session::hello(&server, "svc2").await;
+    other
+        .send(1, vec![e(EventType::SagaStarted, "g3", "g3")])
+        .await;
+    assert_eq!(other.ack().await.seq, 1);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_session_out_of_protocol_is_closed_and_others_go_on() {
     let (server, _store) = Server::memory(CoordinatorConfig {
