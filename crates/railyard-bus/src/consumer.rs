@@ -122,7 +122,8 @@ impl<'a> ConsumerBuilder<'a> {
         }
         let queue = self.queue(None)?;
         self.advertise(&queue).await?;
-        let task = tokio::spawn(run_handler(queue.clone(), handler));
+        let registry = std::sync::Arc::downgrade(&self.bus.inner);
+        let task = tokio::spawn(run_handler(queue.clone(), registry, handler));
         Ok(Consumer {
             queue,
             bus: self.bus.clone(),
@@ -150,8 +151,11 @@ impl<'a> ConsumerBuilder<'a> {
 /// runtime, so a busy consumer cannot starve the tasks beside it.
 const YIELD_EVERY: usize = 256;
 
-async fn run_handler<F, Fut>(queue: Arc<ConsumerQueue>, handler: F)
-where
+async fn run_handler<F, Fut>(
+    queue: Arc<ConsumerQueue>,
+    registry: std::sync::Weak<crate::bus::Inner>,
+    handler: F,
+) where
     F: Fn(Message) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
@@ -159,6 +163,7 @@ where
     let mut since_yield = 0;
     let mut ends = EndsWithTask {
         queue: queue.clone(),
+        registry,
         finished: false,
     };
     loop {
@@ -184,13 +189,15 @@ where
     }
 }
 
-/// A handler consumer's queue, closed if its task is dropped before it ends
-/// (its runtime shut down): routing then skips it (sends go to the
-/// address's other consumers, or fail with `NoHandlers`) and what it held
-/// fails at once, instead of a consumer that stays registered, takes
-/// messages and never handles them (requests waiting their whole timeout).
+/// A handler consumer, unregistered if its task is dropped before it ends
+/// (its runtime shut down): it leaves the registry (and the cluster, which
+/// stops routing its share here) and what it held fails at once, instead of
+/// a consumer that stays registered, takes messages and never handles them
+/// (requests waiting their whole timeout). If the bus itself is gone, the
+/// queue is closed so nothing more enters it.
 struct EndsWithTask {
     queue: Arc<ConsumerQueue>,
+    registry: std::sync::Weak<crate::bus::Inner>,
     finished: bool,
 }
 
@@ -199,7 +206,9 @@ impl Drop for EndsWithTask {
         if self.finished {
             return;
         }
-        if let Some(left) = self.queue.close() {
+        if let Some(inner) = self.registry.upgrade() {
+            crate::EventBus { inner }.unregister(&self.queue);
+        } else if let Some(left) = self.queue.close() {
             for env in left {
                 env.fail_unhandled(&self.queue.address);
             }

@@ -1267,6 +1267,7 @@ async fn a_consumer_whose_runtime_is_gone_takes_no_more_messages() {
     })
     .join()
     .unwrap();
+    assert_eq!(bus.consumer_count("orphan"), 0, "it left the registry");
     let e = bus.send("orphan", 1u8).unwrap_err();
     assert_eq!(e.error.kind().as_str(), "NO_HANDLERS", "{:?}", e.error);
     let opts = DeliveryOptions::new().timeout(Duration::from_secs(5));
