@@ -214,9 +214,13 @@ struct Shard {
     mark_waiters: u32,
 }
 
-/// Deadlines one timer tick handles at most (a few milliseconds of work on
-/// an async worker); more wait for the next tick.
+/// Deadlines one timer tick handles at most; more wait for the next tick.
 const EXPIRE_PER_TICK: usize = 2048;
+
+/// Deadlines handled in one go on the async worker (well under half a
+/// millisecond of work), with a yield before the next of a tick's chunks,
+/// so the worker's other tasks are not held up for the whole tick.
+const EXPIRE_CHUNK: usize = 256;
 
 /// The sagas one call is recording events of, marked from its events'
 /// classification until they are applied (or the call fails or is dropped).
@@ -912,11 +916,10 @@ impl Engine {
     /// as the timer's (see [`Marks`]) until that is done. A saga marked by a
     /// call under way has its timeout tried again on the next tick.
     ///
-    /// Runs on an async worker, so one tick handles at most
-    /// [`EXPIRE_PER_TICK`] deadlines; the rest (after a restart that found
-    /// many expired) wait for the next ticks.
-    fn expire(&self, now: Instant) -> (Vec<EventRecord>, Marks<'_>) {
-        let mut budget = EXPIRE_PER_TICK;
+    /// Runs on an async worker, so one call handles at most `budget`
+    /// deadlines; the last value says whether that stopped it (more are due).
+    fn expire(&self, now: Instant, budget: usize) -> (Vec<EventRecord>, Marks<'_>, bool) {
+        let mut budget = budget;
         let mut timeouts = Vec::new();
         let mut marks = Marks::new(self);
         let mut postponed = Vec::new();
@@ -978,7 +981,7 @@ impl Engine {
                 shard.timers.insert(entry);
             }
         }
-        (timeouts, marks)
+        (timeouts, marks, budget == 0)
     }
 
     /// Records and applies `SagaTimeout` for sagas whose timeout expired; on
@@ -1410,9 +1413,19 @@ async fn timer_loop(engine: Weak<Engine>, tick: Duration) {
         let Some(engine) = engine.upgrade() else {
             return;
         };
-        let (timeouts, marks) = engine.expire(Instant::now());
-        engine.record_timeouts(timeouts).await;
-        drop(marks);
+        // A tick's deadlines in chunks, yielding between them; after a
+        // restart that found many expired, the rest wait for the next ticks.
+        for chunk in 0..EXPIRE_PER_TICK / EXPIRE_CHUNK {
+            if chunk > 0 {
+                tokio::task::yield_now().await;
+            }
+            let (timeouts, marks, more) = engine.expire(Instant::now(), EXPIRE_CHUNK);
+            engine.record_timeouts(timeouts).await;
+            drop(marks);
+            if !more {
+                break;
+            }
+        }
     }
 }
 
