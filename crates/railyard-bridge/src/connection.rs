@@ -63,12 +63,12 @@ const READ_CHUNK: usize = 4 * 1024;
 /// alternate on their own and no extra turn is taken.
 const OUTPUT_TURNS: u32 = 4;
 
-/// A request from the client, waiting for the bus's answer.
 /// A registration on its way: the address, the `register`'s number and
 /// what the bus answered.
 type Registering<'a> =
     Pin<Box<dyn Future<Output = (String, u64, Result<MessageStream, BusError>)> + Send + 'a>>;
 
+/// A request from the client, waiting for the bus's answer.
 struct InFlight<'a> {
     /// The client's `replyAddress`: the answer is addressed to it.
     reply_address: String,

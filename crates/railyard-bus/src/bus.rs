@@ -992,11 +992,8 @@ impl EventBus {
                 }
             }
         }
-        let Some(left) = queue.close() else {
+        if !queue.close_and_fail() {
             return;
-        };
-        for env in left {
-            env.fail_unhandled(&queue.address);
         }
         self.inner.retired.lock().merge(&queue.stats());
     }

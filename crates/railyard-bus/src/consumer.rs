@@ -208,10 +208,8 @@ impl Drop for EndsWithTask {
         }
         if let Some(inner) = self.registry.upgrade() {
             crate::EventBus { inner }.unregister(&self.queue);
-        } else if let Some(left) = self.queue.close() {
-            for env in left {
-                env.fail_unhandled(&self.queue.address);
-            }
+        } else {
+            self.queue.close_and_fail();
         }
     }
 }

@@ -356,7 +356,7 @@ impl Dispatcher {
     /// marked it scheduled, so it is on no list already.
     #[inline]
     pub(crate) fn schedule(&self, queue: Arc<ConsumerQueue>) {
-        if RUNNING.with(Cell::get) == std::ptr::from_ref(self) {
+        if in_poll_of(self) {
             // Safety: this thread is inside this dispatcher's poll (see `local`).
             unsafe { (*self.local.get()).push_back(queue) };
             return;
@@ -620,7 +620,7 @@ thread_local! {
     /// task of its own (`finish_on_task`), if any: its `unregister`, called
     /// from that handler, must not wait for the batch the handler itself is
     /// in. (Inside the dispatcher's own poll, `RUNNING` tells the same
-    /// without a per-batch cost: see [`handling_inline`].)
+    /// without a per-batch cost: see [`in_poll_of`].)
     static HANDLING: std::cell::Cell<*const ConsumerQueue> = const { std::cell::Cell::new(std::ptr::null()) };
 }
 
@@ -645,10 +645,11 @@ pub(crate) fn is_running(queue: &ConsumerQueue) -> bool {
     std::ptr::eq(HANDLING.get(), queue)
 }
 
-/// Whether this thread is inside `dispatcher`'s poll: a consumer of it whose
-/// batch is active and not on a task of its own is then the one whose
-/// handler this poll is running (one at a time).
-pub(crate) fn handling_inline(dispatcher: &Dispatcher) -> bool {
+/// Whether this thread is inside `dispatcher`'s poll. (For `unregister`:
+/// a consumer of it whose batch is active and not on a task of its own is
+/// then the one whose handler this poll is running, one at a time.)
+#[inline]
+pub(crate) fn in_poll_of(dispatcher: &Dispatcher) -> bool {
     RUNNING.with(Cell::get) == std::ptr::from_ref(dispatcher)
 }
 

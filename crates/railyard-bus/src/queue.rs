@@ -171,6 +171,13 @@ struct State {
 }
 
 impl State {
+    /// A batch was taken: the waiting senders are to be woken (room was
+    /// made), and their bound starts over.
+    fn take_room_waiters(&mut self) -> Vec<Waker> {
+        self.room_bound = ROOM_WAITERS_MAX;
+        std::mem::take(&mut self.room_waiters)
+    }
+
     /// Moves up to `max` messages, bounded by demand, into `out` and counts
     /// them delivered. The caller has checked that some may be taken.
     #[inline]
@@ -285,8 +292,7 @@ impl ConsumerQueue {
             // Ordered by the lock against `close`, which `unregister` takes
             // before it looks at `active`.
             d.active.store(true, Ordering::Relaxed);
-            s.room_bound = ROOM_WAITERS_MAX;
-            (std::mem::take(&mut s.room_waiters), more)
+            (s.take_room_waiters(), more)
         };
         let (waiters, more) = waiters;
         for w in waiters {
@@ -332,7 +338,7 @@ impl ConsumerQueue {
         let Some(d) = &self.dispatch else {
             return;
         };
-        let inline = crate::dispatch::handling_inline(&d.dispatcher) && !self.state.lock().in_task;
+        let inline = crate::dispatch::in_poll_of(&d.dispatcher) && !self.state.lock().in_task;
         if inline || crate::dispatch::is_running(self) {
             // Called from this consumer's own handler: the batch in progress
             // is the caller's, and it ends when the handler returns.
@@ -457,8 +463,7 @@ impl ConsumerQueue {
                 return Poll::Pending;
             }
             s.take_into(out, max);
-            s.room_bound = ROOM_WAITERS_MAX;
-            std::mem::take(&mut s.room_waiters)
+            s.take_room_waiters()
         };
         for w in waiters {
             w.wake();
@@ -505,6 +510,18 @@ impl ConsumerQueue {
     /// Counts a message the consumer took but then dropped (inbound veto).
     pub(crate) fn count_discarded(&self) {
         self.state.lock().stats.discarded += 1;
+    }
+
+    /// Closes the queue and fails what it still held (a request among it at
+    /// once, with `NO_HANDLERS`). Returns whether it was open.
+    pub(crate) fn close_and_fail(&self) -> bool {
+        let Some(left) = self.close() else {
+            return false;
+        };
+        for env in left {
+            env.fail_unhandled(&self.address);
+        }
+        true
     }
 
     /// Closes the queue and returns what was still buffered, counted as discarded.

@@ -921,6 +921,11 @@ mod tests {
     use crate::inproc::InProcessRegistry;
     use tokio::io::AsyncWriteExt;
 
+    /// A manager call that succeeds at once (the test managers' stubs).
+    fn done<'a>() -> crate::manager::BoxFuture<'a, Result<(), ManagerError>> {
+        Box::pin(async { Ok(()) })
+    }
+
     async fn start_node(
         manager: Arc<dyn ClusterManager>,
         id: &str,
@@ -1216,13 +1221,13 @@ mod tests {
 
     impl ClusterManager for Unreachable {
         fn join(&self, _: NodeInfo) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn subscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
             use std::sync::atomic::Ordering::SeqCst;
@@ -1331,16 +1336,16 @@ mod tests {
 
     impl ClusterManager for Scripted {
         fn join(&self, _: NodeInfo) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn subscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            Box::pin(async { Ok(()) })
+            done()
         }
         fn view(&self) -> watch::Receiver<Arc<ClusterView>> {
             self.0.subscribe()

@@ -342,7 +342,6 @@ async fn serve_active(
         state: state.clone(),
         core: core.clone(),
         stalled: None,
-        warming: std::cell::Cell::new(false),
     });
     let svc = ConnService {
         core: core.clone(),
@@ -601,13 +600,18 @@ pub(crate) struct ConnIo {
     /// when it fires the write fails (`TimedOut`) and hyper drops the
     /// connection (see `HttpConfig::write_timeout`).
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// The last write waited for a file's pages, not for the client.
-    warming: std::cell::Cell<bool>,
 }
 
 impl ConnIo {
     /// Sends up to `max` bytes of the front file run.
-    fn poll_sendfile(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<io::Result<usize>> {
+    /// Sends up to `max` bytes of the front file run; `on_disk` says
+    /// whether it waits for the file's pages rather than for the client.
+    fn poll_sendfile(
+        &mut self,
+        cx: &mut Context<'_>,
+        max: usize,
+        on_disk: &mut bool,
+    ) -> Poll<io::Result<usize>> {
         let mut runs = self.state.runs.borrow_mut();
         let Some(run) = runs.front_mut() else {
             return Poll::Ready(Err(io::Error::other(
@@ -619,7 +623,7 @@ impl ConnIo {
         // read must be cached first (see `sendfile`).
         let cached = self.poll_cached(run, want as u64, cx);
         // Waiting for the disk is not the client's stall (see `stall`).
-        self.warming.set(cached.is_pending());
+        *on_disk = cached.is_pending();
         ready!(cached)?;
         loop {
             ready!(self.tcp.poll_write_ready(cx))?;
@@ -709,20 +713,20 @@ impl ConnIo {
         if let Poll::Ready(Ok(n)) = r {
             self.core.stats.bytes_out.add(n as u64);
         }
-        self.warming.set(false);
-        self.stall(cx, r)
+        self.stall(cx, r, false)
     }
 
-    /// Arms, clears or fires the write deadline (see `stalled`).
+    /// Arms, clears or fires the write deadline (see `stalled`); `on_disk`:
+    /// a pending write waits for a file's pages, not for the client.
     fn stall(
         &mut self,
         cx: &mut Context<'_>,
         r: Poll<io::Result<usize>>,
+        on_disk: bool,
     ) -> Poll<io::Result<usize>> {
         match r {
             Poll::Ready(Ok(_)) => self.stalled = None,
-            // Reading the file from disk: the client is not the one slow.
-            Poll::Pending if self.warming.get() => self.stalled = None,
+            Poll::Pending if on_disk => self.stalled = None,
             Poll::Pending => {
                 let timeout = self.core.config.write_timeout;
                 let stall = self
@@ -730,16 +734,22 @@ impl ConnIo {
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
                 if stall.as_mut().poll(cx).is_ready() {
                     self.stalled = None;
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "the client took nothing within write_timeout",
-                    )));
+                    return Poll::Ready(Err(write_timed_out()));
                 }
             }
             Poll::Ready(Err(_)) => {}
         }
         r
     }
+}
+
+/// The error that ends a connection whose client took nothing within
+/// `write_timeout` (the fixed lane's and hyper's writes alike).
+pub(crate) fn write_timed_out() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the client took nothing within write_timeout",
+    )
 }
 
 impl AsyncRead for ConnIo {
@@ -779,8 +789,9 @@ impl AsyncWrite for ConnIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         if sendfile::is_placeholder(buf) {
-            let r = this.poll_sendfile(cx, buf.len());
-            return this.stall(cx, r);
+            let mut on_disk = false;
+            let r = this.poll_sendfile(cx, buf.len(), &mut on_disk);
+            return this.stall(cx, r, on_disk);
         }
         let r = Pin::new(&mut this.tcp).poll_write(cx, buf);
         this.count_out(cx, r)
@@ -803,8 +814,9 @@ impl AsyncWrite for ConnIo {
             .position(|b| sendfile::is_placeholder(b))
             .unwrap_or(bufs.len());
         if cut == 0 {
-            let r = this.poll_sendfile(cx, bufs[0].len());
-            return this.stall(cx, r);
+            let mut on_disk = false;
+            let r = this.poll_sendfile(cx, bufs[0].len(), &mut on_disk);
+            return this.stall(cx, r, on_disk);
         }
         let r = Pin::new(&mut this.tcp).poll_write_vectored(cx, &bufs[..cut]);
         this.count_out(cx, r)

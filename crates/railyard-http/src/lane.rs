@@ -520,12 +520,7 @@ async fn write_unsent(core: &Core, tcp: &TcpStream, mut unsent: Vec<Bytes>) -> i
         // A client that takes nothing for `write_timeout` is dropped.
         tokio::time::timeout(core.config.write_timeout, tcp.writable())
             .await
-            .map_err(|_| {
-                io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the client took nothing within write_timeout",
-                )
-            })??;
+            .map_err(|_| crate::conn::write_timed_out())??;
         let iov: Vec<IoSlice<'_>> = unsent[i..]
             .iter()
             .take(BATCH * 3)

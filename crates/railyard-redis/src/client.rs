@@ -575,6 +575,7 @@ impl ClusterClient {
     /// # Errors
     /// Any [`RedisError`]; error replies become [`RedisError::Server`].
     pub async fn cmd(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        Self::check_stateless(cmd)?;
         self.route(cmd, false).await
     }
 
@@ -584,13 +585,20 @@ impl ClusterClient {
     /// # Errors
     /// As [`cmd`](Self::cmd).
     pub async fn cmd_read(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        Self::check_stateless(cmd)?;
         self.route(cmd, true).await
     }
 
-    async fn route(&self, cmd: &Cmd, read: bool) -> Result<Value, RedisError> {
+    /// Refuses `cmd` if it would change the shared connection's state (the
+    /// typed helpers send only ordinary commands and skip the check).
+    fn check_stateless(cmd: &Cmd) -> Result<(), RedisError> {
         if changes_connection_state(cmd) {
             return Err(RedisError::StatefulCommand(cmd.name().to_ascii_uppercase()));
         }
+        Ok(())
+    }
+
+    async fn route(&self, cmd: &Cmd, read: bool) -> Result<Value, RedisError> {
         let inner = &self.inner;
         let slot = cmd.routing_key().map(|k| key_slot(k));
         let deadline = Instant::now() + inner.cfg.command_timeout;
@@ -689,7 +697,7 @@ impl ClusterClient {
     /// # Errors
     /// As [`cmd`](Self::cmd).
     pub async fn get(&self, key: impl ToArg) -> Result<Option<Bytes>, RedisError> {
-        match self.cmd_read(&Cmd::new("GET").key(key)).await? {
+        match self.route(&Cmd::new("GET").key(key), true).await? {
             Value::Nil => Ok(None),
             Value::Bulk(b) => Ok(Some(b)),
             v => Err(unexpected("GET", &v)),
@@ -733,7 +741,7 @@ impl ClusterClient {
         if opts.keep_ttl {
             c = c.arg("KEEPTTL");
         }
-        match self.cmd(&c).await? {
+        match self.route(&c, false).await? {
             Value::Status(_) => Ok(true),
             Value::Nil => Ok(false),
             v => Err(unexpected("SET", &v)),
@@ -774,7 +782,10 @@ impl ClusterClient {
     /// As [`cmd`](Self::cmd).
     pub async fn expire(&self, key: impl ToArg, ttl: Duration) -> Result<bool, RedisError> {
         let v = self
-            .cmd(&Cmd::new("PEXPIRE").key(key).arg(ttl.as_millis() as u64))
+            .route(
+                &Cmd::new("PEXPIRE").key(key).arg(ttl.as_millis() as u64),
+                false,
+            )
             .await?;
         Ok(Self::int("PEXPIRE", v)? == 1)
     }
@@ -784,7 +795,7 @@ impl ClusterClient {
     /// # Errors
     /// As [`cmd`](Self::cmd).
     pub async fn incr(&self, key: impl ToArg) -> Result<i64, RedisError> {
-        Self::int("INCR", self.cmd(&Cmd::new("INCR").key(key)).await?)
+        Self::int("INCR", self.route(&Cmd::new("INCR").key(key), false).await?)
     }
 
     /// `MGET`, one command per slot, all in flight at once; values in key order.
@@ -798,7 +809,7 @@ impl ClusterClient {
             for (_, k) in &group {
                 c = c.key(k);
             }
-            let v = self.cmd_read(&c).await?;
+            let v = self.route(&c, true).await?;
             Ok::<_, RedisError>((group, v))
         });
         let mut out = vec![None; keys.len()];
@@ -840,7 +851,7 @@ impl ClusterClient {
     /// flight at once; their answers in order, or the first error in order.
     async fn per_slot(&self, cmds: impl Iterator<Item = Cmd>) -> Result<Vec<Value>, RedisError> {
         let cmds: Vec<Cmd> = cmds.collect();
-        futures::future::join_all(cmds.iter().map(|c| self.cmd(c)))
+        futures::future::join_all(cmds.iter().map(|c| self.route(c, false)))
             .await
             .into_iter()
             .collect()
@@ -858,7 +869,7 @@ impl ClusterClient {
     ) -> Result<i64, RedisError> {
         Self::int(
             "HSET",
-            self.cmd(&Cmd::new("HSET").key(key).arg(field).arg(value))
+            self.route(&Cmd::new("HSET").key(key).arg(field).arg(value), false)
                 .await?,
         )
     }
@@ -872,7 +883,10 @@ impl ClusterClient {
         key: impl ToArg,
         field: impl ToArg,
     ) -> Result<Option<Bytes>, RedisError> {
-        match self.cmd_read(&Cmd::new("HGET").key(key).arg(field)).await? {
+        match self
+            .route(&Cmd::new("HGET").key(key).arg(field), true)
+            .await?
+        {
             Value::Nil => Ok(None),
             Value::Bulk(b) => Ok(Some(b)),
             v => Err(unexpected("HGET", &v)),
@@ -902,7 +916,7 @@ impl ClusterClient {
         for a in args {
             c = c.arg(a.to_arg());
         }
-        self.cmd(&c).await
+        self.route(&c, false).await
     }
 }
 

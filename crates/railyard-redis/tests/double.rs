@@ -741,7 +741,7 @@ async fn commands_that_change_the_shared_connection_are_refused() {
         ),
         "XREAD STREAMS block 0 is not blocking"
     );
-    // Still usable, and nothing was sent: a plain SET answers OK.
+    // Still usable: a plain SET and GET answer.
     c.set("k", "v").await.unwrap();
     assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
 }

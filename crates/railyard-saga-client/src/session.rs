@@ -81,16 +81,13 @@ impl Held {
         self.key = None;
         Settled::Report(latest)
     }
-
-    fn take(&mut self) -> Option<u32> {
-        let key = self.key.take()?;
-        lock(&self.running).remove(&key)
-    }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.take();
+        if let Some(key) = self.key.take() {
+            lock(&self.running).remove(&key);
+        }
     }
 }
 
@@ -346,11 +343,7 @@ impl Session {
                 })) => {
                     participants_taken(self.settings.participants.len(), &w.meta)
                         .map_err(End::Fatal)?;
-                    self.server_max_batch = server_max_batch(&w.meta);
-                    *self
-                        .meta
-                        .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = w.meta;
+                    welcome(&mut self.server_max_batch, &self.meta, w.meta);
                 }
                 Ok(Some(other)) => {
                     return Err(End::Fatal(SagaError::Protocol(format!(
@@ -533,11 +526,7 @@ impl Session {
     fn on_frame(&mut self, frame: ServerFrame) {
         match frame.kind {
             Some(server_frame::Kind::Welcome(w)) => {
-                self.server_max_batch = server_max_batch(&w.meta);
-                *self
-                    .meta
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = w.meta;
+                welcome(&mut self.server_max_batch, &self.meta, w.meta);
             }
             Some(server_frame::Kind::Ack(ack)) => self.on_ack(ack),
             Some(server_frame::Kind::Compensate(c)) => self.on_compensate(c),
@@ -723,6 +712,19 @@ impl Session {
             }
         });
     }
+}
+
+/// Keeps what a `Welcome` says: its batch limit and its meta. (Fields, not
+/// `&mut Session`: the connect path borrows the session's fields apart.)
+fn welcome(
+    max_batch: &mut usize,
+    kept: &RwLock<HashMap<String, String>>,
+    meta: HashMap<String, String>,
+) {
+    *max_batch = server_max_batch(&meta);
+    *kept
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = meta;
 }
 
 /// The events per batch a coordinator whose `Welcome` carried `meta` takes:

@@ -121,6 +121,9 @@ pub(crate) struct Registry {
     rr: AtomicUsize,
 }
 
+/// A registered link: its id and whether a command was ever queued on it.
+pub(crate) type Registered = (u64, Arc<AtomicBool>);
+
 impl Registry {
     /// Registers a connection; returns its id for [`unregister`](Self::unregister)
     /// and the flag that says whether a command was ever queued on it (kept
@@ -132,7 +135,7 @@ impl Registry {
         instance: &str,
         peer: Option<SocketAddr>,
         out: Outbound,
-    ) -> (u64, Arc<AtomicBool>) {
+    ) -> Registered {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let carried = Arc::<AtomicBool>::default();
         let mut g = self.services.write();
@@ -167,22 +170,21 @@ impl Registry {
     /// address `OnDisconnected` came from (Omega sends it on the channel
     /// that carries its `OnConnected` stream). Another process with the same
     /// instance id keeps its link. Without an address nothing is removed:
-    /// the link goes when its stream ends. Returns the ids removed that ever
-    /// carried a command.
+    /// the link goes when its stream ends. Returns the links removed.
     pub(crate) fn unregister_instance(
         &self,
         service: &str,
         instance: &str,
         peer: Option<SocketAddr>,
-    ) -> Vec<u64> {
+    ) -> Vec<Registered> {
         let mut removed = Vec::new();
         let Some(peer) = peer else { return removed };
         let mut g = self.services.write();
         if let Some(links) = g.get_mut(service) {
             links.retain(|l| {
                 let gone = l.instance == instance && l.peer == Some(peer);
-                if gone && l.carried.load(Ordering::Relaxed) {
-                    removed.push(l.id);
+                if gone {
+                    removed.push((l.id, l.carried.clone()));
                 }
                 !gone
             });

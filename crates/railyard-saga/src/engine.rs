@@ -1046,12 +1046,26 @@ impl Engine {
         }
     }
 
-    /// Participant links (connections) ended: commands they took and did
-    /// not answer are sent again now (see `Saga::on_links_gone`), by the
-    /// same coalesced walk as arrivals. It visits the sagas with a deadline
-    /// (every one awaiting an answer has one), so its length grows with
-    /// those, not with every live saga.
-    pub(crate) fn links_gone(self: &Arc<Self>, links: &[u64]) {
+    /// Participant links (connections) left the registry: updates the
+    /// instances gauge, and sends again what those that ever carried a
+    /// command left unanswered ([`links_gone`](Self::links_gone)). Each
+    /// link's flag is claimed here, so a link reported twice (Omega's
+    /// `OnDisconnected`, then its stream's end) is walked for once.
+    pub(crate) fn links_ended(self: &Arc<Self>, links: &[crate::dispatch::Registered]) {
+        self.metrics.instances.set(self.registry.len() as i64);
+        let carried: Vec<u64> = links
+            .iter()
+            .filter(|(_, c)| c.swap(false, std::sync::atomic::Ordering::Relaxed))
+            .map(|(id, _)| *id)
+            .collect();
+        self.links_gone(&carried);
+    }
+
+    /// Links ended: commands they took and did not answer are sent again
+    /// now (see `Saga::on_links_gone`), by the same coalesced walk as
+    /// arrivals. It visits the sagas with a deadline (every one awaiting an
+    /// answer has one, and so does every running saga with a timeout).
+    fn links_gone(self: &Arc<Self>, links: &[u64]) {
         if links.is_empty() {
             return;
         }

@@ -293,7 +293,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     }
     // One link per participant, all on this stream; its commands carry the
     // participant's number.
-    let links: Vec<(u64, Arc<std::sync::atomic::AtomicBool>)> = (0u32..)
+    let links: Vec<crate::dispatch::Registered> = (0u32..)
         .zip(participants.iter())
         .map(|(k, (service, instance))| {
             engine
@@ -462,14 +462,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     .await;
     let ids: Vec<u64> = links.iter().map(|(id, _)| *id).collect();
     engine.registry.unregister_all(&ids);
-    engine.metrics.instances.set(engine.registry.len() as i64);
-    // Only links that carried a command need the walk.
-    let carried: Vec<u64> = links
-        .iter()
-        .filter(|(_, c)| c.load(std::sync::atomic::Ordering::Relaxed))
-        .map(|(id, _)| *id)
-        .collect();
-    engine.links_gone(&carried);
+    engine.links_ended(&links);
 }
 
 /// A batch task's guard: dropped while still holding the session's sender

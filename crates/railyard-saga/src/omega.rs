@@ -163,12 +163,9 @@ impl TxEventService for OmegaService {
                     Some(Err(_)) | None => break,
                 }
             }
-            if let Some((id, carried)) = link {
-                engine.registry.unregister(id);
-                engine.metrics.instances.set(engine.registry.len() as i64);
-                if carried.load(std::sync::atomic::Ordering::Relaxed) {
-                    engine.links_gone(&[id]);
-                }
+            if let Some(link) = link {
+                engine.registry.unregister(link.0);
+                engine.links_ended(&[link]);
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -191,11 +188,7 @@ impl TxEventService for OmegaService {
             self.engine
                 .registry
                 .unregister_instance(&cfg.service_name, &cfg.instance_id, peer);
-        self.engine.links_gone(&removed);
-        self.engine
-            .metrics
-            .instances
-            .set(self.engine.registry.len() as i64);
+        self.engine.links_ended(&removed);
         Ok(Response::new(GrpcAck { aborted: false }))
     }
 

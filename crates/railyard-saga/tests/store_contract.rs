@@ -521,7 +521,7 @@ async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
 
 /// A commit that fails, followed by a log that cannot be re-read, leaves
 /// the writer's index possibly wrong: the store refuses every later write
-/// (until a restart rebuilds the index) instead of writing on with it.
+/// (until the log reads back) instead of writing on with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_refuses_writes_once_its_index_cannot_be_rebuilt() {
     let dir = tempfile::tempdir().unwrap();

@@ -212,8 +212,8 @@ enum MethodArg {
 }
 
 /// The longest duration an option takes: a year (deadlines computed as
-/// `Instant + d` must not overflow).
-const MAX_DURATION_SECS: f64 = 365.0 * 24.0 * 3600.0;
+/// `Instant + d` must not overflow), the HTTP config's own bound.
+const MAX_DURATION_SECS: f64 = railyard_http::MAX_DURATION.as_secs_f64();
 
 /// Parses `10s`, `500ms`, `2m`, `1.5s` or a bare number of seconds, up to a
 /// year.

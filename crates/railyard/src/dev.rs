@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use indicatif::ProgressBar;
 use railyard_cluster::EtcdServer;
 use railyard_redis::double::ClusterDouble;
 use railyard_redis::local_cluster::{dev_dir, LocalCluster, MAX_PORT};
@@ -123,9 +122,7 @@ async fn up(a: &RedisClusterArgs) -> anyhow::Result<()> {
             a.base_port
         );
     }
-    let pb = ProgressBar::new_spinner();
-    pb.enable_steady_tick(Duration::from_millis(200));
-    pb.set_message(format!(
+    let pb = crate::bench_cmd::spinner(format!(
         "starting {} nodes ({masters} masters, {} replicas each) and waiting until they agree...",
         a.nodes, a.replicas
     ));

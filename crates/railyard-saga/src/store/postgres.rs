@@ -1,7 +1,7 @@
 //! The PostgreSQL store: the log on a database server (its replication and
-//! backups). One coordinator per database: rows carry no owner, so a second
-//! coordinator on the same database would recover, time out and compensate
-//! the first one's sagas too (nothing refuses it yet).
+//! backups). One coordinator per database: rows carry no owner, so the
+//! writer's session holds an advisory lock (`OWNER_LOCK`) and a second
+//! coordinator on the same database is refused.
 //!
 //! # Client
 //! `tokio-postgres` rather than sqlx: one connection is one task we drive
@@ -251,7 +251,8 @@ impl Connector {
             .map_err(|_| {
                 StoreError::Unavailable(format!(
                     "PostgreSQL at {} did not answer a new session's set-up within {:?}",
-                    self.target, self.setup_timeout
+                    self.target,
+                    self.setup_timeout + OWNER_WAIT
                 ))
             })??;
         let client = Arc::new(client);

@@ -466,6 +466,18 @@ mod tests {
     use super::super::sqlite::tests::ev;
     use super::*;
 
+    /// The index rebuilt from the stored segments, as an open does; nothing
+    /// in them may be left to delete.
+    fn rebuilt(stored: &BTreeMap<i64, Vec<u8>>) -> Index {
+        let mut index = Index::default();
+        let mut touched = Vec::new();
+        for (seq, data) in stored {
+            index.index_segment(*seq, data, &mut touched).unwrap();
+        }
+        assert!(index.collect(touched).is_empty());
+        index
+    }
+
     /// What replaying the stored segments in order leaves.
     fn replay_all(stored: &BTreeMap<i64, Vec<u8>>) -> Vec<EventRecord> {
         let mut replay = Replay::default();
@@ -528,12 +540,7 @@ mod tests {
         // nothing earlier any more), 5 holds a2 (and c1, dead), 7 the mark
         // that says c1 is dead; the empty commit 6 was never stored.
         assert_eq!(stored.keys().copied().collect::<Vec<_>>(), [4, 5, 7]);
-        let mut rebuilt = Index::default();
-        let mut touched = Vec::new();
-        for (seq, data) in &stored {
-            rebuilt.index_segment(*seq, data, &mut touched).unwrap();
-        }
-        assert!(rebuilt.collect(touched).is_empty());
+        let rebuilt = rebuilt(&stored);
         assert_eq!(rebuilt.live_events, 2);
         assert_eq!(rebuilt.segments(), 3);
     }
@@ -620,12 +627,7 @@ mod tests {
             "the unfinished sagas, nothing finished"
         );
         // Rebuilt from what is stored, the index agrees.
-        let mut rebuilt = Index::default();
-        let mut touched = Vec::new();
-        for (seq, data) in &stored {
-            rebuilt.index_segment(*seq, data, &mut touched).unwrap();
-        }
-        assert!(rebuilt.collect(touched).is_empty());
+        let rebuilt = rebuilt(&stored);
         assert_eq!(rebuilt.live_events, 2);
     }
 

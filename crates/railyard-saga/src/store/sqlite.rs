@@ -477,7 +477,7 @@ impl Writer {
         // Set when the index could not be rebuilt after a failed commit: it
         // may then disagree with the file (events of the failed commit
         // counted, segments its finishes freed forgotten), so nothing more
-        // is written until a restart rebuilds it.
+        // is written until the log reads back (tried before each batch).
         let mut broken: Option<String> = None;
         while let Some(first) = rx.blocking_recv() {
             let batch = take_batch(first, &mut rx, max_rows);
@@ -501,10 +501,11 @@ impl Writer {
                 // The index already counted the failed commit: rebuild it
                 // from what is stored.
                 if let Err(e) = self.load() {
-                    tracing::error!(error = %e, "re-reading the saga log after a failed commit failed; the store refuses writes until the coordinator restarts");
+                    tracing::error!(error = %e, "re-reading the saga log after a failed commit failed; the store refuses writes until it reads back");
                     broken = Some(format!(
-                        "the saga log could not be re-read after a failed commit ({e}); \
-                         restart the coordinator (it rebuilds its index from the file)"
+                        "the saga log could not be re-read after a failed commit ({e}); writes \
+                         resume once it reads back: check the disk, or restart the coordinator \
+                         (it rebuilds its index from the file)"
                     ));
                 }
             }
