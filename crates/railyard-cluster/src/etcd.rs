@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions, WatchResponse,
-    WatchStream,
+    Client, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    WatchResponse, WatchStream,
 };
 use parking_lot::Mutex;
 use tokio::sync::watch;
@@ -93,7 +93,12 @@ impl EtcdManager {
         let opts = ConnectOptions::new()
             .with_connect_timeout(cfg.op_timeout)
             .with_timeout(cfg.op_timeout)
-            .with_keep_alive(Duration::from_secs(2), cfg.op_timeout);
+            .with_keep_alive(Duration::from_secs(2), cfg.op_timeout)
+            // etcd without a leader refuses calls and cancels watches,
+            // instead of answering from a member cut off from the others:
+            // the view is marked disconnected, as the issue asks of an
+            // unreachable etcd.
+            .with_require_leader(true);
         let client = tokio::time::timeout(
             cfg.op_timeout,
             Client::connect(cfg.endpoints.clone(), Some(opts)),
@@ -143,103 +148,217 @@ impl EtcdManager {
     }
 }
 
-/// Registers the node and its subscriptions under a fresh lease.
+/// The most operations in one etcd transaction when (re-)registering
+/// (etcd refuses more than `--max-txn-ops`, default 128).
+const TXN_OPS: usize = 64;
+
+/// Renews `lease` once; its TTL as etcd answered it (0 or less: gone).
+///
+/// etcd-client reports a lease that no longer exists as
+/// `LeaseKeepAliveError("lease not found")`, not as a TTL-0 answer, but
+/// reports a broken keep-alive channel the same way; so on that error ask
+/// etcd whether the lease lives (TTL -1: gone). Until 2026-11-27 that error
+/// was taken for a passing failure, and a node whose lease expired never
+/// registered again.
+async fn renew_once(client: &Client, lease: i64) -> Result<i64, etcd_client::Error> {
+    let mut c = client.clone();
+    let renewed = async {
+        let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
+        keeper.keep_alive().await?;
+        stream.message().await
+    }
+    .await;
+    match renewed {
+        Ok(Some(r)) => Ok(r.ttl()),
+        // The stream ended without an answer: says nothing of the lease
+        // (taking it for lost would swap a live lease).
+        Ok(None) => Err(etcd_client::Error::LeaseKeepAliveError(
+            "the keep-alive stream ended without an answer".into(),
+        )),
+        Err(etcd_client::Error::LeaseKeepAliveError(_)) => {
+            Ok(c.lease_time_to_live(lease, None).await?.ttl())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Registers the node and its subscriptions under `lease`, or under a fresh
+/// lease if `lease` is 0.
+///
+/// The lease is published in `state` as soon as it is granted, so a
+/// `subscribe` that runs meanwhile puts its key under it, and a
+/// registration that fails midway is retried under the same lease while it
+/// lives (the keep-alive loop renews it). The keys go in transactions of
+/// [`TXN_OPS`], and the lease is renewed between them every `period`: one
+/// put at a time, a node with thousands of subscriptions outlived its new
+/// lease before the last put, and started over for ever (until 2026-11-28).
 async fn register(
-    mut client: Client,
+    client: Client,
     cfg: &EtcdConfig,
     prefix: &str,
     state: &Mutex<State>,
+    lease: i64,
 ) -> Result<i64, ManagerError> {
-    let ttl = i64::try_from(cfg.lease_ttl.as_secs().max(1)).unwrap_or(5);
-    let lease = tokio::time::timeout(cfg.op_timeout, client.lease_grant(ttl, None))
-        .await
-        .map_err(|_| unavailable("lease grant timed out"))?
-        .map_err(unavailable)?
-        .id();
+    let lease = if lease != 0 {
+        lease
+    } else {
+        let ttl = i64::try_from(cfg.lease_ttl.as_secs().max(1)).unwrap_or(5);
+        let mut c = client.clone();
+        let lease = tokio::time::timeout(cfg.op_timeout, c.lease_grant(ttl, None))
+            .await
+            .map_err(|_| unavailable("lease grant timed out"))?
+            .map_err(unavailable)?
+            .id();
+        state.lock().lease = lease;
+        lease
+    };
     let (node, subs) = {
         let s = state.lock();
         (s.node.clone().ok_or(ManagerError::Stopped)?, s.subs.clone())
     };
-    let put = |key: String, value: String| {
-        let mut c = client.clone();
-        async move {
-            tokio::time::timeout(
-                cfg.op_timeout,
-                c.put(key, value, Some(PutOptions::new().with_lease(lease))),
+    let period = renew_period(cfg);
+    let mut renewed = tokio::time::Instant::now();
+    let with_lease = || Some(PutOptions::new().with_lease(lease));
+    let node_put = TxnOp::put(
+        format!("{prefix}nodes/{}", node.id),
+        node.addr.to_string(),
+        with_lease(),
+    );
+    let subs: Vec<String> = subs.into_iter().collect();
+    let mut first = Some(node_put);
+    // The node's key goes first, in a transaction of its own.
+    for chunk in std::iter::once(&[][..]).chain(subs.chunks(TXN_OPS)) {
+        if renewed.elapsed() >= period {
+            let ttl = tokio::time::timeout(cfg.op_timeout, renew_once(&client, lease))
+                .await
+                .map_err(|_| unavailable("lease renewal timed out"))?
+                .map_err(unavailable)?;
+            if ttl <= 0 {
+                return Err(unavailable("the new lease expired while registering"));
+            }
+            renewed = tokio::time::Instant::now();
+        }
+        let keys: Vec<String> = chunk
+            .iter()
+            .map(|a| format!("{prefix}subs/{}/{a}", node.id))
+            .collect();
+        let ops: Vec<TxnOp> = first
+            .take()
+            .into_iter()
+            .chain(
+                keys.iter()
+                    .map(|k| TxnOp::put(k.as_str(), "", with_lease())),
             )
+            .collect();
+        let mut c = client.clone();
+        tokio::time::timeout(cfg.op_timeout, c.txn(Txn::new().and_then(ops)))
             .await
             .map_err(|_| unavailable("put timed out"))?
-            .map_err(unavailable)
-            .map(|_| ())
-        }
-    };
-    put(format!("{prefix}nodes/{}", node.id), node.addr.to_string()).await?;
-    for a in subs {
-        let key = format!("{prefix}subs/{}/{a}", node.id);
-        put(key.clone(), String::new()).await?;
+            .map_err(unavailable)?;
         // Withdrawn since the snapshot: its delete may have run before this
         // put and found nothing, so delete again (`unsubscribe` drops the
         // address from `subs` before its delete, so one of the two deletes
         // comes after this put).
-        if !state.lock().subs.contains(&a) {
+        let withdrawn: Vec<TxnOp> = {
+            let s = state.lock();
+            chunk
+                .iter()
+                .zip(&keys)
+                .filter(|(a, _)| !s.subs.contains(*a))
+                .map(|(_, k)| TxnOp::delete(k.as_str(), None))
+                .collect()
+        };
+        if !withdrawn.is_empty() {
             let mut c = client.clone();
-            tokio::time::timeout(cfg.op_timeout, c.delete(key, None))
+            tokio::time::timeout(cfg.op_timeout, c.txn(Txn::new().and_then(withdrawn)))
                 .await
                 .map_err(|_| unavailable("delete timed out"))?
                 .map_err(unavailable)?;
         }
     }
-    state.lock().lease = lease;
     Ok(lease)
 }
 
-/// Registers the node again under a new lease (the old one is gone).
-async fn re_register(client: &Client, cfg: &EtcdConfig, prefix: &str, state: &Mutex<State>) {
-    tracing::warn!("etcd lease expired; registering the node again");
-    if let Err(e) = register(client.clone(), cfg, prefix, state).await {
-        tracing::warn!(error = %e, "re-registering with etcd failed; will retry");
+/// How often the lease is renewed: a third of its TTL.
+fn renew_period(cfg: &EtcdConfig) -> Duration {
+    (cfg.lease_ttl / 3).max(Duration::from_millis(200))
+}
+
+/// When the keep-alive loop tries next, and how long it gives the attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Schedule {
+    /// Wait before the next attempt.
+    wait: Duration,
+    /// The attempt's deadline.
+    deadline: Duration,
+}
+
+/// The keep-alive schedule: a renewal every `period` while they succeed; after
+/// a failure, another attempt soon (100 ms, doubling, at most `period`), not
+/// a whole period later. No attempt waits longer than `period` for its
+/// answer, so after one attempt that hangs the next still starts, and has
+/// time to be answered, before the lease expires. Until 2026-11-28 each attempt could wait the whole
+/// `op_timeout` (3 s) and a failed one was followed by a full period's wait:
+/// one slow answer lost a 5 s lease while etcd was healthy.
+fn schedule(cfg: &EtcdConfig, failures: u32) -> Schedule {
+    let period = renew_period(cfg);
+    let wait = if failures == 0 {
+        period
+    } else {
+        Duration::from_millis(100)
+            .saturating_mul(1 << failures.min(16).saturating_sub(1))
+            .min(period)
+    };
+    Schedule {
+        wait,
+        deadline: cfg.op_timeout.min(period),
     }
 }
 
-/// Renews the lease; re-registers under a new one if it was lost.
+/// Renews the lease; registers again, under a new lease, if it was lost,
+/// and finishes a registration that failed midway.
 async fn keep_alive(client: Client, cfg: EtcdConfig, prefix: String, state: Arc<Mutex<State>>) {
-    let period = (cfg.lease_ttl / 3).max(Duration::from_millis(200));
-    let mut c = client.clone();
+    let mut failures = 0u32;
+    // Whether the keys under the current lease are all there (`join`
+    // registered them before this task started).
+    let mut complete = true;
     loop {
-        tokio::time::sleep(period).await;
+        let next = schedule(&cfg, failures);
+        tokio::time::sleep(next.wait).await;
         let lease = state.lock().lease;
-        let alive = async {
-            let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
-            keeper.keep_alive().await?;
-            Ok::<_, etcd_client::Error>(stream.message().await?.map(|r| r.ttl()))
-        };
-        match tokio::time::timeout(cfg.op_timeout, alive).await {
-            Ok(Ok(Some(ttl))) if ttl > 0 => {}
-            // The stream ended without an answer: says nothing of the
-            // lease (re-registering here would swap a live lease).
-            Ok(Ok(None)) => tracing::warn!("etcd keep-alive got no answer; will retry"),
-            Ok(Ok(Some(_))) => re_register(&client, &cfg, &prefix, &state).await,
-            // A lease that expired (or was revoked): etcd answers TTL 0,
-            // which etcd-client reports as `LeaseKeepAliveError("lease not
-            // found")`, not as an answer; but it reports a broken keep-alive
-            // channel the same way. So ask etcd whether the lease lives
-            // (TTL -1: gone). Until 2026-11-27 this error was taken for a
-            // passing failure, so a node whose lease expired never
-            // registered again.
-            Ok(Err(etcd_client::Error::LeaseKeepAliveError(why))) => {
-                let asked =
-                    tokio::time::timeout(cfg.op_timeout, c.lease_time_to_live(lease, None)).await;
-                match asked {
-                    Ok(Ok(r)) if r.ttl() <= 0 => re_register(&client, &cfg, &prefix, &state).await,
-                    Ok(Ok(_)) => {
-                        tracing::warn!(error = %why, "etcd keep-alive failed, the lease lives; will retry");
-                    }
-                    Ok(Err(e)) => tracing::warn!(error = %e, "etcd keep-alive failed; will retry"),
-                    Err(_) => tracing::warn!("etcd keep-alive timed out; will retry"),
-                }
+        let renewed = tokio::time::timeout(next.deadline, renew_once(&client, lease)).await;
+        let lost = match renewed {
+            Ok(Ok(ttl)) if ttl > 0 => false,
+            Ok(Ok(_)) => {
+                tracing::warn!("etcd lease expired; registering the node again");
+                true
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "etcd keep-alive failed; will retry"),
-            Err(_) => tracing::warn!("etcd keep-alive timed out; will retry"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "etcd keep-alive failed; will retry");
+                failures += 1;
+                continue;
+            }
+            Err(_) => {
+                tracing::warn!("etcd keep-alive timed out; will retry");
+                failures += 1;
+                continue;
+            }
+        };
+        if !lost && complete {
+            failures = 0;
+            continue;
+        }
+        let under = if lost { 0 } else { lease };
+        match register(client.clone(), &cfg, &prefix, &state, under).await {
+            Ok(_) => {
+                complete = true;
+                failures = 0;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "registering with etcd failed; will retry");
+                complete = false;
+                failures += 1;
+            }
         }
     }
 }
@@ -406,6 +525,57 @@ fn ready(stream: &mut WatchStream) -> Option<Result<Option<WatchResponse>, etcd_
     stream.message().now_or_never()
 }
 
+/// Keys per page of the full read.
+const PAGE_KEYS: i64 = 1_000;
+
+/// Every key under `prefix`, read in pages of [`PAGE_KEYS`] at one revision,
+/// and that revision. One read of the whole prefix fails once its answer
+/// passes etcd-client's 4 MiB decoding limit (some 40,000 subscriptions),
+/// and a node would then never get a view (until 2026-11-28).
+async fn read_all(
+    c: &mut Client,
+    prefix: &str,
+    op_timeout: Duration,
+) -> Result<(i64, Vec<etcd_client::KeyValue>), String> {
+    // The end of the prefix's range: its last byte plus one ('/' + 1).
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    let mut from = prefix.as_bytes().to_vec();
+    let mut revision = 0;
+    let mut kvs = Vec::new();
+    loop {
+        let mut opts = GetOptions::new()
+            .with_range(end.clone())
+            .with_limit(PAGE_KEYS);
+        if revision != 0 {
+            opts = opts.with_revision(revision);
+        }
+        let mut resp = tokio::time::timeout(op_timeout, c.get(from.clone(), Some(opts)))
+            .await
+            .map_err(|_| "read timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        if revision == 0 {
+            revision = resp.header().map_or(0, |h| h.revision());
+        }
+        let more = resp.more();
+        let page = resp.take_kvs();
+        match page.last() {
+            Some(last) if more => {
+                // The next page starts just after this one's last key.
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => {
+                kvs.extend(page);
+                return Ok((revision, kvs));
+            }
+        }
+        kvs.extend(page);
+    }
+}
+
 /// Keeps the view in step with etcd: full read, then watch; on failure keep
 /// the last view (marked disconnected) and start over.
 async fn follow(client: Client, op_timeout: Duration, mut f: Follower) {
@@ -413,20 +583,13 @@ async fn follow(client: Client, op_timeout: Duration, mut f: Follower) {
     loop {
         let mut c = client.clone();
         let outcome: Result<(), Stop> = async {
-            let resp = tokio::time::timeout(
-                op_timeout,
-                c.get(&*f.prefix, Some(GetOptions::new().with_prefix())),
-            )
-            .await
-            .map_err(|_| "read timed out".to_string())?
-            .map_err(|e| e.to_string())?;
-            let revision = resp.header().map_or(0, |h| h.revision());
+            let (revision, kvs) = read_all(&mut c, &f.prefix, op_timeout).await?;
             f.publish(move |view, prefix| {
                 *view = ClusterView {
                     connected: true,
                     ..ClusterView::default()
                 };
-                for kv in resp.kvs() {
+                for kv in &kvs {
                     apply_key(view, prefix, kv.key(), kv.value(), true);
                 }
             })
@@ -485,7 +648,7 @@ impl ClusterManager for EtcdManager {
         Box::pin(async move {
             check_node_id(&node.id)?;
             self.state.lock().node = Some(node);
-            register(self.client.clone(), &self.cfg, &self.prefix, &self.state).await?;
+            register(self.client.clone(), &self.cfg, &self.prefix, &self.state, 0).await?;
             let mut tasks = self.tasks.lock();
             tasks.push(tokio::spawn(keep_alive(
                 self.client.clone(),
@@ -541,9 +704,12 @@ impl ClusterManager for EtcdManager {
             // was under way, its snapshot of `subs` may have missed this
             // address: put it again under the new lease (bounded: each
             // round needs another re-registration to repeat).
+            // A put under a lease that expired fails; if the node has
+            // registered under a new one meanwhile, it is put again too.
+            let mut done = Ok(());
             for _ in 0..3 {
                 let put = c.put(key.clone(), "", Some(PutOptions::new().with_lease(lease)));
-                self.with_timeout(put).await?;
+                done = self.with_timeout(put).await.map(|_| ());
                 let now = {
                     let s = self.state.lock();
                     (s.subs.contains(&address) && s.lease != lease).then_some(s.lease)
@@ -553,7 +719,7 @@ impl ClusterManager for EtcdManager {
                     None => break,
                 }
             }
-            Ok(())
+            done
         })
     }
 
@@ -609,6 +775,28 @@ mod tests {
 
     use super::*;
     use crate::etcd_server::EtcdServer;
+
+    /// With the default TTL and call deadline, a renewal that hangs is
+    /// followed by another that starts before the lease expires, with time
+    /// left for its answer; failures back off to at most a period.
+    #[test]
+    fn one_hung_renewal_does_not_lose_the_lease() {
+        let cfg = EtcdConfig::new(Vec::new());
+        let ok = schedule(&cfg, 0);
+        let period = renew_period(&cfg);
+        assert_eq!(ok.wait, period);
+        // Renewed at 0; the next attempt at `period` hangs to its deadline;
+        // the retry starts after the first failure's wait.
+        let retry_at = ok.wait + ok.deadline + schedule(&cfg, 1).wait;
+        assert!(
+            retry_at + Duration::from_millis(500) < cfg.lease_ttl,
+            "retry at {retry_at:?}, lease TTL {:?}",
+            cfg.lease_ttl
+        );
+        assert!(schedule(&cfg, 2).wait > schedule(&cfg, 1).wait);
+        assert_eq!(schedule(&cfg, 40).wait, period);
+        assert!(schedule(&cfg, 40).deadline <= period);
+    }
 
     /// Writes `keys` (deletes them if `put` is false) from 8 tasks at once.
     async fn write_all(client: &Client, keys: Vec<String>, put: bool) {

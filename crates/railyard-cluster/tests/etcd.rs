@@ -280,3 +280,113 @@ async fn a_withdrawal_during_re_registration_stays_withdrawn() {
     }
     assert_eq!(c.get(sub_key(0), None).await.unwrap().count(), 1);
 }
+
+/// Keys under `prefix` in etcd, and how many distinct leases hold them.
+async fn keys_and_leases(c: &mut etcd_client::Client, prefix: &str) -> (usize, usize) {
+    let resp = c
+        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let leases: std::collections::BTreeSet<i64> = resp.kvs().iter().map(|kv| kv.lease()).collect();
+    (resp.kvs().len(), leases.len())
+}
+
+/// A node with thousands of subscriptions whose lease is lost registers
+/// them all again under one new lease, and stays registered. (Before
+/// 2026-11-28 it put them one at a time with nothing renewing the new
+/// lease meanwhile: with a 1 s TTL the lease expired partway, and the node
+/// started over under another lease, for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_thousands_of_subscriptions_comes_back_whole() {
+    use railyard_cluster::NodeInfo;
+    const SUBS: usize = 5_000;
+    let etcd = EtcdServer::start().expect("etcd starts");
+    let m = manager(&etcd, Duration::from_secs(1)).await;
+    m.join(NodeInfo {
+        id: "a".into(),
+        addr: "127.0.0.1:9".parse().unwrap(),
+    })
+    .await
+    .unwrap();
+    // Subscribed 100 at a time (etcd shares their commits).
+    for batch in (0..SUBS).collect::<Vec<_>>().chunks(100) {
+        let puts = batch.iter().map(|i| {
+            let m = m.clone();
+            async move { m.subscribe(&format!("addr-{i:05}")).await }
+        });
+        for r in futures::future::join_all(puts).await {
+            r.unwrap();
+        }
+    }
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    let prefix = "/railyard/railyard/";
+    assert_eq!(keys_and_leases(&mut c, prefix).await, (SUBS + 1, 1));
+    for l in c.leases().await.unwrap().leases() {
+        c.lease_revoke(l.id()).await.unwrap();
+    }
+    let mut whole = false;
+    for _ in 0..300 {
+        if keys_and_leases(&mut c, prefix).await == (SUBS + 1, 1) {
+            whole = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        whole,
+        "the node's keys did not all come back under one lease"
+    );
+    // And they stay: three TTLs later, the same keys under a live lease.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(keys_and_leases(&mut c, prefix).await, (SUBS + 1, 1));
+    let lease = c
+        .get("/railyard/railyard/nodes/a", None)
+        .await
+        .unwrap()
+        .kvs()[0]
+        .lease();
+    let ttl = c.lease_time_to_live(lease, None).await.unwrap().ttl();
+    assert!(ttl > 0, "the node's lease is gone (TTL {ttl})");
+}
+
+/// A cluster whose keys take more than 4 MiB to read still gives a node its
+/// view. (Before 2026-11-28 the node read them in one answer, which
+/// etcd-client refused past 4 MiB: the view never connected.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_view_larger_than_one_answer_is_read_in_pages() {
+    use railyard_cluster::NodeInfo;
+    const KEYS: usize = 20_000;
+    let etcd = EtcdServer::start().expect("etcd starts");
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    // 20,000 subscriptions of a peer, each name 240 bytes: about 5.5 MB.
+    let pad = "x".repeat(230);
+    let keys: Vec<String> = (0..KEYS)
+        .map(|i| format!("/railyard/railyard/subs/peer/{pad}-{i:05}"))
+        .collect();
+    for chunk in keys.chunks(100) {
+        let ops = chunk
+            .iter()
+            .map(|k| etcd_client::TxnOp::put(k.as_str(), "", None))
+            .collect::<Vec<_>>();
+        c.txn(etcd_client::Txn::new().and_then(ops)).await.unwrap();
+    }
+    let m = manager(&etcd, Duration::from_secs(5)).await;
+    m.join(NodeInfo {
+        id: "a".into(),
+        addr: "127.0.0.1:9".parse().unwrap(),
+    })
+    .await
+    .unwrap();
+    let mut view = m.view();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        view.wait_for(|v| v.connected && v.subscriptions.len() == KEYS),
+    )
+    .await
+    .expect("the view holds every subscription")
+    .unwrap();
+}
