@@ -29,6 +29,14 @@
 //!   a member (a connection the peer ends before sending anything, as when
 //!   it refuses our HELLO, counts as a failed dial); messages queued
 //!   meanwhile wait in the bounded queue;
+//! - a link is *down* (not chosen: `deliver` refuses, so sends and requests
+//!   go to the address's other targets) from a lost connection, a failed
+//!   dial (dialing side) or `handshake_timeout` without the peer's
+//!   connection (accepting side), until a connection is up; requests
+//!   pending on it fail at once (`ERROR`). (Until 2026-11-28 a link that
+//!   never connected was never down: a member whose address refused
+//!   connections kept being chosen, and its requests waited for their
+//!   timeout.)
 //! - when the peer leaves the membership the link closes for good: queued
 //!   and pending requests fail.
 
@@ -226,6 +234,70 @@ impl Pending {
     }
 }
 
+/// Wakers of senders waiting for room before they are all woken and the
+/// live ones register again (see [`RoomWaiters::register`]).
+const ROOM_WAITERS_MAX: usize = 1024;
+
+/// Senders waiting for room in a link (`send_wait`, blocked requests), as
+/// the bus's consumer queue keeps them (`railyard-bus` `queue.rs`, whose
+/// waiters are private to that crate). A waiter that gives up (a request
+/// that timed out while blocked, a dropped `send_wait`) leaves its waker
+/// here until the writer takes a batch; with the writer stuck (the peer not
+/// reading, no connection) they piled up, one per request, and each
+/// registration scanned them all under the lock.
+#[derive(Debug)]
+struct RoomWaiters {
+    wakers: Vec<Waker>,
+    /// How many `wakers` may hold before they are all woken: doubles each
+    /// time it is reached, so many live waiters cost amortized O(1) each
+    /// instead of a wake-up storm, and starts over at [`take_all`](Self::take_all).
+    bound: usize,
+}
+
+impl Default for RoomWaiters {
+    fn default() -> Self {
+        Self {
+            wakers: Vec::new(),
+            bound: ROOM_WAITERS_MAX,
+        }
+    }
+}
+
+impl RoomWaiters {
+    /// Registers `waker`; returns the wakers to wake once the lock is
+    /// released (all of them when the bound was reached: those still waiting
+    /// register again).
+    #[must_use]
+    fn register(&mut self, waker: &Waker) -> Vec<Waker> {
+        // Only the last waiter is checked for a repeat poll: a full scan
+        // made many blocked senders quadratic. A duplicate costs one
+        // spurious wake-up.
+        if self.wakers.last().is_some_and(|w| w.will_wake(waker)) {
+            return Vec::new();
+        }
+        if self.wakers.len() >= self.bound {
+            let stale = std::mem::take(&mut self.wakers);
+            self.bound = self.bound.saturating_mul(2);
+            self.wakers.push(waker.clone());
+            return stale;
+        }
+        self.wakers.push(waker.clone());
+        Vec::new()
+    }
+
+    /// Every waiter, to wake (room came, or the link went down or closed);
+    /// the bound starts over.
+    fn take_all(&mut self) -> Vec<Waker> {
+        self.bound = ROOM_WAITERS_MAX;
+        std::mem::take(&mut self.wakers)
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.wakers.len()
+    }
+}
+
 /// Who opens the connection of a pair: the node with the smaller id dials,
 /// so a pair has exactly one connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,16 +364,21 @@ pub(crate) struct Link {
     fail_epoch: AtomicU64,
     next_id: AtomicU64,
     closed: AtomicBool,
-    /// Set when a connection that was up is lost, cleared when the next one
-    /// is up. Meanwhile `deliver` refuses, so sends and requests go to the
+    /// Set when a connection that was up is lost, when a dial fails
+    /// (dialing side), or when `handshake_timeout` passes without the
+    /// peer's connection (accepting side); cleared when a connection is up.
+    /// Meanwhile `deliver` refuses, so sends and requests go to the
     /// address's other targets (or fail with NO_HANDLERS if it has none)
     /// instead of queueing for a peer that may be dead until its lease
-    /// expires. Never set before the first connection: a link just made for
-    /// a new member queues, and what it queued goes with the HELLO.
+    /// expires, or unreachable for as long as it lives (an address
+    /// advertised that this node cannot reach). A link just made for a new
+    /// member is not down: it queues until then, and what it queued goes
+    /// with the HELLO.
     down: AtomicBool,
     close_signal: Notify,
-    /// Senders waiting for room in a full queue (woken after each batch).
-    room_waiters: Mutex<Vec<Waker>>,
+    /// Senders waiting for room in a full queue or under `max_in_flight`
+    /// (woken after each batch, and when the link goes down or closes).
+    room_waiters: Mutex<RoomWaiters>,
     /// For `Side::Accept`: connections the acceptor hands over.
     /// Each comes with the bytes read after its HELLO.
     accepted: Mutex<Option<mpsc::Sender<(TcpStream, BytesMut)>>>,
@@ -403,12 +480,9 @@ impl Link {
         if ready(self) {
             return Poll::Ready(());
         }
-        {
-            let mut w = self.room_waiters.lock();
-            if !w.iter().any(|x| x.will_wake(cx.waker())) {
-                w.push(cx.waker().clone());
-            }
-        }
+        // Woken after the lock is released.
+        let stale = self.room_waiters.lock().register(cx.waker());
+        stale.into_iter().for_each(Waker::wake);
         // Room may have come between the check and the registration.
         if ready(self) {
             Poll::Ready(())
@@ -432,7 +506,7 @@ impl Link {
     }
 
     fn wake_room_waiters(&self) {
-        let waiters = std::mem::take(&mut *self.room_waiters.lock());
+        let waiters = self.room_waiters.lock().take_all();
         for w in waiters {
             w.wake();
         }
@@ -464,7 +538,7 @@ impl Link {
             down: AtomicBool::new(false),
             close_signal: Notify::new(),
             accepted: Mutex::new(Some(acc_tx)),
-            room_waiters: Mutex::new(Vec::new()),
+            room_waiters: Mutex::new(RoomWaiters::default()),
             counters,
         });
         tokio::spawn(run(link.clone(), cfg, bus, replies_rx, acc_rx));
@@ -499,6 +573,19 @@ impl Link {
             self.fail_pending("left the cluster");
             self.wake_room_waiters();
         }
+    }
+
+    /// Marks the link down (see `down`): the requests pending on it fail
+    /// (`node <peer> <why> before answering`), and senders waiting for room
+    /// here are woken to try the address's other targets. Called again
+    /// while down (each failed dial, each further `handshake_timeout`), it
+    /// fails a request that got in as the link went down. Returns whether
+    /// the link was not down before.
+    fn mark_down(&self, why: &str) -> bool {
+        let was_down = self.down.swap(true, Ordering::AcqRel);
+        self.fail_pending(why);
+        self.wake_room_waiters();
+        !was_down
     }
 
     fn gone(&self) -> BusError {
@@ -593,7 +680,15 @@ async fn run(
                     // The backoff is reset once the peer answers on it (below).
                     Ok(s) => (s, BytesMut::new()),
                     Err(e) => {
-                        tracing::debug!(peer = %link.peer, %addr, error = %e, "dial failed; retrying");
+                        // Not chosen until a dial gets through (a member
+                        // whose address refuses us, or a partition, would
+                        // otherwise take its share of the requests, each
+                        // waiting for its timeout).
+                        if link.mark_down("could not be reached") {
+                            tracing::warn!(peer = %link.peer, %addr, error = %e, "cannot reach a cluster peer; not choosing it until a connection is up");
+                        } else {
+                            tracing::debug!(peer = %link.peer, %addr, error = %e, "dial failed; retrying");
+                        }
                         if !back_off(&link, &mut backoff, cfg.backoff_max).await {
                             break;
                         }
@@ -601,12 +696,22 @@ async fn run(
                     }
                 }
             }
+            // The peer dials us. A peer that has not within
+            // `handshake_timeout` (it cannot reach our address, or is cut
+            // off) is not chosen until it does: down, and again after each
+            // further wait.
             Side::Accept => tokio::select! {
                 s = accepted.recv() => match s {
                     Some(s) => s,
                     None => break,
                 },
                 () = link.close_signal.notified() => break,
+                () = tokio::time::sleep(cfg.handshake_timeout) => {
+                    if link.mark_down("did not connect") {
+                        tracing::warn!(peer = %link.peer, waited = ?cfg.handshake_timeout, "a cluster peer has not connected; not choosing it until it does");
+                    }
+                    continue;
+                }
             },
         };
         tracing::info!(peer = %link.peer, side = ?link.side, "cluster link up");
@@ -617,9 +722,7 @@ async fn run(
         let why = serve(&sink, &cfg, &bus, &mut replies, stream, rest).await;
         // Refused from now until the next connection is up; senders waiting
         // for room here try the address's other targets.
-        link.down.store(true, Ordering::Release);
-        link.fail_pending("was disconnected");
-        link.wake_room_waiters();
+        link.mark_down("was disconnected");
         // Answers to that connection's requests: the peer has failed them.
         while replies.try_recv().is_ok() {}
         if link.closed.load(Ordering::Acquire) {
@@ -1309,6 +1412,78 @@ where
     }
 }
 
+/// Delivers a request from the peer that found its consumers' buffers full
+/// (or must go behind messages that did), waiting for room until
+/// `deadline`, its timeout counted from its arrival. Past it, its requester
+/// has been told TIMEOUT, so the request is withdrawn and answered TIMEOUT:
+/// never delivered. (Until 2026-11-28 the wait was unbounded: the request
+/// was run later with nobody waiting for it, holding its address's place in
+/// the lane meanwhile.)
+async fn request_in_lane(
+    bus: &EventBus,
+    address: &str,
+    body: Body,
+    opts: &DeliveryOptions,
+    sink: Arc<ConnSink>,
+    id: u64,
+    deadline: Instant,
+) {
+    let timeout = BusError::Timeout {
+        after: opts.timeout,
+    };
+    // Its turn may come after the deadline (behind other waiting messages).
+    if Instant::now() >= deadline {
+        tracing::debug!(%address, "a request from another node timed out waiting for room; withdrawn");
+        sink.answer(Out::Frame(fail_frame(id, &timeout)));
+        return;
+    }
+    let replies = Arc::new(Withdrawable {
+        sink: sink.clone(),
+        after: opts.timeout,
+        withdrawn: AtomicBool::new(false),
+    });
+    let routed = {
+        let wait = bus.request_remote_wait(address, body, opts, replies.clone(), id);
+        tokio::pin!(wait);
+        let routed = tokio::time::timeout_at(deadline, &mut wait).await;
+        if routed.is_err() {
+            replies.withdrawn.store(true, Ordering::Release);
+        }
+        routed
+        // `wait` is dropped here, with the request if it still waits: its
+        // reply handle answers `NoReply`, which `replies` turns into TIMEOUT.
+    };
+    match routed {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => sink.answer(Out::Frame(fail_frame(id, &e.error))),
+        Err(_) => {
+            tracing::debug!(%address, "a request from another node timed out waiting for room; withdrawn");
+        }
+    }
+}
+
+/// The reply sink of a request waiting in the lane (see
+/// [`request_in_lane`]): once it is withdrawn for its timeout, the
+/// `NoReply` its dropped reply handle answers becomes the TIMEOUT its
+/// requester saw.
+struct Withdrawable {
+    sink: Arc<ConnSink>,
+    after: Duration,
+    withdrawn: AtomicBool,
+}
+
+impl ReplySink for Withdrawable {
+    fn reply(&self, id: u64, result: Result<railyard_bus::Message, BusError>) {
+        let result = match result {
+            Err(BusError::NoReply) if self.withdrawn.load(Ordering::Acquire) => {
+                Err(BusError::Timeout { after: self.after })
+            }
+            other => other,
+        };
+        self.sink.reply(id, result);
+    }
+}
+
 /// What is left of handling a frame when it must wait (all local buffers
 /// full, or the peer not reading its answers): the reader awaits it before
 /// the next frame. Rare, so boxed; the common path is a plain call.
@@ -1425,15 +1600,13 @@ fn handle_ready(
                             }
                         }
                     };
+                    // Its timeout counts from its arrival (a clock read on
+                    // this rare path only).
+                    let deadline = Instant::now() + opts.timeout;
                     let (bus, s, address) = (bus.clone(), sink.clone(), address.into_owned());
                     let key = address.clone();
                     wait_in_lane(sink, &key, async move {
-                        if let Err(e) = bus
-                            .request_remote_wait(&address, body, &opts, s.clone(), id)
-                            .await
-                        {
-                            s.answer(Out::Frame(fail_frame(id, &e.error)));
-                        }
+                        request_in_lane(&bus, &address, body, &opts, s, id, deadline).await;
                     })
                 }
             }
@@ -1611,14 +1784,16 @@ mod tests {
             max_in_flight: 4,
             max_frame: 1 << 20,
             ping_interval: Duration::from_secs(60),
-            ping_timeout: Duration::from_secs(60),
-            handshake_timeout: Duration::from_secs(60),
+            ping_timeout: Duration::from_secs(120),
+            handshake_timeout: Duration::from_secs(600),
             backoff_max: Duration::from_secs(60),
         });
-        // "a" < "b": this side dials a loopback port that refuses, and backs off.
+        // "0" < "a": this side waits for the peer to dial, which it never
+        // does (not marked down within the handshake timeout). A side that
+        // dials a refusing port would be down after its first dial.
         let link = rt.block_on(async {
             let link = Link::start(
-                "b".into(),
+                "0".into(),
                 "127.0.0.1:1".parse().unwrap(),
                 cfg,
                 EventBus::new(),
@@ -1644,6 +1819,60 @@ mod tests {
         assert!(
             link.has_room(),
             "waiters for room get their refusal at once"
+        );
+    }
+
+    /// Waiters for room in a link's queue that gave up (timed out or
+    /// dropped while blocked) leave their wakers until the writer takes a
+    /// batch; a writer that takes none (the peer stalled, or not connected)
+    /// must not let them pile up, one per request, for good.
+    #[tokio::test]
+    async fn waiters_for_room_that_gave_up_stay_bounded() {
+        const REQUESTS: usize = 5_000;
+        let cfg = Arc::new(LinkConfig {
+            node_id: "b".into(),
+            cluster: "c".into(),
+            queue: 1,
+            max_in_flight: 65_536,
+            max_frame: 1 << 20,
+            ping_interval: Duration::from_secs(60),
+            ping_timeout: Duration::from_secs(120),
+            handshake_timeout: Duration::from_secs(600),
+            backoff_max: Duration::from_secs(60),
+        });
+        // "a" < "b": the link waits for "a" to dial, which it never does, so
+        // nothing drains its queue.
+        let bus = EventBus::new();
+        let link = Link::start(
+            "a".into(),
+            "127.0.0.1:9".parse().unwrap(),
+            cfg,
+            bus.clone(),
+            Arc::new(ClusterCounters::default()),
+        );
+        bus.set_remote_nodes("far", vec![link.clone() as Arc<dyn RemoteNode>]);
+        bus.send("far", 1u8).unwrap();
+        assert!(!link.has_room(), "one message fills the queue");
+        // Each request blocks on the full link (a waker of its own), then
+        // is given up, as a timeout does.
+        struct Nobody;
+        impl std::task::Wake for Nobody {
+            fn wake(self: Arc<Self>) {}
+        }
+        let opts = DeliveryOptions::new().timeout(Duration::from_secs(60));
+        for _ in 0..REQUESTS {
+            let waker = Waker::from(Arc::new(Nobody));
+            let mut call = Box::pin(bus.request_with("far", 1u8, &opts));
+            let polled = std::future::Future::poll(call.as_mut(), &mut Context::from_waker(&waker));
+            assert!(polled.is_pending(), "blocked on the full link");
+            drop(call);
+        }
+        let kept = link.room_waiters.lock().len();
+        // The bound doubles at each wake-all (as in the bus's queue), so
+        // 5,000 registrations fit in 1,024 + 2,048 + 4,096.
+        assert!(
+            kept <= 4 * ROOM_WAITERS_MAX,
+            "{kept} wakers kept for {REQUESTS} requests that gave up"
         );
     }
 

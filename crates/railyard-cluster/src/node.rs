@@ -47,19 +47,22 @@ pub struct ClusterConfig {
     pub max_in_flight: usize,
     /// Largest frame accepted; a bigger one closes the connection (default 16 MiB).
     pub max_frame: usize,
-    /// How often a link pings its peer (default 1 s).
+    /// How often a link pings its peer (default 1 s; above zero).
     pub ping_interval: Duration,
-    /// Silence after which a link is declared dead (default 3 s). Before
-    /// the peer's first frame on a connection, the larger of this and
-    /// `handshake_timeout`: the acceptor is silent during its handshake.
+    /// Silence after which a link is declared dead (default 3 s; longer
+    /// than `ping_interval`). Before the peer's first frame on a
+    /// connection, the larger of this and `handshake_timeout`: the acceptor
+    /// is silent during its handshake.
     pub ping_timeout: Duration,
-    /// Longest wait between reconnect attempts (default 2 s).
+    /// Longest wait between reconnect attempts (default 2 s; above zero).
     pub backoff_max: Duration,
     /// Time an accepted connection has to complete its handshake: send its
     /// HELLO and, if it names a node this node's view does not list yet,
     /// for the view to list it (a joining node may dial before the watch
     /// here delivered its registration). Past it the connection is closed;
-    /// the dialer retries with backoff (default 5 s).
+    /// the dialer retries with backoff (default 5 s; above zero). A peer
+    /// that should dial this node and has not connected within it is not
+    /// chosen until it does.
     pub handshake_timeout: Duration,
     /// Accepted connections that may be in their handshake at once
     /// (default 256). Beyond it a new connection is closed at once, without
@@ -85,6 +88,57 @@ impl ClusterConfig {
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 256,
         }
+    }
+
+    /// Checks for settings a node cannot run with; [`ClusterNode::start`]
+    /// calls it before it binds or joins.
+    ///
+    /// # Errors
+    /// [`ClusterError::Config`] naming the first such setting: a zero
+    /// `ping_interval` (every link's task would panic), a `ping_timeout` not
+    /// longer than `ping_interval` (links would be declared dead between two
+    /// pings, over and over), a zero `backoff_max` (a dial loop without a
+    /// pause) or a zero `handshake_timeout` (every connection refused).
+    pub fn check(&self) -> Result<(), ClusterError> {
+        let bad = |setting, problem: String, fix| {
+            Err(ClusterError::Config {
+                setting,
+                problem,
+                fix,
+            })
+        };
+        if self.ping_interval.is_zero() {
+            return bad(
+                "ping_interval",
+                "is zero".into(),
+                "set it above zero (default 1 s)",
+            );
+        }
+        if self.ping_timeout <= self.ping_interval {
+            return bad(
+                "ping_timeout",
+                format!(
+                    "({:?}) is not longer than ping_interval ({:?}): links would be declared dead between two pings",
+                    self.ping_timeout, self.ping_interval
+                ),
+                "set it to several ping intervals (default 3 s with a 1 s interval)",
+            );
+        }
+        if self.backoff_max.is_zero() {
+            return bad(
+                "backoff_max",
+                "is zero: a node would redial an unreachable peer without a pause".into(),
+                "set it above zero (default 2 s)",
+            );
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad(
+                "handshake_timeout",
+                "is zero: every connection from a peer would be refused".into(),
+                "set it above zero (default 5 s)",
+            );
+        }
+        Ok(())
     }
 }
 
@@ -127,6 +181,17 @@ pub enum ClusterError {
     /// The cluster manager refused or is unreachable.
     #[error(transparent)]
     Manager(#[from] ManagerError),
+    /// A [`ClusterConfig`] setting the node cannot run with (see
+    /// [`ClusterConfig::check`]).
+    #[error("cluster setting `{setting}` {problem}; {fix}")]
+    Config {
+        /// The field of [`ClusterConfig`].
+        setting: &'static str,
+        /// What is wrong with its value.
+        problem: String,
+        /// What to do about it.
+        fix: &'static str,
+    },
 }
 
 /// A running cluster node. Dropping it stops its tasks; call
@@ -360,12 +425,15 @@ impl ClusterNode {
     /// bus's remote routes in step with the cluster view.
     ///
     /// # Errors
+    /// [`ClusterError::Config`] for a setting the node cannot run with
+    /// (checked first: nothing is bound or joined then), otherwise
     /// [`ClusterError`] when the listener cannot bind or the manager fails.
     pub async fn start(
         bus: EventBus,
         manager: Arc<dyn ClusterManager>,
         cfg: ClusterConfig,
     ) -> Result<ClusterNode, ClusterError> {
+        cfg.check()?;
         let listener =
             TcpListener::bind(cfg.listen)
                 .await
@@ -1406,15 +1474,20 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unchanged_subscribers_are_re_routed_when_the_members_change() {
         let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        // b and c sort below m: m waits for them to dial, and their links
+        // (never connected) stay chosen for the handshake timeout, past the
+        // test's length. (Links m dialed would be down after their first
+        // refused dial.)
+        let patient = |c: &mut ClusterConfig| c.handshake_timeout = Duration::from_secs(600);
         // c subscribes before the view lists it as a member: no link, no route.
         let subs = [("x", "b"), ("x", "c"), ("y", "b")];
-        let m = Scripted::new(&[("a", unused), ("b", unused)], &subs);
-        let (bus, _node) = start_node(m.clone(), "a", |_| {}).await;
+        let m = Scripted::new(&[("m", unused), ("b", unused)], &subs);
+        let (bus, _node) = start_node(m.clone(), "m", patient).await;
         routed(&bus, 2).await;
         // A publish reaches each routed node once (queued on its link).
         assert_eq!(bus.publish("x", 1u8).unwrap().delivered, 1);
 
-        m.set(&[("a", unused), ("b", unused), ("c", unused)], &subs);
+        m.set(&[("m", unused), ("b", unused), ("c", unused)], &subs);
         let mut delivered = 0;
         for _ in 0..1000 {
             delivered = bus.publish("x", 1u8).unwrap().delivered;
@@ -1426,7 +1499,7 @@ mod tests {
         assert_eq!(delivered, 2, "c's link was not added to x's route");
 
         // c leaves: x keeps b only.
-        m.set(&[("a", unused), ("b", unused)], &subs);
+        m.set(&[("m", unused), ("b", unused)], &subs);
         for _ in 0..1000 {
             delivered = bus.publish("x", 1u8).unwrap().delivered;
             if delivered == 1 {

@@ -1422,3 +1422,301 @@ async fn a_node_whose_connection_is_lost_is_skipped_before_it_leaves() {
         t0.elapsed()
     );
 }
+
+/// A loopback address that refuses connections: a listener's, dropped.
+fn refusing_addr() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Registers `id` at `addr` with a subscription to `address`, as a node
+/// that never serves it itself (a raw peer may later speak for it). Keep
+/// the manager for the test's length.
+async fn subscribed_member(
+    reg: &InProcessRegistry,
+    id: &str,
+    addr: std::net::SocketAddr,
+    address: &str,
+) -> InProcessManager {
+    let m = reg.manager();
+    m.join(NodeInfo {
+        id: id.into(),
+        addr,
+    })
+    .await
+    .expect("registers");
+    m.subscribe(address).await.expect("subscribes");
+    m
+}
+
+/// Sends `n` requests to `x`, one after another, each with a 60 s timeout;
+/// how many were answered, and the kinds of those that failed.
+async fn ask_one_by_one(bus: &EventBus, n: usize) -> (usize, Vec<String>) {
+    let opts = DeliveryOptions::new().timeout(Duration::from_secs(60));
+    let mut ok = 0;
+    let mut failed = Vec::new();
+    for i in 0..n {
+        match bus.request_with("x", format!("r{i}"), &opts).await {
+            Ok(_) => ok += 1,
+            Err(e) => failed.push(e.kind().as_str().to_owned()),
+        }
+    }
+    (ok, failed)
+}
+
+/// Speaks for a member on `s` (whose HELLO, if it dials, is already
+/// written): answers each PING with a PONG and fails each request with
+/// RECIPIENT_FAILURE code 7, so a requester can tell it got there.
+async fn answer_as_member(s: tokio::net::TcpStream) {
+    use railyard_cluster::{FailKind, Frame, Mode};
+    let (mut rd, mut wr) = s.into_split();
+    let mut inbuf = bytes::BytesMut::new();
+    loop {
+        let mut out = bytes::BytesMut::new();
+        while let Some(f) = Frame::decode(&mut inbuf, 1 << 20).unwrap() {
+            match f {
+                Frame::Ping(n) => Frame::Pong(n).encode(&mut out),
+                Frame::Msg {
+                    mode: Mode::Request,
+                    id,
+                    ..
+                } => Frame::Fail {
+                    id,
+                    kind: FailKind::RecipientFailure,
+                    code: 7,
+                    message: "from the member".into(),
+                }
+                .encode(&mut out),
+                _ => {}
+            }
+        }
+        if !out.is_empty() && wr.write_all(&out).await.is_err() {
+            return;
+        }
+        match rd.read_buf(&mut inbuf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// Requests `x` (bounded: 100 tries) until one reaches the member that
+/// answers with code 7 (see `answer_as_member`).
+async fn reaches_the_member(bus: &EventBus) -> bool {
+    let opts = DeliveryOptions::new().timeout(Duration::from_secs(10));
+    for _ in 0..100 {
+        if let Err(BusError::RecipientFailure { code: 7, .. }) =
+            bus.request_with("x", String::from("?"), &opts).await
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// A member whose advertised address refuses connections (a node
+/// advertising 127.0.0.1 from another host, a partition) is not chosen
+/// once a dial failed: requests go to the address's other target instead
+/// of waiting for their timeout on a link that never connects. Once it can
+/// be reached, it is chosen again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_address_refuses_connections_is_not_chosen() {
+    let reg = InProcessRegistry::new();
+    let dead = refusing_addr();
+    // "z-dead" sorts above "a": a dials it, and every dial is refused.
+    let _z = subscribed_member(&reg, "z-dead", dead, "x").await;
+    let (a, _na) = start_with(&reg, "a", |c| c.backoff_max = Duration::from_millis(100)).await;
+    let _here = echo(&a, "x").await;
+    routed_to(&a, "x", 1).await;
+    let (ok, failed) = tokio::time::timeout(Duration::from_secs(20), ask_one_by_one(&a, 100))
+        .await
+        .expect("a request waited for its 60 s timeout on a link that never connects");
+    // One request may have been queued before the first dial failed: it
+    // fails then, as on a lost connection.
+    assert!(failed.iter().all(|k| k == "ERROR"), "{failed:?}");
+    assert!(failed.len() <= 1, "{} requests failed", failed.len());
+    assert_eq!(ok + failed.len(), 100);
+
+    // Reachable again: a's next dial gets through and the member is chosen.
+    let listener = tokio::net::TcpListener::bind(dead)
+        .await
+        .expect("the refusing port is free again");
+    let (s, _) = tokio::time::timeout(Duration::from_secs(20), listener.accept())
+        .await
+        .expect("a dials the member again")
+        .unwrap();
+    let member = tokio::spawn(answer_as_member(s));
+    assert!(
+        reaches_the_member(&a).await,
+        "the member is never chosen again"
+    );
+    member.abort();
+}
+
+/// A member that should dial this node and never does (the same partition
+/// seen from the other side) is not chosen once the handshake timeout has
+/// passed without a connection: what was queued for it fails (ERROR), and
+/// requests go to the address's other target. Once it dials, it is chosen
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_never_dials_is_not_chosen_after_the_handshake_timeout() {
+    use railyard_cluster::{Frame, VERSION};
+    let reg = InProcessRegistry::new();
+    // "a-silent" sorts below "b": b waits for it to dial, in vain.
+    let _m = subscribed_member(&reg, "a-silent", refusing_addr(), "x").await;
+    let (b, nb) = start_with(&reg, "b", |c| {
+        c.handshake_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let _here = echo(&b, "x").await;
+    routed_to(&b, "x", 1).await;
+    let (ok, failed) = tokio::time::timeout(Duration::from_secs(20), ask_one_by_one(&b, 100))
+        .await
+        .expect("a request waited for its 60 s timeout on a link that never connects");
+    assert!(failed.iter().all(|k| k == "ERROR"), "{failed:?}");
+    assert!(failed.len() <= 1, "{} requests failed", failed.len());
+    assert_eq!(ok + failed.len(), 100);
+
+    // It dials at last: chosen again.
+    let mut s = tokio::net::TcpStream::connect(nb.addr()).await.unwrap();
+    let mut out = bytes::BytesMut::new();
+    Frame::Hello {
+        version: VERSION,
+        node: "a-silent".into(),
+        cluster: "railyard".into(),
+    }
+    .encode(&mut out);
+    Frame::Ping(1).encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let member = tokio::spawn(answer_as_member(s));
+    assert!(
+        reaches_the_member(&b).await,
+        "the member is never chosen again"
+    );
+    member.abort();
+}
+
+/// A request from another node that waits for room in a full consumer's
+/// buffer is withdrawn when its timeout passes (answered TIMEOUT), and is
+/// never delivered afterwards: it ran later with nobody waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_for_room_past_its_timeout_is_never_delivered() {
+    use railyard_cluster::{FailKind, Frame, Mode, VERSION};
+    let reg = InProcessRegistry::new();
+    let _peer = member(&reg, "a-peer").await;
+    // No pings: the raw peer below never answers one.
+    let (b, nb) = start_pinging(&reg, "b", Duration::from_secs(3600)).await;
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+    let s2 = seen.clone();
+    let slow = b
+        .consumer("slow")
+        .capacity(1)
+        .paused()
+        .handler(move |mut m| {
+            let text = String::from_utf8_lossy(m.body::<bytes::Bytes>().unwrap()).into_owned();
+            s2.lock().push(text);
+            if m.expects_reply() {
+                let _ = m.reply(String::from("handled"));
+            }
+            std::future::ready(())
+        })
+        .await
+        .unwrap();
+    // Its one slot taken.
+    b.send("slow", bytes::Bytes::from_static(b"first")).unwrap();
+
+    let mut s = tokio::net::TcpStream::connect(nb.addr()).await.unwrap();
+    let mut out = bytes::BytesMut::new();
+    Frame::Hello {
+        version: VERSION,
+        node: "a-peer".into(),
+        cluster: "railyard".into(),
+    }
+    .encode(&mut out);
+    let msg = |mode, id, timeout_ms, body: &'static [u8], out: &mut bytes::BytesMut| {
+        Frame::Msg {
+            mode,
+            id,
+            timeout_ms,
+            address: "slow".into(),
+            headers: railyard_bus::Headers::new(),
+            codec: "bytes".into(),
+            body: bytes::Bytes::from_static(body),
+        }
+        .encode(out);
+    };
+    // A request with a 200 ms timeout, and a send behind it (the same
+    // address: it waits behind the request, in order).
+    msg(Mode::Request, 1, 200, b"late", &mut out);
+    msg(Mode::Send, 0, 0, b"after", &mut out);
+    s.write_all(&out).await.unwrap();
+    // b answers the request TIMEOUT when it withdraws it (bounded wait:
+    // without that answer the test still resumes, and the check below
+    // says what happened).
+    let mut inbuf = bytes::BytesMut::new();
+    let answer = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(f) = Frame::decode(&mut inbuf, 1 << 20).unwrap() {
+                match f {
+                    Frame::Fail { id, kind, .. } => return Some((id, kind)),
+                    Frame::Reply { id, .. } => panic!("request {id} answered while paused"),
+                    _ => continue,
+                }
+            }
+            if s.read_buf(&mut inbuf).await.unwrap_or(0) == 0 {
+                return None;
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten();
+    slow.resume();
+    for _ in 0..1000 {
+        if seen.lock().iter().any(|b| b == "after") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        *seen.lock(),
+        vec!["first".to_string(), "after".to_string()],
+        "the handler ran a request its requester had given up on"
+    );
+    assert_eq!(answer, Some((1, FailKind::Timeout)));
+}
+
+/// Settings a node cannot run with are refused by `start`, which names the
+/// setting, before the node joins: a zero ping interval (every link task
+/// panicked while `start` returned Ok), a ping deadline no longer than the
+/// interval (links flap), a zero reconnect backoff (a dial loop without a
+/// pause), a zero handshake timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_a_node_cannot_run_with_are_refused_at_start() {
+    let reg = InProcessRegistry::new();
+    type Set = fn(&mut ClusterConfig);
+    let cases: [(&str, Set); 4] = [
+        ("ping_interval", |c| c.ping_interval = Duration::ZERO),
+        ("ping_timeout", |c| c.ping_timeout = c.ping_interval),
+        ("backoff_max", |c| c.backoff_max = Duration::ZERO),
+        ("handshake_timeout", |c| {
+            c.handshake_timeout = Duration::ZERO;
+        }),
+    ];
+    for (setting, set) in cases {
+        let mut cfg = ClusterConfig::new("a", "127.0.0.1:0".parse().unwrap());
+        set(&mut cfg);
+        let Err(e) = ClusterNode::start(EventBus::new(), Arc::new(reg.manager()), cfg).await else {
+            panic!("start accepted an unusable {setting}");
+        };
+        assert!(
+            matches!(&e, railyard_cluster::ClusterError::Config { setting: s, .. } if *s == setting),
+            "{setting}: {e:?}"
+        );
+        assert!(e.to_string().contains(setting), "{setting}: {e}");
+    }
+    assert!(
+        reg.snapshot().members.is_empty(),
+        "a node refused at start joined"
+    );
+}
