@@ -157,7 +157,7 @@ const TXN_OPS: usize = 64;
 /// etcd-client reports a lease that no longer exists as
 /// `LeaseKeepAliveError("lease not found")`, not as a TTL-0 answer, but
 /// reports a broken keep-alive channel the same way; so on that error ask
-/// etcd whether the lease lives (TTL -1: gone). Until 2026-11-27 that error
+/// etcd whether the lease lives (TTL -1: gone, answered here as 0). Until 2026-11-27 that error
 /// was taken for a passing failure, and a node whose lease expired never
 /// registered again.
 async fn renew_once(client: &Client, lease: i64) -> Result<i64, etcd_client::Error> {
@@ -175,8 +175,16 @@ async fn renew_once(client: &Client, lease: i64) -> Result<i64, etcd_client::Err
         Ok(None) => Err(etcd_client::Error::LeaseKeepAliveError(
             "the keep-alive stream ended without an answer".into(),
         )),
-        Err(etcd_client::Error::LeaseKeepAliveError(_)) => {
-            Ok(c.lease_time_to_live(lease, None).await?.ttl())
+        // TTL -1: the lease is gone. etcd truncates the time left to whole
+        // seconds, so a live lease with under a second left answers 0: a
+        // failure to retry at once, not a loss.
+        Err(etcd_client::Error::LeaseKeepAliveError(why)) => {
+            match c.lease_time_to_live(lease, None).await?.ttl() {
+                ttl if ttl < 0 => Ok(0),
+                _ => Err(etcd_client::Error::LeaseKeepAliveError(format!(
+                    "{why}; the lease lives"
+                ))),
+            }
         }
         Err(e) => Err(e),
     }
@@ -216,7 +224,11 @@ async fn register(
         let s = state.lock();
         (s.node.clone().ok_or(ManagerError::Stopped)?, s.subs.clone())
     };
+    // Each call here waits at most `period`, and the lease is renewed once
+    // half a period passed since the last renewal, so a call that hangs to
+    // its deadline still leaves time for the renewal after it.
     let period = renew_period(cfg);
+    let call = cfg.op_timeout.min(period);
     let mut renewed = tokio::time::Instant::now();
     let with_lease = || Some(PutOptions::new().with_lease(lease));
     let node_put = TxnOp::put(
@@ -228,8 +240,8 @@ async fn register(
     let mut first = Some(node_put);
     // The node's key goes first, in a transaction of its own.
     for chunk in std::iter::once(&[][..]).chain(subs.chunks(TXN_OPS)) {
-        if renewed.elapsed() >= period {
-            let ttl = tokio::time::timeout(cfg.op_timeout, renew_once(&client, lease))
+        if renewed.elapsed() >= period / 2 {
+            let ttl = tokio::time::timeout(call, renew_once(&client, lease))
                 .await
                 .map_err(|_| unavailable("lease renewal timed out"))?
                 .map_err(unavailable)?;
@@ -251,7 +263,7 @@ async fn register(
             )
             .collect();
         let mut c = client.clone();
-        tokio::time::timeout(cfg.op_timeout, c.txn(Txn::new().and_then(ops)))
+        tokio::time::timeout(call, c.txn(Txn::new().and_then(ops)))
             .await
             .map_err(|_| unavailable("put timed out"))?
             .map_err(unavailable)?;
@@ -270,7 +282,7 @@ async fn register(
         };
         if !withdrawn.is_empty() {
             let mut c = client.clone();
-            tokio::time::timeout(cfg.op_timeout, c.txn(Txn::new().and_then(withdrawn)))
+            tokio::time::timeout(call, c.txn(Txn::new().and_then(withdrawn)))
                 .await
                 .map_err(|_| unavailable("delete timed out"))?
                 .map_err(unavailable)?;

@@ -298,6 +298,18 @@ impl RoomWaiters {
     }
 }
 
+/// How long a dial may take to connect.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long the accepting side of a link waits for the peer's connection
+/// before it stops choosing the peer: the peer's own handshake allowance,
+/// plus a full dial backoff and a dial timeout, so a peer still starting
+/// (its links come after its advertisements) or between two dial attempts
+/// is not taken for unreachable.
+fn accept_grace(cfg: &LinkConfig) -> Duration {
+    cfg.handshake_timeout + cfg.backoff_max + DIAL_TIMEOUT
+}
+
 /// Who opens the connection of a pair: the node with the smaller id dials,
 /// so a pair has exactly one connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -706,7 +718,7 @@ async fn run(
                     None => break,
                 },
                 () = link.close_signal.notified() => break,
-                () = tokio::time::sleep(cfg.handshake_timeout) => {
+                () = tokio::time::sleep(accept_grace(&cfg)) => {
                     if link.mark_down("did not connect") {
                         tracing::warn!(peer = %link.peer, waited = ?cfg.handshake_timeout, "a cluster peer has not connected; not choosing it until it does");
                     }
@@ -764,7 +776,7 @@ impl Drop for TaskEnded {
 }
 
 async fn dial(addr: SocketAddr, cfg: &LinkConfig) -> std::io::Result<TcpStream> {
-    let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+    let mut s = tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
     s.set_nodelay(true)?;
@@ -1414,11 +1426,14 @@ where
 
 /// Delivers a request from the peer that found its consumers' buffers full
 /// (or must go behind messages that did), waiting for room until
-/// `deadline`, its timeout counted from its arrival. Past it, its requester
-/// has been told TIMEOUT, so the request is withdrawn and answered TIMEOUT:
-/// never delivered. (Until 2026-11-28 the wait was unbounded: the request
-/// was run later with nobody waiting for it, holding its address's place in
-/// the lane meanwhile.)
+/// `deadline`, its timeout counted from its arrival here. Past it, its
+/// requester has been told TIMEOUT (earlier, in fact: the timeout also ran
+/// while the request waited on the sender's side and on the wire, which
+/// the frame does not carry), so the request is withdrawn and answered
+/// TIMEOUT: never delivered. A request whose requester gave up but which
+/// got room before this deadline is still delivered. (Until 2026-11-28 the
+/// wait was unbounded: the request was run whenever room came, with nobody
+/// waiting for it, holding its address's place in the lane meanwhile.)
 async fn request_in_lane(
     bus: &EventBus,
     address: &str,
