@@ -89,6 +89,7 @@ mod remote;
 mod reply;
 mod spin;
 mod timeouts;
+mod waiters;
 
 pub use body::Body;
 pub use bus::{Advertisement, CodecCache, EventBus, PublishReport};
@@ -110,3 +111,4 @@ pub use remote::{
 };
 pub use reply::PendingReply;
 pub use spin::{SpinGuard, SpinLock};
+pub use waiters::RoomWaiters;

@@ -25,15 +25,11 @@ use crate::dispatch::{Dispatcher, Runner};
 use crate::metrics::ConsumerStats;
 use crate::reply::ReplySender;
 use crate::spin::SpinLock;
+use crate::waiters::RoomWaiters;
 use crate::{Body, BusError, Headers};
 
 /// Most messages a consumer takes per lock acquisition.
 pub(crate) const BATCH: usize = 64;
-
-/// Wakers of senders waiting for room before they are all woken and the
-/// live ones register again (see `ConsumerQueue::poll_push`'s full branch);
-/// the bound doubles each time, and starts over at a batch taken.
-const ROOM_WAITERS_MAX: usize = 1024;
 
 /// A message in flight between a sender and a consumer.
 #[derive(Debug)]
@@ -159,13 +155,9 @@ struct State {
     in_task: bool,
     /// Set only while the consumer is parked with nothing it may take.
     consumer: Option<Waker>,
-    /// Senders waiting for room (`send_wait`, blocked requests).
-    room_waiters: Vec<Waker>,
-    /// How many `room_waiters` may hold before they are all woken (see
-    /// `poll_push`): doubles each time it is reached, so many live waiters
-    /// cost amortized O(1) each instead of a wake-up storm, and starts over
-    /// when the consumer takes a batch.
-    room_bound: usize,
+    /// Senders waiting for room (`send_wait`, blocked requests); woken when
+    /// the consumer takes a batch.
+    room_waiters: RoomWaiters,
     /// The other counters (`received` is kept above).
     stats: ConsumerStats,
 }
@@ -174,8 +166,7 @@ impl State {
     /// A batch was taken: the waiting senders are to be woken (room was
     /// made), and their bound starts over.
     fn take_room_waiters(&mut self) -> Vec<Waker> {
-        self.room_bound = ROOM_WAITERS_MAX;
-        std::mem::take(&mut self.room_waiters)
+        self.room_waiters.take_all()
     }
 
     /// Moves up to `max` messages, bounded by demand, into `out` and counts
@@ -217,8 +208,7 @@ impl ConsumerQueue {
             state: CachePadded::new(SpinLock::new(State {
                 items: VecDeque::new(),
                 consumer: None,
-                room_waiters: Vec::new(),
-                room_bound: ROOM_WAITERS_MAX,
+                room_waiters: RoomWaiters::default(),
                 demand: if paused { 0 } else { FLOWING },
                 received: 0,
                 closed: false,
@@ -401,33 +391,11 @@ impl ConsumerQueue {
                 return Poll::Ready(Err(Refused::Closed));
             }
             if s.items.len() >= self.capacity {
-                // Only the last waiter is checked for a repeat poll: a full
-                // scan would make many blocked senders quadratic. A duplicate
-                // costs one spurious wake-up.
-                if !s
-                    .room_waiters
-                    .last()
-                    .is_some_and(|w| w.will_wake(cx.waker()))
-                {
-                    // Waiters that gave up (a request that timed out while
-                    // blocked, a dropped `send_wait`) leave their wakers
-                    // here until the consumer takes a batch; a consumer that
-                    // takes none would let them pile up. At the bound every
-                    // waiter is woken and the list starts over (those still
-                    // waiting register again), and the bound doubles, so that
-                    // many live waiters do not make a wake-up storm: the list
-                    // holds at most about twice the live waiters, plus the
-                    // base bound.
-                    if s.room_waiters.len() >= s.room_bound {
-                        let stale = std::mem::take(&mut s.room_waiters);
-                        s.room_bound = s.room_bound.saturating_mul(2);
-                        s.room_waiters.push(cx.waker().clone());
-                        drop(s);
-                        stale.into_iter().for_each(Waker::wake);
-                        return Poll::Pending;
-                    }
-                    s.room_waiters.push(cx.waker().clone());
-                }
+                // Stale waiters (bounded, see `RoomWaiters`) are woken
+                // after the lock is released.
+                let stale = s.room_waiters.register(cx.waker());
+                drop(s);
+                stale.into_iter().for_each(Waker::wake);
                 return Poll::Pending;
             }
             let Some(env) = slot.take() else {
@@ -536,7 +504,7 @@ impl ConsumerQueue {
             s.closed = true;
             let left: Vec<Envelope> = s.items.drain(..).collect();
             s.stats.discarded += left.len() as u64;
-            (left, s.consumer.take(), std::mem::take(&mut s.room_waiters))
+            (left, s.consumer.take(), s.room_waiters.take_all())
         };
         consumer.into_iter().chain(waiters).for_each(Waker::wake);
         Some(left)
@@ -600,7 +568,7 @@ mod tests {
         let mut slot = Some(envelope());
         let r = q.poll_push(&mut slot, &mut Context::from_waker(&waker));
         assert!(matches!(r, Poll::Ready(Ok(()))), "room for one");
-        for _ in 0..5 * ROOM_WAITERS_MAX {
+        for _ in 0..5 * RoomWaiters::BASE_BOUND {
             // A distinct waker each time: a sender that polled once and left.
             let waker = Waker::from(Arc::new(Nobody));
             let mut slot = Some(envelope());
@@ -611,7 +579,7 @@ mod tests {
         // 5 x the base fits in base + 2 x base + 4 x base).
         let s = q.state.lock();
         assert!(
-            s.room_waiters.len() <= 4 * ROOM_WAITERS_MAX,
+            s.room_waiters.len() <= 4 * RoomWaiters::BASE_BOUND,
             "{}",
             s.room_waiters.len()
         );

@@ -157,9 +157,9 @@ const TXN_OPS: usize = 64;
 /// etcd-client reports a lease that no longer exists as
 /// `LeaseKeepAliveError("lease not found")`, not as a TTL-0 answer, but
 /// reports a broken keep-alive channel the same way; so on that error ask
-/// etcd whether the lease lives (TTL -1: gone, answered here as 0). Until 2026-11-27 that error
-/// was taken for a passing failure, and a node whose lease expired never
-/// registered again.
+/// etcd whether the lease lives (TTL -1: gone, answered here as 0). Until
+/// 2026-11-27 that error was taken for a passing failure, and a node whose
+/// lease expired never registered again.
 async fn renew_once(client: &Client, lease: i64) -> Result<i64, etcd_client::Error> {
     let mut c = client.clone();
     let renewed = async {
@@ -197,8 +197,8 @@ async fn renew_once(client: &Client, lease: i64) -> Result<i64, etcd_client::Err
 /// `subscribe` that runs meanwhile puts its key under it, and a
 /// registration that fails midway is retried under the same lease while it
 /// lives (the keep-alive loop renews it). The keys go in transactions of
-/// [`TXN_OPS`], and the lease is renewed between them every `period`: one
-/// put at a time, a node with thousands of subscriptions outlived its new
+/// [`TXN_OPS`], and the lease is renewed between them every half period:
+/// one put at a time, a node with thousands of subscriptions outlived its new
 /// lease before the last put, and started over for ever (until 2026-11-28).
 async fn register(
     client: Client,
@@ -228,18 +228,28 @@ async fn register(
     // half a period passed since the last renewal, so a call that hangs to
     // its deadline still leaves time for the renewal after it.
     let period = renew_period(cfg);
-    let call = cfg.op_timeout.min(period);
-    let mut renewed = tokio::time::Instant::now();
+    let call = call_deadline(cfg);
+    let txn = |ops: Vec<TxnOp>| {
+        let mut c = client.clone();
+        async move {
+            tokio::time::timeout(call, c.txn(Txn::new().and_then(ops)))
+                .await
+                .map_err(|_| unavailable("etcd transaction timed out"))?
+                .map_err(unavailable)
+                .map(drop)
+        }
+    };
     let with_lease = || Some(PutOptions::new().with_lease(lease));
-    let node_put = TxnOp::put(
+    // The node's key first, in a transaction of its own.
+    txn(vec![TxnOp::put(
         format!("{prefix}nodes/{}", node.id),
         node.addr.to_string(),
         with_lease(),
-    );
+    )])
+    .await?;
+    let mut renewed = tokio::time::Instant::now();
     let subs: Vec<String> = subs.into_iter().collect();
-    let mut first = Some(node_put);
-    // The node's key goes first, in a transaction of its own.
-    for chunk in std::iter::once(&[][..]).chain(subs.chunks(TXN_OPS)) {
+    for chunk in subs.chunks(TXN_OPS) {
         if renewed.elapsed() >= period / 2 {
             let ttl = tokio::time::timeout(call, renew_once(&client, lease))
                 .await
@@ -254,19 +264,11 @@ async fn register(
             .iter()
             .map(|a| format!("{prefix}subs/{}/{a}", node.id))
             .collect();
-        let ops: Vec<TxnOp> = first
-            .take()
-            .into_iter()
-            .chain(
-                keys.iter()
-                    .map(|k| TxnOp::put(k.as_str(), "", with_lease())),
-            )
-            .collect();
-        let mut c = client.clone();
-        tokio::time::timeout(call, c.txn(Txn::new().and_then(ops)))
-            .await
-            .map_err(|_| unavailable("put timed out"))?
-            .map_err(unavailable)?;
+        txn(keys
+            .iter()
+            .map(|k| TxnOp::put(k.as_str(), "", with_lease()))
+            .collect())
+        .await?;
         // Withdrawn since the snapshot: its delete may have run before this
         // put and found nothing, so delete again (`unsubscribe` drops the
         // address from `subs` before its delete, so one of the two deletes
@@ -281,11 +283,7 @@ async fn register(
                 .collect()
         };
         if !withdrawn.is_empty() {
-            let mut c = client.clone();
-            tokio::time::timeout(call, c.txn(Txn::new().and_then(withdrawn)))
-                .await
-                .map_err(|_| unavailable("delete timed out"))?
-                .map_err(unavailable)?;
+            txn(withdrawn).await?;
         }
     }
     Ok(lease)
@@ -296,35 +294,27 @@ fn renew_period(cfg: &EtcdConfig) -> Duration {
     (cfg.lease_ttl / 3).max(Duration::from_millis(200))
 }
 
-/// When the keep-alive loop tries next, and how long it gives the attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Schedule {
-    /// Wait before the next attempt.
-    wait: Duration,
-    /// The attempt's deadline.
-    deadline: Duration,
+/// How long one etcd call of the keep-alive loop (a renewal, a
+/// registration's transaction) may wait for its answer: `op_timeout`, but at
+/// most a renewal period, so after one call that hangs the next renewal
+/// still starts, and has time to be answered, before the lease expires.
+fn call_deadline(cfg: &EtcdConfig) -> Duration {
+    cfg.op_timeout.min(renew_period(cfg))
 }
 
-/// The keep-alive schedule: a renewal every `period` while they succeed; after
-/// a failure, another attempt soon (100 ms, doubling, at most `period`), not
-/// a whole period later. No attempt waits longer than `period` for its
-/// answer, so after one attempt that hangs the next still starts, and has
-/// time to be answered, before the lease expires. Until 2026-11-28 each attempt could wait the whole
-/// `op_timeout` (3 s) and a failed one was followed by a full period's wait:
-/// one slow answer lost a 5 s lease while etcd was healthy.
-fn schedule(cfg: &EtcdConfig, failures: u32) -> Schedule {
+/// The keep-alive loop's wait before its next attempt: a period while they
+/// succeed; after a failure, another attempt soon (100 ms, doubling, at most
+/// a period), not a whole period later. Until 2026-11-28 each attempt could
+/// wait the whole `op_timeout` (3 s) and a failed one was followed by a full
+/// period's wait: one slow answer lost a 5 s lease while etcd was healthy.
+fn next_wait(cfg: &EtcdConfig, failures: u32) -> Duration {
     let period = renew_period(cfg);
-    let wait = if failures == 0 {
-        period
-    } else {
-        Duration::from_millis(100)
-            .saturating_mul(1 << failures.min(16).saturating_sub(1))
-            .min(period)
-    };
-    Schedule {
-        wait,
-        deadline: cfg.op_timeout.min(period),
+    if failures == 0 {
+        return period;
     }
+    Duration::from_millis(100)
+        .saturating_mul(1 << failures.min(16).saturating_sub(1))
+        .min(period)
 }
 
 /// Renews the lease; registers again, under a new lease, if it was lost,
@@ -335,10 +325,9 @@ async fn keep_alive(client: Client, cfg: EtcdConfig, prefix: String, state: Arc<
     // registered them before this task started).
     let mut complete = true;
     loop {
-        let next = schedule(&cfg, failures);
-        tokio::time::sleep(next.wait).await;
+        tokio::time::sleep(next_wait(&cfg, failures)).await;
         let lease = state.lock().lease;
-        let renewed = tokio::time::timeout(next.deadline, renew_once(&client, lease)).await;
+        let renewed = tokio::time::timeout(call_deadline(&cfg), renew_once(&client, lease)).await;
         let lost = match renewed {
             Ok(Ok(ttl)) if ttl > 0 => false,
             Ok(Ok(_)) => {
@@ -571,20 +560,18 @@ async fn read_all(
         if revision == 0 {
             revision = resp.header().map_or(0, |h| h.revision());
         }
-        let more = resp.more();
         let page = resp.take_kvs();
-        match page.last() {
-            Some(last) if more => {
-                // The next page starts just after this one's last key.
-                from = last.key().to_vec();
-                from.push(0);
-            }
-            _ => {
-                kvs.extend(page);
-                return Ok((revision, kvs));
-            }
-        }
+        // The next page starts just after this one's last key.
+        let next = page.last().filter(|_| resp.more()).map(|last| {
+            let mut key = last.key().to_vec();
+            key.push(0);
+            key
+        });
         kvs.extend(page);
+        match next {
+            Some(key) => from = key,
+            None => return Ok((revision, kvs)),
+        }
     }
 }
 
@@ -794,20 +781,19 @@ mod tests {
     #[test]
     fn one_hung_renewal_does_not_lose_the_lease() {
         let cfg = EtcdConfig::new(Vec::new());
-        let ok = schedule(&cfg, 0);
         let period = renew_period(&cfg);
-        assert_eq!(ok.wait, period);
+        assert_eq!(next_wait(&cfg, 0), period);
         // Renewed at 0; the next attempt at `period` hangs to its deadline;
         // the retry starts after the first failure's wait.
-        let retry_at = ok.wait + ok.deadline + schedule(&cfg, 1).wait;
+        let retry_at = next_wait(&cfg, 0) + call_deadline(&cfg) + next_wait(&cfg, 1);
         assert!(
             retry_at + Duration::from_millis(500) < cfg.lease_ttl,
             "retry at {retry_at:?}, lease TTL {:?}",
             cfg.lease_ttl
         );
-        assert!(schedule(&cfg, 2).wait > schedule(&cfg, 1).wait);
-        assert_eq!(schedule(&cfg, 40).wait, period);
-        assert!(schedule(&cfg, 40).deadline <= period);
+        assert!(next_wait(&cfg, 2) > next_wait(&cfg, 1));
+        assert_eq!(next_wait(&cfg, 40), period);
+        assert!(call_deadline(&cfg) <= period);
     }
 
     /// Writes `keys` (deletes them if `put` is false) from 8 tasks at once.

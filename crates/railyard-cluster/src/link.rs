@@ -51,7 +51,7 @@ use bytes::BytesMut;
 use parking_lot::Mutex;
 use railyard_bus::{
     Body, BusError, CodecCache, DeliveryOptions, EventBus, Headers, RemoteKind, RemoteMessage,
-    RemoteNode, ReplyHandle, ReplySink, Undelivered,
+    RemoteNode, ReplyHandle, ReplySink, RoomWaiters, Undelivered,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -231,70 +231,6 @@ impl Pending {
         let n = taken.iter().map(HashMap::len).sum();
         let was = self.len.fetch_sub(n, Ordering::AcqRel);
         (taken, n, was)
-    }
-}
-
-/// Wakers of senders waiting for room before they are all woken and the
-/// live ones register again (see [`RoomWaiters::register`]).
-const ROOM_WAITERS_MAX: usize = 1024;
-
-/// Senders waiting for room in a link (`send_wait`, blocked requests), as
-/// the bus's consumer queue keeps them (`railyard-bus` `queue.rs`, whose
-/// waiters are private to that crate). A waiter that gives up (a request
-/// that timed out while blocked, a dropped `send_wait`) leaves its waker
-/// here until the writer takes a batch; with the writer stuck (the peer not
-/// reading, no connection) they piled up, one per request, and each
-/// registration scanned them all under the lock.
-#[derive(Debug)]
-struct RoomWaiters {
-    wakers: Vec<Waker>,
-    /// How many `wakers` may hold before they are all woken: doubles each
-    /// time it is reached, so many live waiters cost amortized O(1) each
-    /// instead of a wake-up storm, and starts over at [`take_all`](Self::take_all).
-    bound: usize,
-}
-
-impl Default for RoomWaiters {
-    fn default() -> Self {
-        Self {
-            wakers: Vec::new(),
-            bound: ROOM_WAITERS_MAX,
-        }
-    }
-}
-
-impl RoomWaiters {
-    /// Registers `waker`; returns the wakers to wake once the lock is
-    /// released (all of them when the bound was reached: those still waiting
-    /// register again).
-    #[must_use]
-    fn register(&mut self, waker: &Waker) -> Vec<Waker> {
-        // Only the last waiter is checked for a repeat poll: a full scan
-        // made many blocked senders quadratic. A duplicate costs one
-        // spurious wake-up.
-        if self.wakers.last().is_some_and(|w| w.will_wake(waker)) {
-            return Vec::new();
-        }
-        if self.wakers.len() >= self.bound {
-            let stale = std::mem::take(&mut self.wakers);
-            self.bound = self.bound.saturating_mul(2);
-            self.wakers.push(waker.clone());
-            return stale;
-        }
-        self.wakers.push(waker.clone());
-        Vec::new()
-    }
-
-    /// Every waiter, to wake (room came, or the link went down or closed);
-    /// the bound starts over.
-    fn take_all(&mut self) -> Vec<Waker> {
-        self.bound = ROOM_WAITERS_MAX;
-        std::mem::take(&mut self.wakers)
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.wakers.len()
     }
 }
 
@@ -1886,7 +1822,7 @@ mod tests {
         // The bound doubles at each wake-all (as in the bus's queue), so
         // 5,000 registrations fit in 1,024 + 2,048 + 4,096.
         assert!(
-            kept <= 4 * ROOM_WAITERS_MAX,
+            kept <= 4 * RoomWaiters::BASE_BOUND,
             "{kept} wakers kept for {REQUESTS} requests that gave up"
         );
     }

@@ -301,17 +301,11 @@ async fn a_malformed_frame_closes_only_that_connection() {
 /// (the link pings as soon as it is up): the acceptor must keep them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_sent_with_the_hello_are_not_lost() {
-    use railyard_cluster::{Frame, VERSION};
+    use railyard_cluster::Frame;
     let reg = InProcessRegistry::new();
     let _dialer = member(&reg, "a-dialer").await;
     let (_z, nz) = start(&reg, "z").await;
-    let mut out = bytes::BytesMut::new();
-    Frame::Hello {
-        version: VERSION,
-        node: "a-dialer".into(),
-        cluster: "railyard".into(),
-    }
-    .encode(&mut out);
+    let mut out = hello("a-dialer");
     Frame::Ping(7).encode(&mut out);
     let mut s = tokio::net::TcpStream::connect(nz.addr()).await.unwrap();
     s.write_all(&out).await.unwrap();
@@ -993,7 +987,7 @@ async fn requests_given_up_on_free_their_in_flight_slots() {
 /// the peer reads again, every answer arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_stops_reading_answers_is_not_read_from() {
-    use railyard_cluster::{Frame, Mode, VERSION};
+    use railyard_cluster::{Frame, Mode};
     // Small requests, large answers: the node takes requests far faster
     // than the peer (which reads nothing) takes answers.
     const REQUESTS: u64 = 2_000;
@@ -1025,13 +1019,7 @@ async fn a_peer_that_stops_reading_answers_is_not_read_from() {
     let s = sock.connect(nz.addr()).await.unwrap();
     let (mut rd, mut wr) = s.into_split();
     let writer = tokio::spawn(async move {
-        let mut out = bytes::BytesMut::new();
-        Frame::Hello {
-            version: VERSION,
-            node: "a-greedy".into(),
-            cluster: "railyard".into(),
-        }
-        .encode(&mut out);
+        let mut out = hello("a-greedy");
         wr.write_all(&out).await.unwrap();
         let body = bytes::Bytes::from_static(b"?");
         for id in 1..=REQUESTS {
@@ -1514,6 +1502,30 @@ async fn reaches_the_member(bus: &EventBus) -> bool {
     false
 }
 
+/// Serves the member over `s` (see [`answer_as_member`]) until requests to
+/// `x` reach it: it is chosen again.
+async fn chosen_again(bus: &EventBus, s: tokio::net::TcpStream) {
+    let member = tokio::spawn(answer_as_member(s));
+    assert!(
+        reaches_the_member(bus).await,
+        "the member is never chosen again"
+    );
+    member.abort();
+}
+
+/// A HELLO from `node` (a raw peer speaking for that member), to send
+/// first on its connection.
+fn hello(node: &str) -> bytes::BytesMut {
+    let mut out = bytes::BytesMut::new();
+    railyard_cluster::Frame::Hello {
+        version: railyard_cluster::VERSION,
+        node: node.into(),
+        cluster: "railyard".into(),
+    }
+    .encode(&mut out);
+    out
+}
+
 /// 100 requests, one at a time with a 60 s timeout, all answered within
 /// 20 s: at most one (queued on the link before it went down) failed, with
 /// ERROR; the others went to the address's other target.
@@ -1552,12 +1564,7 @@ async fn a_member_whose_address_refuses_connections_is_not_chosen() {
         .await
         .expect("a dials the member again")
         .unwrap();
-    let member = tokio::spawn(answer_as_member(s));
-    assert!(
-        reaches_the_member(&a).await,
-        "the member is never chosen again"
-    );
-    member.abort();
+    chosen_again(&a, s).await;
 }
 
 /// A member that should dial this node and never does (the same partition
@@ -1567,7 +1574,7 @@ async fn a_member_whose_address_refuses_connections_is_not_chosen() {
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_that_never_dials_is_not_chosen_after_the_handshake_timeout() {
-    use railyard_cluster::{Frame, VERSION};
+    use railyard_cluster::Frame;
     let reg = InProcessRegistry::new();
     // "a-silent" sorts below "b": b waits for it to dial, in vain.
     let _m = subscribed_member(&reg, "a-silent", refusing_addr(), "x").await;
@@ -1581,21 +1588,10 @@ async fn a_member_that_never_dials_is_not_chosen_after_the_handshake_timeout() {
 
     // It dials at last: chosen again.
     let mut s = tokio::net::TcpStream::connect(nb.addr()).await.unwrap();
-    let mut out = bytes::BytesMut::new();
-    Frame::Hello {
-        version: VERSION,
-        node: "a-silent".into(),
-        cluster: "railyard".into(),
-    }
-    .encode(&mut out);
+    let mut out = hello("a-silent");
     Frame::Ping(1).encode(&mut out);
     s.write_all(&out).await.unwrap();
-    let member = tokio::spawn(answer_as_member(s));
-    assert!(
-        reaches_the_member(&b).await,
-        "the member is never chosen again"
-    );
-    member.abort();
+    chosen_again(&b, s).await;
 }
 
 /// A request from another node that waits for room in a full consumer's
@@ -1603,7 +1599,7 @@ async fn a_member_that_never_dials_is_not_chosen_after_the_handshake_timeout() {
 /// never delivered afterwards: it ran later with nobody waiting for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_waiting_for_room_past_its_timeout_is_never_delivered() {
-    use railyard_cluster::{FailKind, Frame, Mode, VERSION};
+    use railyard_cluster::{FailKind, Frame, Mode};
     let reg = InProcessRegistry::new();
     let _peer = member(&reg, "a-peer").await;
     // No pings: the raw peer below never answers one.
@@ -1628,13 +1624,7 @@ async fn a_request_waiting_for_room_past_its_timeout_is_never_delivered() {
     b.send("slow", bytes::Bytes::from_static(b"first")).unwrap();
 
     let mut s = tokio::net::TcpStream::connect(nb.addr()).await.unwrap();
-    let mut out = bytes::BytesMut::new();
-    Frame::Hello {
-        version: VERSION,
-        node: "a-peer".into(),
-        cluster: "railyard".into(),
-    }
-    .encode(&mut out);
+    let mut out = hello("a-peer");
     let msg = |mode, id, timeout_ms, body: &'static [u8], out: &mut bytes::BytesMut| {
         Frame::Msg {
             mode,

@@ -18,6 +18,19 @@ async fn manager(etcd: &EtcdServer, ttl: Duration) -> Arc<EtcdManager> {
     Arc::new(EtcdManager::connect(cfg).await.expect("etcd reachable"))
 }
 
+/// A manager joined as node "a" (at an address nobody dials), without a
+/// cluster node: the tests that use it look at etcd's keys only.
+async fn joined_as_a(etcd: &EtcdServer, ttl: Duration) -> Arc<EtcdManager> {
+    let m = manager(etcd, ttl).await;
+    m.join(railyard_cluster::NodeInfo {
+        id: "a".into(),
+        addr: "127.0.0.1:9".parse().unwrap(),
+    })
+    .await
+    .unwrap();
+    m
+}
+
 async fn start(
     etcd: &EtcdServer,
     id: &str,
@@ -201,16 +214,9 @@ async fn routes_keep_working_while_etcd_is_down() {
 /// back; with that fixed, the withdrawn key came back for the node's life.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_withdrawal_during_re_registration_stays_withdrawn() {
-    use railyard_cluster::NodeInfo;
     const SUBS: usize = 400;
     let etcd = EtcdServer::start().expect("etcd starts");
-    let m = manager(&etcd, Duration::from_secs(3)).await;
-    m.join(NodeInfo {
-        id: "a".into(),
-        addr: "127.0.0.1:9".parse().unwrap(),
-    })
-    .await
-    .unwrap();
+    let m = joined_as_a(&etcd, Duration::from_secs(3)).await;
     let name = |i: usize| format!("addr-{i:04}");
     for i in 0..SUBS {
         m.subscribe(&name(i)).await.unwrap();
@@ -298,16 +304,9 @@ async fn keys_and_leases(c: &mut etcd_client::Client, prefix: &str) -> (usize, u
 /// started over under another lease, for ever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_thousands_of_subscriptions_comes_back_whole() {
-    use railyard_cluster::NodeInfo;
     const SUBS: usize = 5_000;
     let etcd = EtcdServer::start().expect("etcd starts");
-    let m = manager(&etcd, Duration::from_secs(1)).await;
-    m.join(NodeInfo {
-        id: "a".into(),
-        addr: "127.0.0.1:9".parse().unwrap(),
-    })
-    .await
-    .unwrap();
+    let m = joined_as_a(&etcd, Duration::from_secs(1)).await;
     // Subscribed 100 at a time (etcd shares their commits).
     for batch in (0..SUBS).collect::<Vec<_>>().chunks(100) {
         let puts = batch.iter().map(|i| {
@@ -356,7 +355,6 @@ async fn a_node_with_thousands_of_subscriptions_comes_back_whole() {
 /// etcd-client refused past 4 MiB: the view never connected.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_view_larger_than_one_answer_is_read_in_pages() {
-    use railyard_cluster::NodeInfo;
     const KEYS: usize = 20_000;
     let etcd = EtcdServer::start().expect("etcd starts");
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
@@ -374,13 +372,7 @@ async fn a_view_larger_than_one_answer_is_read_in_pages() {
             .collect::<Vec<_>>();
         c.txn(etcd_client::Txn::new().and_then(ops)).await.unwrap();
     }
-    let m = manager(&etcd, Duration::from_secs(5)).await;
-    m.join(NodeInfo {
-        id: "a".into(),
-        addr: "127.0.0.1:9".parse().unwrap(),
-    })
-    .await
-    .unwrap();
+    let m = joined_as_a(&etcd, Duration::from_secs(5)).await;
     let mut view = m.view();
     tokio::time::timeout(
         Duration::from_secs(30),
