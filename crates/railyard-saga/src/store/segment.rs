@@ -38,7 +38,7 @@
 //! Disk is then bounded by the unfinished sagas times the size of a group
 //! commit, plus a mark per finished saga that shared a segment with one.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::codec::{self, put_len, read_strings, Reader, Strings};
 use crate::event::EventRecord;
@@ -300,6 +300,13 @@ pub(crate) struct Index {
     segs: BTreeMap<i64, Seg>,
     dead: HashMap<u64, Dead, Hasher>,
     next_dead: u64,
+    /// Segments that were, when [`collect`](Self::collect) last looked at
+    /// them, kept only by their pins with dead entries: the only ones
+    /// [`strip_old`](Self::strip_old) may strip. A segment becomes such only
+    /// through a change `collect` is told of (its last unfinished saga
+    /// finishing, a dead entry added), so the strip pass looks at these
+    /// instead of walking every old segment on every commit.
+    strip_candidates: BTreeSet<i64>,
     /// Events of unfinished sagas.
     pub(crate) live_events: u64,
 }
@@ -365,21 +372,45 @@ impl Index {
         true
     }
 
-    /// Segments older than `before` kept only by their pins whose dead
-    /// entries still hold up other segments' pins: to be stripped (see the
-    /// module docs), then passed to [`stripped`](Self::stripped).
-    pub(crate) fn strippable(&self, before: i64) -> Vec<i64> {
-        self.segs
-            .range(..before)
-            .filter(|(_, g)| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
-            .map(|(s, _)| *s)
-            .collect()
+    /// Strips the segments older than `before` kept only by their pins
+    /// whose dead entries still hold up other segments' pins (see the
+    /// module docs): `rewrite` stores each one's marks alone and says
+    /// whether it did (a segment it leaves as it is keeps its entries).
+    /// Returns the segments this frees, to delete.
+    ///
+    /// # Errors
+    /// `rewrite`'s; the segments stripped before it failed stay stripped in
+    /// the index (the caller's transaction, and so the index, is then
+    /// rebuilt).
+    pub(crate) fn strip_old<E>(
+        &mut self,
+        before: i64,
+        mut rewrite: impl FnMut(i64) -> Result<bool, E>,
+    ) -> Result<Vec<i64>, E> {
+        let newer = self.strip_candidates.split_off(&before);
+        let old = std::mem::replace(&mut self.strip_candidates, newer);
+        // Which of them still are, before any is stripped.
+        let strip: Vec<i64> = old
+            .into_iter()
+            .filter(|seq| {
+                self.segs
+                    .get(seq)
+                    .is_some_and(|g| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
+            })
+            .collect();
+        let mut touched = Vec::new();
+        for seq in strip {
+            if rewrite(seq)? {
+                self.stripped(seq, &mut touched);
+            }
+        }
+        Ok(self.collect(touched))
     }
 
     /// Segment `seq` was rewritten with its marks alone: its dead entries
     /// are gone, as if it had been deleted, so the marks that covered them
     /// may no longer pin theirs (pushed on `touched`, for [`collect`](Self::collect)).
-    pub(crate) fn stripped(&mut self, seq: i64, touched: &mut Vec<i64>) {
+    fn stripped(&mut self, seq: i64, touched: &mut Vec<i64>) {
         let Some(seg) = self.segs.get_mut(&seq) else {
             return;
         };
@@ -410,11 +441,13 @@ impl Index {
     pub(crate) fn collect(&mut self, mut touched: Vec<i64>) -> Vec<i64> {
         let mut gone = Vec::new();
         while let Some(s) = touched.pop() {
-            let free = self
-                .segs
-                .get(&s)
-                .is_some_and(|g| g.live == 0 && g.pins == 0);
-            if !free {
+            let Some(g) = self.segs.get(&s) else {
+                continue;
+            };
+            if g.live != 0 || g.pins != 0 {
+                if g.live == 0 && !g.dead.is_empty() {
+                    self.strip_candidates.insert(s);
+                }
                 continue;
             }
             let Some(seg) = self.segs.remove(&s) else {
@@ -595,14 +628,13 @@ mod tests {
                     stored.insert(seq, buf.finish().to_vec());
                 }
                 let mut gone = index.collect(touched);
-                let mut touched = Vec::new();
-                for s in index.strippable(seq - STRIP_LAG) {
+                let stripped = index.strip_old(seq - STRIP_LAG, |s| {
                     let data = stored.get(&s).expect("a stored segment");
                     let marks = marks_only(data).expect("readable");
                     stored.insert(s, marks);
-                    index.stripped(s, &mut touched);
-                }
-                gone.extend(index.collect(touched));
+                    Ok::<_, std::convert::Infallible>(true)
+                });
+                gone.extend(stripped.unwrap_or_else(|never| match never {}));
                 for g in gone {
                     stored.remove(&g);
                 }

@@ -620,28 +620,24 @@ impl Writer {
             // (see `segment`'s module docs), which frees the segments whose
             // pins those entries held up. Rare: only behind a saga that
             // stays unfinished for more than `STRIP_LAG` commits.
-            let strip = self.index.strippable(seq - STRIP_LAG);
-            if !strip.is_empty() {
-                let mut touched = Vec::new();
-                for s in strip {
-                    let data: Vec<u8> = tx
-                        .prepare_cached("SELECT data FROM segments WHERE seq = ?1")?
-                        .query_row([s], |r| r.get(0))?;
-                    let marks = match segment::marks_only(&data) {
-                        Ok(m) => m,
-                        Err(e) => {
-                            // Left as it is (a restart would refuse it too,
-                            // and say so): commits go on.
-                            tracing::error!(segment = s, error = %e, "a log segment cannot be read back; not stripped");
-                            continue;
-                        }
-                    };
-                    tx.prepare_cached("UPDATE segments SET data = ?2 WHERE seq = ?1")?
-                        .execute(params![s, marks])?;
-                    self.index.stripped(s, &mut touched);
+            gone.extend(self.index.strip_old(seq - STRIP_LAG, |s| {
+                let data: Vec<u8> = tx
+                    .prepare_cached("SELECT data FROM segments WHERE seq = ?1")?
+                    .query_row([s], |r| r.get(0))?;
+                match segment::marks_only(&data) {
+                    Ok(marks) => {
+                        tx.prepare_cached("UPDATE segments SET data = ?2 WHERE seq = ?1")?
+                            .execute(params![s, marks])?;
+                        Ok::<_, rusqlite::Error>(true)
+                    }
+                    Err(e) => {
+                        // Left as it is (a restart would refuse it too, and
+                        // say so): commits go on.
+                        tracing::error!(segment = s, error = %e, "a log segment cannot be read back; not stripped");
+                        Ok(false)
+                    }
                 }
-                gone.extend(self.index.collect(touched));
-            }
+            })?);
             if !gone.is_empty() {
                 let mut delete = tx.prepare_cached("DELETE FROM segments WHERE seq = ?1")?;
                 for s in gone {
