@@ -911,19 +911,24 @@ impl Engine {
         }
     }
 
-    /// Runs expired deadlines; returns the sagas whose own timeout expired
-    /// (their `SagaTimeout` must be recorded before it is applied), marked
-    /// as the timer's (see [`Marks`]) until that is done. A saga marked by a
-    /// call under way has its timeout tried again on the next tick.
+    /// Runs expired deadlines; adds to `timeouts` the sagas whose own
+    /// timeout expired (their `SagaTimeout` must be recorded before it is
+    /// applied), marked in `marks` as the timer's (see [`Marks`]) until that
+    /// is done. A saga marked by a call under way has its timeout tried
+    /// again on the next tick.
     ///
     /// Runs on an async worker, so one call handles at most `budget`
-    /// deadlines; the last value says whether that stopped it (more are due).
-    fn expire(&self, now: Instant, budget: usize) -> (Vec<EventRecord>, Marks<'_>, bool) {
+    /// deadlines; returns whether that stopped it (more are due).
+    fn expire<'a>(
+        &'a self,
+        now: Instant,
+        budget: usize,
+        timeouts: &mut Vec<EventRecord>,
+        marks: &mut Marks<'a>,
+    ) -> bool {
         let mut budget = budget;
-        let mut timeouts = Vec::new();
-        let mut marks = Marks::new(self);
         let mut postponed = Vec::new();
-        // Each tick starts one shard further, so that when the budget runs
+        // Each call starts one shard further, so that when the budget runs
         // out the same shards do not always wait.
         let n = self.shards.len();
         let first = self
@@ -931,6 +936,9 @@ impl Engine {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             % n;
         for m in self.shards[first..].iter().chain(&self.shards[..first]) {
+            if budget == 0 {
+                break;
+            }
             let mut shard = m.lock();
             let shard = &mut *shard;
             // Bounded by the number of expired entries and the budget.
@@ -981,7 +989,7 @@ impl Engine {
                 shard.timers.insert(entry);
             }
         }
-        (timeouts, marks, budget == 0)
+        budget == 0
     }
 
     /// Records and applies `SagaTimeout` for sagas whose timeout expired; on
@@ -1429,17 +1437,19 @@ async fn timer_loop(engine: Weak<Engine>, tick: Duration) {
         };
         // A tick's deadlines in chunks, yielding between them; after a
         // restart that found many expired, the rest wait for the next ticks.
+        // The saga timeouts of the whole tick are recorded in one append.
+        let mut timeouts = Vec::new();
+        let mut marks = Marks::new(&engine);
         for chunk in 0..EXPIRE_PER_TICK / EXPIRE_CHUNK {
             if chunk > 0 {
                 tokio::task::yield_now().await;
             }
-            let (timeouts, marks, more) = engine.expire(Instant::now(), EXPIRE_CHUNK);
-            engine.record_timeouts(timeouts).await;
-            drop(marks);
-            if !more {
+            if !engine.expire(Instant::now(), EXPIRE_CHUNK, &mut timeouts, &mut marks) {
                 break;
             }
         }
+        engine.record_timeouts(timeouts).await;
+        drop(marks);
     }
 }
 
