@@ -847,8 +847,10 @@ impl ClusterClient {
         self.per_slot(cmds).await.map(drop)
     }
 
-    /// Runs each of `cmds` (one per slot, through [`cmd`](Self::cmd)), all in
-    /// flight at once; their answers in order, or the first error in order.
+    /// Runs each of `cmds` (one per slot, routed as [`cmd`](Self::cmd) routes,
+    /// without its stateful-command check: the typed helpers build only
+    /// plain commands), all in flight at once; their answers in order, or
+    /// the first error in order.
     async fn per_slot(&self, cmds: impl Iterator<Item = Cmd>) -> Result<Vec<Value>, RedisError> {
         let cmds: Vec<Cmd> = cmds.collect();
         futures::future::join_all(cmds.iter().map(|c| self.route(c, false)))

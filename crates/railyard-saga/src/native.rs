@@ -308,7 +308,10 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     for service in services {
         engine.instance_arrived(service);
     }
-    let slots = Arc::new(Semaphore::new(engine.config.session_in_flight.max(1)));
+    let in_flight = engine.config.session_in_flight.max(1);
+    let slots = Arc::new(Semaphore::new(in_flight));
+    // The most a batch takes of the shared byte budget: all of it.
+    let room_kib = crate::engine::native_room_kib(&engine.config);
     // Taken once per batch, by that batch's task, to convert its events;
     // never held across an await.
     let names = Arc::new(parking_lot::Mutex::new(Names::default()));
@@ -366,7 +369,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
         // And while the batches of every session hold `native_batch_bytes`.
         let kib = u32::try_from(prost::Message::encoded_len(&batch) / 1024 + 1)
             .unwrap_or(u32::MAX)
-            .min(crate::engine::native_room_kib(&engine.config));
+            .min(room_kib);
         // Not past the session's end or the server's stop.
         let room = tokio::select! {
             r = engine.native_room.clone().acquire_many_owned(kib) => r,
@@ -455,9 +458,7 @@ async fn run_session(engine: Arc<Engine>, mut inbound: Streaming<ClientFrame>, t
     // Bounded: a store that does not answer does not keep the links.
     let _ = tokio::time::timeout(
         SESSION_END_WAIT,
-        slots.acquire_many(
-            u32::try_from(engine.config.session_in_flight.max(1)).unwrap_or(u32::MAX),
-        ),
+        slots.acquire_many(u32::try_from(in_flight).unwrap_or(u32::MAX)),
     )
     .await;
     let ids: Vec<u64> = links.iter().map(|(id, _)| *id).collect();

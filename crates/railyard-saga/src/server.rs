@@ -185,10 +185,10 @@ pub(crate) async fn run(
     let (stop_tx, stop_rx) = watch::channel(());
     tokio::pin!(shutdown);
     loop {
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     tracing::warn!(error = %e, "saga listener: accept failed; retrying");
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
@@ -199,7 +199,10 @@ pub(crate) async fn run(
         let _ = tcp.set_nodelay(true);
         tokio::spawn(serve_connection(
             builder.clone(),
-            routes.clone(),
+            Routes {
+                peer: Some(peer),
+                ..routes.clone()
+            },
             tcp,
             stop_rx.clone(),
         ));
@@ -219,10 +222,6 @@ async fn serve_connection(
     tcp: tokio::net::TcpStream,
     mut stop: watch::Receiver<()>,
 ) {
-    let routes = Routes {
-        peer: tcp.peer_addr().ok(),
-        ..routes
-    };
     let io = TokioIo::new(Coalesced::new(tcp));
     let conn = builder.serve_connection(io, routes);
     tokio::pin!(conn);

@@ -10,7 +10,7 @@ use railyard_saga::{
     EventKind, PostgresConfig, PostgresStore, Retention, SagaQuery, SagaState, SagaStore,
     SqliteConfig, SqliteStore, StoreError,
 };
-use store_support::{ev, now_ms, saga_events, summary, Fresh, Target};
+use store_support::{committed, ev, now_ms, saga_events, summary, Fresh, Target};
 
 async fn append_keeps_order_and_every_field(t: &Target) {
     let s = t.open(Retention::keep_all()).await;
@@ -419,9 +419,7 @@ async fn sqlite_disk_stays_bounded_under_churn() {
                 for n in 0..60 {
                     let g = format!("churn-{round}-{task}-{n}");
                     s.append(saga_events(&g)).await.unwrap();
-                    s.finish(vec![summary(&g, "svc", SagaState::Committed, 1, now_ms())])
-                        .await
-                        .unwrap();
+                    s.finish(vec![committed(&g)]).await.unwrap();
                 }
             }));
         }
@@ -471,26 +469,12 @@ async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
             for n in 1..100 {
                 let (a, f) = tokio::join!(
                     s.append(saga_events(&name(t, n))),
-                    s.finish(vec![summary(
-                        &name(t, n - 1),
-                        "svc",
-                        SagaState::Committed,
-                        1,
-                        now_ms()
-                    )])
+                    s.finish(vec![committed(&name(t, n - 1))])
                 );
                 a.unwrap();
                 f.unwrap();
             }
-            s.finish(vec![summary(
-                &name(t, 99),
-                "svc",
-                SagaState::Committed,
-                1,
-                now_ms(),
-            )])
-            .await
-            .unwrap();
+            s.finish(vec![committed(&name(t, 99))]).await.unwrap();
         }));
     }
     for t in tasks {
@@ -500,9 +484,7 @@ async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
     for n in 0..80 {
         let g = format!("tail-{n}");
         s.append(saga_events(&g)).await.unwrap();
-        s.finish(vec![summary(&g, "svc", SagaState::Committed, 1, now_ms())])
-            .await
-            .unwrap();
+        s.finish(vec![committed(&g)]).await.unwrap();
     }
     let segments = || -> i64 {
         let c = rusqlite::Connection::open(dir.path().join("saga.db")).unwrap();

@@ -71,6 +71,11 @@ pub fn summary(
     }
 }
 
+/// `global` committed by service `svc`, finished now.
+pub fn committed(global: &str) -> SagaSummary {
+    summary(global, "svc", SagaState::Committed, 1, now_ms())
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
