@@ -658,18 +658,13 @@ impl Session {
                 payloads: Bytes::copy_from_slice(&c.payloads),
                 attempt: c.attempt,
             };
-            let (global, local, parent, method) = (
-                command.global_tx_id.clone(),
-                command.local_tx_id.clone(),
-                command.parent_tx_id.clone(),
-                command.compensation_method.clone(),
-            );
             let (result, attempt) = loop {
                 let attempt = command.attempt;
                 let result = match &handler {
                     Some(h) => h(command.clone()).await,
                     None => Err(CompensationError::new(format!(
-                        "no compensation handler registered for `{method}`"
+                        "no compensation handler registered for `{}`",
+                        command.compensation_method
                     ))),
                 };
                 // A later attempt that came while this one ran gets a run
@@ -679,12 +674,19 @@ impl Session {
                     Settled::Report(latest) => break (result, latest),
                     Settled::RunAgain(latest) => {
                         if let Err(e) = &result {
-                            tracing::warn!(global_tx_id = %global, local_tx_id = %local, attempt, error = %e, "compensation failed; running it again for the attempt that came meanwhile");
+                            tracing::warn!(global_tx_id = %command.global_tx_id, local_tx_id = %command.local_tx_id, attempt, error = %e, "compensation failed; running it again for the attempt that came meanwhile");
                         }
                         command.attempt = latest;
                     }
                 }
             };
+            let Compensation {
+                global_tx_id: global,
+                local_tx_id: local,
+                parent_tx_id: parent,
+                compensation_method: method,
+                ..
+            } = command;
             let kind = match &result {
                 Ok(()) => EventType::TxCompensated,
                 Err(e) => {
