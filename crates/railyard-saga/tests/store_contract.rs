@@ -442,19 +442,15 @@ async fn sqlite_disk_stays_bounded_under_churn() {
 }
 
 /// One saga that never finishes (a starter that died, no timeout) does not
-/// make the embedded store keep every segment written after it: the
-/// segments kept only by pins are stripped to their marks, so the log stays
-/// small, and a restart still finds exactly the unfinished saga.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
-    let dir = tempfile::tempdir().unwrap();
-    let open = || SqliteStore::open(dir.path(), SqliteConfig::default());
-    let s: Arc<dyn SagaStore> = Arc::new(open().await.unwrap());
-    // "stuck" shares its segment with the first saga of each of 16 chains.
-    // Then each chain appends its saga n and finishes its saga n - 1 at
-    // once: commits mix one chain's events with others' marks, whose
-    // events sit in earlier segments, back to the one "stuck" keeps.
-    // Without stripping, those chains of pins keep most segments.
+/// make a durable store keep every segment written after it: the segments
+/// kept only by pins are stripped to their marks, so the log stays small.
+///
+/// "stuck" shares its segment with the first saga of each of 16 chains.
+/// Then each chain appends its saga n and finishes its saga n - 1 at once:
+/// commits mix one chain's events with others' marks, whose events sit in
+/// earlier segments, back to the one "stuck" keeps. Without stripping,
+/// those chains of pins keep most segments.
+async fn run_beside_a_saga_that_never_finishes(s: Arc<dyn SagaStore>) {
     let name = |t: usize, n: usize| format!("chain-{t}-{n}");
     const TASKS: usize = 16;
     let mut first = saga_events("stuck");
@@ -486,6 +482,22 @@ async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
         s.append(saga_events(&g)).await.unwrap();
         s.finish(vec![committed(&g)]).await.unwrap();
     }
+}
+
+/// What a reopened store must find after
+/// [`run_beside_a_saga_that_never_finishes`]: exactly the unfinished saga.
+async fn only_the_stuck_saga_is_left(s: &dyn SagaStore) {
+    let left = s.unfinished().await.unwrap();
+    assert!(left.iter().all(|e| e.global_tx_id == "stuck"), "{left:?}");
+    assert_eq!(left.len(), saga_events("stuck").len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || SqliteStore::open(dir.path(), SqliteConfig::default());
+    let s: Arc<dyn SagaStore> = Arc::new(open().await.unwrap());
+    run_beside_a_saga_that_never_finishes(s.clone()).await;
     let segments = || -> i64 {
         let c = rusqlite::Connection::open(dir.path().join("saga.db")).unwrap();
         c.query_row("SELECT count(*) FROM segments", [], |r| r.get(0))
@@ -495,10 +507,174 @@ async fn sqlite_a_saga_that_never_finishes_keeps_the_log_small() {
     eprintln!("segments kept: {kept}");
     assert!(kept <= 100, "{kept} segments kept for one unfinished saga");
     drop(s);
-    let s = open().await.unwrap();
-    let left = s.unfinished().await.unwrap();
-    assert!(left.iter().all(|e| e.global_tx_id == "stuck"), "{left:?}");
-    assert_eq!(left.len(), saga_events("stuck").len());
+    only_the_stuck_saga_is_left(&open().await.unwrap()).await;
+}
+
+/// An admin connection to the database at `url`.
+async fn pg_admin(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("an admin connection");
+    tokio::spawn(conn);
+    client
+}
+
+/// A count from `sql` on the database at `url`.
+async fn pg_count(url: &str, sql: &str) -> i64 {
+    pg_admin(url)
+        .await
+        .query_one(sql, &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_saga_that_never_finishes_keeps_the_log_small() {
+    let server = railyard_saga::PgServer::start().expect("PostgreSQL starts");
+    let open = || PostgresStore::connect(PostgresConfig::new(server.url()));
+    let s: Arc<dyn SagaStore> = Arc::new(open().await.unwrap());
+    run_beside_a_saga_that_never_finishes(s.clone()).await;
+    let kept = pg_count(&server.url(), "SELECT count(*) FROM railyard_saga_segments").await;
+    eprintln!("segments kept: {kept}");
+    assert!(kept <= 100, "{kept} segments kept for one unfinished saga");
+    drop(s);
+    only_the_stuck_saga_is_left(&open().await.unwrap()).await;
+}
+
+/// A commit that fails after the writer's index counted it (here its
+/// summary is refused) leaves the index unsure: it is read back from the
+/// database before the next commit. The saga is still unfinished, so
+/// finishing it again writes its mark and compacts its events; with the
+/// index as the failed commit left it, the saga would be unknown, no mark
+/// would be written, and its events would come back on every restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_reads_its_index_back_after_a_failed_commit() {
+    let server = railyard_saga::PgServer::start().expect("PostgreSQL starts");
+    let s = PostgresStore::connect(PostgresConfig::new(server.url()))
+        .await
+        .expect("opens");
+    s.append(saga_events("a")).await.unwrap();
+    let admin = pg_admin(&server.url()).await;
+    admin
+        .batch_execute(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+                $$ BEGIN RAISE EXCEPTION 'refused'; END $$;
+             CREATE TRIGGER refuse BEFORE INSERT ON railyard_saga_summaries
+                FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .await
+        .unwrap();
+    let err = s.finish(vec![committed("a")]).await.expect_err("refused");
+    assert!(err.to_string().contains("refused"), "{err}");
+    assert_eq!(s.unfinished().await.unwrap(), saga_events("a"));
+    admin
+        .batch_execute("DROP TRIGGER refuse ON railyard_saga_summaries")
+        .await
+        .unwrap();
+    s.finish(vec![committed("a")]).await.expect("finishes");
+    assert_eq!(s.unfinished().await.unwrap(), Vec::new());
+    assert_eq!(
+        pg_count(&server.url(), "SELECT count(*) FROM railyard_saga_segments").await,
+        0,
+        "a's segment is compacted"
+    );
+}
+
+/// A database written by schema version 1 (one row per saga per commit,
+/// indexed by saga id; one summary per saga) is migrated on connect: the
+/// unfinished events come back in append order, the summaries stay, and a
+/// saga may then be finished twice (two summaries, as the other stores).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migrates_a_version_1_database() {
+    let server = railyard_saga::PgServer::start().expect("PostgreSQL starts");
+    let admin = pg_admin(&server.url()).await;
+    // Version 1's schema, as that Railyard created it.
+    admin
+        .batch_execute(
+            "CREATE TABLE railyard_saga_meta (version INT NOT NULL);
+             INSERT INTO railyard_saga_meta (version) VALUES (1);
+             CREATE TABLE railyard_saga_events (
+                seq BIGSERIAL PRIMARY KEY, global_tx_id TEXT NOT NULL,
+                n INT NOT NULL, data BYTEA NOT NULL);
+             CREATE INDEX railyard_saga_events_by_saga
+                ON railyard_saga_events (global_tx_id, seq);
+             CREATE TABLE railyard_saga_summaries (
+                ord BIGSERIAL PRIMARY KEY, global_tx_id TEXT NOT NULL UNIQUE,
+                service_name TEXT NOT NULL, state TEXT NOT NULL,
+                started_ms BIGINT NOT NULL, finished_ms BIGINT NOT NULL,
+                sub_transactions BIGINT NOT NULL, compensated BIGINT NOT NULL,
+                events BIGINT NOT NULL);
+             CREATE INDEX railyard_saga_summaries_by_finish
+                ON railyard_saga_summaries (finished_ms);
+             INSERT INTO railyard_saga_summaries (global_tx_id, service_name, state,
+                started_ms, finished_ms, sub_transactions, compensated, events)
+                VALUES ('old', 'svc', 'COMMITTED', 1,
+                    (extract(epoch FROM now()) * 1000)::int8, 3, 0, 8);",
+        )
+        .await
+        .unwrap();
+    // Two sagas, their events interleaved over three commits' rows.
+    let (x, y) = (saga_events("x"), saga_events("y"));
+    let rows: [(&str, &[railyard_saga::EventRecord]); 3] =
+        [("x", &x[..2]), ("y", &y[..]), ("x", &x[2..])];
+    for (g, evs) in rows {
+        admin
+            .execute(
+                "INSERT INTO railyard_saga_events (global_tx_id, n, data) VALUES ($1, $2, $3)",
+                &[
+                    &g,
+                    &i32::try_from(evs.len()).unwrap(),
+                    &railyard_saga::store::encode_events(evs.iter()),
+                ],
+            )
+            .await
+            .unwrap();
+    }
+    let s = PostgresStore::connect(PostgresConfig::new(server.url()))
+        .await
+        .expect("migrates and opens");
+    let mut expected = x[..2].to_vec();
+    expected.extend(y.iter().cloned());
+    expected.extend(x[2..].iter().cloned());
+    assert_eq!(s.unfinished().await.unwrap(), expected);
+    let old = s
+        .finished(SagaQuery {
+            global_tx_id: Some("old".into()),
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(old.len(), 1, "{old:?}");
+    assert_eq!((old[0].sub_transactions, old[0].events), (3, 8));
+    s.finish(vec![committed("x")]).await.unwrap();
+    s.finish(vec![committed("x")]).await.unwrap();
+    assert_eq!(s.unfinished().await.unwrap(), y);
+    let x_kept = s
+        .finished(SagaQuery {
+            global_tx_id: Some("x".into()),
+            ..SagaQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(x_kept.len(), 2, "{x_kept:?}");
+    assert_eq!(
+        pg_count(
+            &server.url(),
+            "SELECT count(*) FROM pg_tables WHERE tablename = 'railyard_saga_events'"
+        )
+        .await,
+        0,
+        "the version-1 table is gone"
+    );
+    assert_eq!(
+        pg_count(
+            &server.url(),
+            "SELECT max(version)::int8 FROM railyard_saga_meta"
+        )
+        .await,
+        2
+    );
 }
 
 /// A commit that fails, followed by a log that cannot be re-read, leaves

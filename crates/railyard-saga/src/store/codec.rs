@@ -436,29 +436,6 @@ fn decode_event(
     })
 }
 
-/// Splits a group commit's appends into one run per saga, in order of each
-/// saga's first event; each saga's events keep their order. Concurrent
-/// appends have no order between them, so this reordering across sagas is
-/// invisible to callers; appends of one caller are in separate commits
-/// unless they were concurrent.
-pub(crate) fn group_by_saga<'a>(
-    events: impl Iterator<Item = &'a EventRecord>,
-) -> Vec<(&'a str, Vec<&'a EventRecord>)> {
-    let mut at: std::collections::HashMap<&'a str, usize> = std::collections::HashMap::new();
-    let mut out: Vec<(&'a str, Vec<&'a EventRecord>)> = Vec::new();
-    for e in events {
-        let g = e.global_tx_id.as_str();
-        match at.get(g) {
-            Some(&i) => out[i].1.push(e),
-            None => {
-                at.insert(g, out.len());
-                out.push((g, vec![e]));
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

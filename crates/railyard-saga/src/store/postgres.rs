@@ -14,21 +14,39 @@
 //! # Group commit
 //! One **writer task** owns the write connection. It runs on a thread of
 //! its own (a current-thread runtime): packing a large commit (up to
-//! `max_batch_rows` events, every payload copied into the statement's
-//! arrays) can take milliseconds of CPU, which must not land on the
-//! coordinator's async workers. It waits for the first
+//! `max_batch_rows` events) can take milliseconds of CPU, which must not
+//! land on the coordinator's async workers. It waits for the first
 //! request on the bounded queue (see [`queue`](super::queue) for
 //! back-pressure), drains what else is waiting, and runs one transaction:
-//! one multi-row `INSERT ... SELECT FROM UNNEST` per run of appends, one
-//! delete + upsert per finish, then `COMMIT`, all pipelined (sent in one
-//! burst, one round trip). The session sets
-//! `synchronous_commit = on`, so `COMMIT` returns only after the WAL record
-//! is flushed to disk: each waiter is answered after that. While a commit
-//! is in flight the next batch accumulates in the queue.
+//! the commit's segment, the summaries of its finishes, the segments it
+//! frees, then `COMMIT`, all pipelined (sent in one burst, one round
+//! trip). The session sets `synchronous_commit = on`, so `COMMIT` returns
+//! only after the WAL record is flushed to disk: each waiter is answered
+//! after that. While a commit is in flight the next batch accumulates in
+//! the queue.
+//!
+//! # Layout
+//! The embedded store's (see [`segment`](super::segment)): one
+//! `railyard_saga_segments` row per group commit, every event and finish
+//! of the commit packed in it in queue order, keyed by a `seq` the writer
+//! assigns. A commit is one insert at the right edge of one B-tree,
+//! however many sagas it carries. No index on saga ids: the writer keeps
+//! the in-memory [`Index`] of which segments each unfinished saga has
+//! entries in, rebuilt from the segments when the writer starts and after
+//! a commit whose outcome it does not know (failed, timed out). A segment
+//! nothing needs any more is deleted in the commit that frees it.
+//!
+//! Schema version 1 had one `railyard_saga_events` row per saga per
+//! commit, indexed by saga id, and one summary per saga (unique). That
+//! index was a third of the server's work under load (2026-11-28 profile,
+//! docs/benchmarks.md), and deleting a finished saga's rows walked it
+//! again. A version-1 database is migrated on connect: each row becomes a
+//! one-entry segment under its `seq`.
 //!
 //! # Reads
 //! A second connection serves `unfinished`, `finished`, `timeline` and
-//! `stats` (tokio-postgres pipelines concurrent queries on it).
+//! `stats`. `unfinished` and `timeline` replay the segments in order
+//! (bounded by the sagas in flight, as the embedded store's).
 //!
 //! # Outages
 //! When the server cannot be reached, calls fail with
@@ -36,11 +54,11 @@
 //! Nothing is acknowledged that was not committed.
 //!
 //! # Schema
-//! Tables `railyard_saga_events` (one row per saga per group commit, events
-//! packed by [`codec`](super::codec), indexed by saga id),
-//! `railyard_saga_summaries` (one per saga: finishing twice replaces it)
-//! and `railyard_saga_meta` (schema version), created on connect under an
-//! advisory lock so several coordinators may connect at once.
+//! Tables `railyard_saga_segments`, `railyard_saga_summaries` (finishing a
+//! saga twice keeps two, as the other stores do; newest first by `ord`,
+//! indexed by finish time for pruning) and `railyard_saga_meta` (schema
+//! version), created on connect under an advisory lock so several
+//! coordinators may connect at once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -52,17 +70,15 @@ use tokio::sync::mpsc;
 
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
-use super::codec::{self, group_by_saga};
-use super::queue::{
-    answer, append_run, dedup_summaries, submit, take_batch, Retention, WriteOp, WriteRequest,
-    DEFAULT_PAGE,
-};
+use super::queue::{answer, submit, take_batch, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
+use super::segment::{self, Index, Replay, SegmentBuf, STRIP_LAG};
 use super::sqlite::parse_state;
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
 
-/// The schema this code writes, kept in `railyard_saga_meta`.
-const SCHEMA_VERSION: i32 = 1;
+/// The schema this code writes, kept in `railyard_saga_meta`: 2 (segments,
+/// see "Layout"; version 1 is migrated on connect).
+const SCHEMA_VERSION: i32 = 2;
 
 /// Settings of the PostgreSQL store.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -121,6 +137,8 @@ pub struct PostgresStore {
     queue: mpsc::Sender<WriteRequest>,
     reader: Arc<Connector>,
     commits: Arc<AtomicU64>,
+    /// The writer's `index.live_events`, for `stats`.
+    live_events: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -329,18 +347,10 @@ const SUMMARY_COLUMNS: &str = "global_tx_id, service_name, state, started_ms, fi
     sub_transactions, compensated, events";
 
 const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS railyard_saga_meta (version INT NOT NULL);
-CREATE TABLE IF NOT EXISTS railyard_saga_events (
-    seq BIGSERIAL PRIMARY KEY,
-    global_tx_id TEXT NOT NULL,
-    n INT NOT NULL,
-    data BYTEA NOT NULL
-);
-CREATE INDEX IF NOT EXISTS railyard_saga_events_by_saga
-    ON railyard_saga_events (global_tx_id, seq);
-CREATE TABLE IF NOT EXISTS railyard_saga_summaries (
+CREATE TABLE railyard_saga_segments (seq BIGINT PRIMARY KEY, data BYTEA NOT NULL);
+CREATE TABLE railyard_saga_summaries (
     ord BIGSERIAL PRIMARY KEY,
-    global_tx_id TEXT NOT NULL UNIQUE,
+    global_tx_id TEXT NOT NULL,
     service_name TEXT NOT NULL,
     state TEXT NOT NULL,
     started_ms BIGINT NOT NULL,
@@ -349,8 +359,16 @@ CREATE TABLE IF NOT EXISTS railyard_saga_summaries (
     compensated BIGINT NOT NULL,
     events BIGINT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS railyard_saga_summaries_by_finish
-    ON railyard_saga_summaries (finished_ms);
+CREATE INDEX railyard_saga_summaries_by_finish ON railyard_saga_summaries (finished_ms);
+";
+
+/// Version 1 to 2, after the segments table exists and the version-1 rows
+/// were copied into it: the per-saga rows and the uniqueness of summaries
+/// go.
+const MIGRATE_1_TO_2: &str = "
+DROP TABLE railyard_saga_events;
+ALTER TABLE railyard_saga_summaries DROP CONSTRAINT IF EXISTS railyard_saga_summaries_global_tx_id_key;
+UPDATE railyard_saga_meta SET version = 2;
 ";
 
 /// Creates the schema (once, under an advisory lock) and checks its version.
@@ -361,7 +379,9 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
         .await
         .map_err(err)?;
     let result = async {
-        c.batch_execute(SCHEMA).await.map_err(err)?;
+        c.batch_execute("CREATE TABLE IF NOT EXISTS railyard_saga_meta (version INT NOT NULL)")
+            .await
+            .map_err(err)?;
         let row = c
             .query_opt("SELECT max(version) FROM railyard_saga_meta", &[])
             .await
@@ -369,6 +389,7 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
         let version: Option<i32> = row.and_then(|r| r.get::<_, Option<i32>>(0));
         match version {
             None => {
+                c.batch_execute(SCHEMA).await.map_err(err)?;
                 c.execute(
                     "INSERT INTO railyard_saga_meta (version) VALUES ($1)",
                     &[&SCHEMA_VERSION],
@@ -376,13 +397,25 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
                 .await
                 .map_err(err)?;
             }
+            Some(1) => migrate_1_to_2(&c).await.map_err(|e| {
+                StoreError::Corrupt(format!(
+                    "cannot bring the saga schema from version 1 to {SCHEMA_VERSION}: {}",
+                    conn.error(&e)
+                ))
+            })?,
+            Some(SCHEMA_VERSION) => {}
             Some(v) if v > SCHEMA_VERSION => {
                 return Err(StoreError::Corrupt(format!(
                     "the database holds saga schema version {v}, newer than this \
                      Railyard's ({SCHEMA_VERSION}); run a newer Railyard"
                 )));
             }
-            Some(_) => {}
+            Some(v) => {
+                return Err(StoreError::Corrupt(format!(
+                    "the database holds saga schema version {v}, which no Railyard wrote; \
+                     point the store at another database"
+                )));
+            }
         }
         c.batch_execute("COMMIT").await.map_err(err)
     }
@@ -391,6 +424,39 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
         let _ = c.batch_execute("ROLLBACK").await;
     }
     result
+}
+
+/// Version 1's `railyard_saga_events` rows (one saga's events of one
+/// commit, packed by [`codec`](super::codec) version 1) become one-entry
+/// segments under the same `seq`, so the order holds; then
+/// [`MIGRATE_1_TO_2`]. Runs inside [`ensure_schema`]'s transaction.
+async fn migrate_1_to_2(c: &Client) -> Result<(), tokio_postgres::Error> {
+    c.batch_execute(
+        "CREATE TABLE railyard_saga_segments (seq BIGINT PRIMARY KEY, data BYTEA NOT NULL)",
+    )
+    .await?;
+    let rows = c
+        .query(
+            "SELECT seq, global_tx_id, data FROM railyard_saga_events ORDER BY seq",
+            &[],
+        )
+        .await?;
+    let (seqs, data): (Vec<i64>, Vec<Vec<u8>>) = rows
+        .iter()
+        .map(|r| {
+            (
+                r.get::<_, i64>(0),
+                SegmentBuf::packed(r.get::<_, &str>(1), r.get::<_, &[u8]>(2)),
+            )
+        })
+        .unzip();
+    c.execute(
+        "INSERT INTO railyard_saga_segments (seq, data)
+         SELECT * FROM UNNEST($1::int8[], $2::bytea[])",
+        &[&seqs, &data],
+    )
+    .await?;
+    c.batch_execute(MIGRATE_1_TO_2).await
 }
 
 impl PostgresStore {
@@ -409,10 +475,16 @@ impl PostgresStore {
             retention: config.retention.clone(),
             max_rows: config.max_batch_rows.max(1),
             commits: Arc::new(AtomicU64::new(0)),
+            live_events: Arc::new(AtomicU64::new(0)),
             since_prune: 0,
             commit_timeout: Duration::from_secs(config.commit_timeout_secs.max(1)),
+            index: Index::default(),
+            next_seq: 1,
+            seg: SegmentBuf::default(),
+            stale: true,
         };
         let commits = writer.commits.clone();
+        let live_events = writer.live_events.clone();
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -428,6 +500,7 @@ impl PostgresStore {
                 runtime.block_on(async move {
                     let set_up = async {
                         ensure_schema(&writer.conn).await?;
+                        writer.load().await?;
                         writer.prune().await
                     };
                     // A caller that gave up on `connect` (dropped or timed
@@ -454,18 +527,21 @@ impl PostgresStore {
             queue: tx,
             reader,
             commits,
+            live_events,
         })
     }
 }
 
-/// One multi-row insert: saga ids, event counts, packed events.
-type InsertColumns<'a> = (Vec<&'a str>, Vec<i32>, Vec<Vec<u8>>);
-
 /// Prepared statements of the writer's current connection.
 struct Statements {
     client: Arc<Client>,
+    /// The commit's segment.
     insert: Statement,
+    /// Segments stripped to their marks (see [`segment`](super::segment)).
+    strip: Statement,
+    /// Segments nothing needs any more.
     delete: Statement,
+    /// The commit's summaries.
     keep: Statement,
 }
 
@@ -475,9 +551,23 @@ struct Writer {
     retention: Retention,
     max_rows: usize,
     commits: Arc<AtomicU64>,
+    /// `index.live_events`, for `stats` on other threads.
+    live_events: Arc<AtomicU64>,
     since_prune: u64,
     /// See [`PostgresConfig::commit_timeout_secs`].
     commit_timeout: Duration,
+    /// Which segments each unfinished saga has entries in, and what keeps
+    /// each segment (see [`segment`](super::segment)).
+    index: Index,
+    /// The next segment's `seq`: above every one stored, and never used
+    /// twice (a commit whose answer was lost may have landed).
+    next_seq: i64,
+    /// The segment being built, kept across commits.
+    seg: SegmentBuf,
+    /// The index may disagree with the database (a commit failed or timed
+    /// out after the index counted it): it is read back before the next
+    /// commit.
+    stale: bool,
 }
 
 impl Writer {
@@ -491,12 +581,80 @@ impl Writer {
     async fn run(mut self, mut rx: mpsc::Receiver<WriteRequest>) {
         while let Some(first) = rx.recv().await {
             let batch = take_batch(first, &mut rx, self.max_rows);
-            let result = self.write(&batch).await;
+            let result = match self.load_if_stale().await {
+                Ok(()) => self.write(&batch).await,
+                Err(e) => Err(e),
+            };
             if let Err(e) = &result {
                 tracing::error!(error = %e, requests = batch.len(), "saga store commit failed");
             }
             answer(batch, &result);
         }
+    }
+
+    /// Reads the index back if a commit left it unsure; until that
+    /// succeeds nothing is written (tried again before each batch, so an
+    /// outage need not wait for a restart).
+    async fn load_if_stale(&mut self) -> Result<(), StoreError> {
+        if !self.stale {
+            return Ok(());
+        }
+        let result = match tokio::time::timeout(self.commit_timeout, self.load()).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.drop_connection();
+                Err(StoreError::Unavailable(format!(
+                    "PostgreSQL at {} did not answer reading the saga log within {:?}",
+                    self.conn.target, self.commit_timeout
+                )))
+            }
+        };
+        match &result {
+            Ok(()) => tracing::info!("the saga log was read back; the store writes again"),
+            Err(e) => {
+                tracing::error!(error = %e, "reading the saga log back after a failed commit failed; nothing is written until it reads back");
+            }
+        }
+        result
+    }
+
+    /// (Re)builds the index from the stored segments and deletes those
+    /// nothing needs (left by a crash between a commit and the next).
+    async fn load(&mut self) -> Result<(), StoreError> {
+        let c = self.conn.get().await?;
+        let err = |e: tokio_postgres::Error| self.conn.error(&e);
+        let rows = c
+            .query(
+                "SELECT seq, data FROM railyard_saga_segments ORDER BY seq",
+                &[],
+            )
+            .await
+            .map_err(err)?;
+        let mut index = Index::default();
+        let mut touched = Vec::new();
+        let mut max_seq = 0;
+        for r in &rows {
+            let seq: i64 = r.get(0);
+            index
+                .index_segment(seq, r.get(1), &mut touched)
+                .map_err(|e| StoreError::Corrupt(format!("log segment {seq}: {e}")))?;
+            max_seq = seq;
+        }
+        drop(rows);
+        let gone = index.collect(touched);
+        if !gone.is_empty() {
+            c.execute(
+                "DELETE FROM railyard_saga_segments WHERE seq = ANY($1)",
+                &[&gone],
+            )
+            .await
+            .map_err(err)?;
+        }
+        self.live_events.store(index.live_events, Ordering::Relaxed);
+        self.index = index;
+        self.next_seq = self.next_seq.max(max_seq + 1);
+        self.stale = false;
+        Ok(())
     }
 
     async fn statements(&mut self) -> Result<&Statements, StoreError> {
@@ -509,16 +667,18 @@ impl Writer {
             let client = self.conn.get().await?;
             let err = |e: tokio_postgres::Error| self.conn.error(&e);
             let insert = client
+                .prepare("INSERT INTO railyard_saga_segments (seq, data) VALUES ($1, $2)")
+                .await
+                .map_err(err)?;
+            let strip = client
                 .prepare(
-                    "INSERT INTO railyard_saga_events (global_tx_id, n, data)
-                     SELECT g, n, d FROM UNNEST($1::text[], $2::int4[], $3::bytea[])
-                     WITH ORDINALITY AS t(g, n, d, ord)
-                     ORDER BY ord",
+                    "UPDATE railyard_saga_segments SET data = t.d
+                     FROM UNNEST($1::int8[], $2::bytea[]) AS t(s, d) WHERE seq = t.s",
                 )
                 .await
                 .map_err(err)?;
             let delete = client
-                .prepare("DELETE FROM railyard_saga_events WHERE global_tx_id = ANY($1::text[])")
+                .prepare("DELETE FROM railyard_saga_segments WHERE seq = ANY($1)")
                 .await
                 .map_err(err)?;
             let keep = client
@@ -528,19 +688,14 @@ impl Writer {
                      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[],
                         $6::int8[], $7::int8[], $8::int8[])
                      WITH ORDINALITY AS t(c1, c2, c3, c4, c5, c6, c7, c8, ord)
-                     ORDER BY ord
-                     ON CONFLICT (global_tx_id) DO UPDATE SET
-                        ord = nextval('railyard_saga_summaries_ord_seq'),
-                        service_name = EXCLUDED.service_name, state = EXCLUDED.state,
-                        started_ms = EXCLUDED.started_ms, finished_ms = EXCLUDED.finished_ms,
-                        sub_transactions = EXCLUDED.sub_transactions,
-                        compensated = EXCLUDED.compensated, events = EXCLUDED.events"
+                     ORDER BY ord"
                 ))
                 .await
                 .map_err(err)?;
             self.statements = Some(Statements {
                 client,
                 insert,
+                strip,
                 delete,
                 keep,
             });
@@ -548,123 +703,119 @@ impl Writer {
         self.statements.as_ref().ok_or(StoreError::Closed)
     }
 
-    /// One transaction for the whole batch, in queue order; the events of
-    /// consecutive appends are stored one row per saga (see
-    /// [`codec`](super::codec)).
+    /// One transaction for the whole batch: its segment, the segments it
+    /// strips and frees, its summaries, in queue order. On error the index
+    /// is marked stale (read back before the next commit).
     async fn write(&mut self, batch: &[WriteRequest]) -> Result<(), StoreError> {
-        // Parameters first (they must outlive the pipelined statements).
-        let mut inserts: Vec<InsertColumns<'_>> = Vec::new();
-        let mut finishes: Vec<Vec<SagaSummary>> = Vec::new();
-        // Per step: `Some(i)` = inserts[i], `None` = the next finish.
-        let mut steps: Vec<Option<usize>> = Vec::new();
-        let mut i = 0;
-        while i < batch.len() {
-            let (run_end, events) = append_run(batch, i);
-            let groups = group_by_saga(events);
-            if !groups.is_empty() {
-                let mut cols = (
-                    Vec::with_capacity(groups.len()),
-                    Vec::with_capacity(groups.len()),
-                    Vec::with_capacity(groups.len()),
-                );
-                for (g, evs) in groups {
-                    cols.0.push(g);
-                    cols.1.push(i32::try_from(evs.len()).unwrap_or(i32::MAX));
-                    cols.2.push(codec::encode(evs.into_iter()));
-                }
-                steps.push(Some(inserts.len()));
-                inserts.push(cols);
-            }
-            if let Some(WriteRequest {
-                op: WriteOp::Finish(done),
-                ..
-            }) = batch.get(run_end)
-            {
-                steps.push(None);
-                finishes.push(dedup_summaries(done.clone()));
-            }
-            i = run_end + 1;
-        }
-        let finished: u64 = finishes.iter().map(|f| f.len() as u64).sum();
-        let ids: Vec<Vec<&str>> = finishes
-            .iter()
-            .map(|d| d.iter().map(|s| s.global_tx_id.as_str()).collect())
-            .collect();
-        let summary_cols: Vec<_> = finishes
-            .iter()
-            .map(|d| {
-                let col = |f: fn(&SagaSummary) -> i64| -> Vec<i64> { d.iter().map(f).collect() };
-                (
-                    d.iter()
-                        .map(|s| s.service_name.as_str())
-                        .collect::<Vec<_>>(),
-                    d.iter().map(|s| s.state.as_str()).collect::<Vec<_>>(),
-                    [
-                        col(|s| s.started_ms),
-                        col(|s| s.finished_ms),
-                        col(|s| i64::from(s.sub_transactions)),
-                        col(|s| i64::from(s.compensated)),
-                        col(|s| i64::from(s.events)),
-                    ],
-                )
-            })
-            .collect();
-
+        // The connection first: a server that cannot be reached fails the
+        // batch before the index counted it.
         let st = self.statements().await?;
-        let (c, insert, delete, keep) = (
+        let (c, insert, strip, delete, keep) = (
             st.client.clone(),
             st.insert.clone(),
+            st.strip.clone(),
             st.delete.clone(),
             st.keep.clone(),
         );
-        let mut pipeline: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>> = Vec::new();
-        pipeline.push(Box::pin(c.batch_execute("BEGIN")));
-        let mut next_finish = 0;
-        for step in &steps {
-            match step {
-                Some(n) => {
-                    let (g, counts, data) = &inserts[*n];
-                    let (c, insert) = (&c, &insert);
-                    pipeline.push(Box::pin(async move {
-                        c.execute(insert, &[g, counts, data]).await.map(drop)
-                    }));
-                }
-                None => {
-                    let n = next_finish;
-                    next_finish += 1;
-                    let ids = &ids[n];
-                    let (services, states, nums) = &summary_cols[n];
-                    let (c, delete, keep) = (&c, &delete, &keep);
-                    pipeline.push(Box::pin(async move {
-                        c.execute(delete, &[ids]).await.map(drop)
-                    }));
-                    pipeline.push(Box::pin(async move {
-                        c.execute(
-                            keep,
-                            &[
-                                ids, services, states, &nums[0], &nums[1], &nums[2], &nums[3],
-                                &nums[4],
-                            ],
-                        )
-                        .await
-                        .map(drop)
-                    }));
+        // Whatever happens below, this `seq` is never used again.
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.stale = true;
+        let (summaries, touched) = segment::apply(batch, seq, &mut self.seg, &mut self.index);
+        let finished = summaries.len() as u64;
+        let mut gone = self.index.collect(touched);
+        // Old segments kept only by their pins lose their dead entries (see
+        // `segment`'s module docs). Rare: only behind a saga that stays
+        // unfinished for more than `STRIP_LAG` commits. They are read first
+        // (one round trip): they are older than any commit in flight, and
+        // this writer is the only one that changes them.
+        let due = self.index.strip_due(seq - STRIP_LAG);
+        let mut stripped: Vec<(i64, Vec<u8>)> = Vec::new();
+        if !due.is_empty() {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&due];
+            let read = c.query(
+                "SELECT seq, data FROM railyard_saga_segments WHERE seq = ANY($1)",
+                &params,
+            );
+            let rows = match tokio::time::timeout(self.commit_timeout, read).await {
+                Ok(rows) => rows.map_err(|e| self.conn.error(&e))?,
+                Err(_) => return Err(self.timed_out(c, "reading segments to strip")),
+            };
+            for r in &rows {
+                let s: i64 = r.get(0);
+                match segment::marks_only(r.get(1)) {
+                    Ok(marks) => stripped.push((s, marks)),
+                    // Left as it is (a restart would refuse it too, and
+                    // say so): commits go on.
+                    Err(e) => {
+                        tracing::error!(segment = s, error = %e, "a log segment cannot be read back; not stripped");
+                    }
                 }
             }
         }
+        gone.extend(
+            self.index
+                .strip_old(seq - STRIP_LAG, |s| {
+                    Ok::<_, std::convert::Infallible>(stripped.iter().any(|(t, _)| *t == s))
+                })
+                .unwrap_or_else(|never| match never {}),
+        );
+        let (strip_seqs, strip_data): (Vec<i64>, Vec<Vec<u8>>) = stripped.into_iter().unzip();
+        let col =
+            |f: fn(&SagaSummary) -> i64| -> Vec<i64> { summaries.iter().map(|s| f(s)).collect() };
+        let ids: Vec<&str> = summaries.iter().map(|s| s.global_tx_id.as_str()).collect();
+        let services: Vec<&str> = summaries.iter().map(|s| s.service_name.as_str()).collect();
+        let states: Vec<&str> = summaries.iter().map(|s| s.state.as_str()).collect();
+        let nums = [
+            col(|s| s.started_ms),
+            col(|s| s.finished_ms),
+            col(|s| i64::from(s.sub_transactions)),
+            col(|s| i64::from(s.compensated)),
+            col(|s| i64::from(s.events)),
+        ];
+        let data: Option<&[u8]> = if self.seg.is_empty() {
+            None
+        } else {
+            Some(self.seg.finish())
+        };
+
+        let mut pipeline: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>> = Vec::new();
+        pipeline.push(Box::pin(c.batch_execute("BEGIN")));
+        if let Some(data) = &data {
+            pipeline.push(Box::pin(async {
+                c.execute(&insert, &[&seq, data]).await.map(drop)
+            }));
+        }
+        if !strip_seqs.is_empty() {
+            pipeline.push(Box::pin(async {
+                c.execute(&strip, &[&strip_seqs, &strip_data])
+                    .await
+                    .map(drop)
+            }));
+        }
+        if !gone.is_empty() {
+            pipeline.push(Box::pin(async {
+                c.execute(&delete, &[&gone]).await.map(drop)
+            }));
+        }
+        if !ids.is_empty() {
+            pipeline.push(Box::pin(async {
+                c.execute(
+                    &keep,
+                    &[
+                        &ids, &services, &states, &nums[0], &nums[1], &nums[2], &nums[3], &nums[4],
+                    ],
+                )
+                .await
+                .map(drop)
+            }));
+        }
         // synchronous_commit = on: COMMIT returns once the WAL is flushed.
         pipeline.push(Box::pin(c.batch_execute("COMMIT")));
-        let result = match tokio::time::timeout(self.commit_timeout, in_order(pipeline)).await {
+        let result = tokio::time::timeout(self.commit_timeout, in_order(pipeline)).await;
+        let result = match result {
             Ok(r) => r,
-            Err(_) => {
-                drop(c);
-                self.drop_connection();
-                return Err(StoreError::Unavailable(format!(
-                    "PostgreSQL at {} did not answer a commit within {:?}; nothing of it was \
-                     acknowledged (a restart recovers whatever landed); reconnecting",
-                    self.conn.target, self.commit_timeout
-                )));
-            }
+            Err(_) => return Err(self.timed_out(c, "a commit")),
         };
         if let Err(e) = result {
             if !c.is_closed()
@@ -677,6 +828,10 @@ impl Writer {
             }
             return Err(self.conn.error(&e));
         }
+        self.stale = false;
+        self.seg.give_back_if_large();
+        self.live_events
+            .store(self.index.live_events, Ordering::Relaxed);
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.since_prune = self.since_prune.saturating_add(finished);
         if finished > 0 && self.since_prune >= self.retention.slack() {
@@ -693,6 +848,19 @@ impl Writer {
             }
         }
         Ok(())
+    }
+
+    /// `what` got no answer within the commit timeout: the connection is
+    /// dropped (the next commit connects again) and nothing of the commit
+    /// was acknowledged.
+    fn timed_out(&mut self, c: Arc<Client>, what: &str) -> StoreError {
+        drop(c);
+        self.drop_connection();
+        StoreError::Unavailable(format!(
+            "PostgreSQL at {} did not answer {what} within {:?}; nothing of it was \
+             acknowledged (a restart recovers whatever landed); reconnecting",
+            self.conn.target, self.commit_timeout
+        ))
     }
 
     /// Drops summaries beyond the retention.
@@ -758,15 +926,16 @@ async fn in_order(
     .await
 }
 
-fn events_from_rows(rows: &[Row]) -> Result<Vec<EventRecord>, StoreError> {
-    let mut out = Vec::with_capacity(rows.len() * 8);
+/// Replays segment rows (`data`, in `seq` order): the events left of
+/// every unfinished saga, or of `only` that one, in append order.
+fn replay(rows: &[Row], only: Option<&str>) -> Result<Vec<EventRecord>, StoreError> {
+    let mut replay = Replay::default();
     for r in rows {
-        let g: &str = r.get(0);
-        let data: &[u8] = r.get(1);
-        codec::decode(g, data, &[], &mut out)
-            .map_err(|e| StoreError::Corrupt(format!("events of saga {g}: {e}")))?;
+        replay
+            .segment(r.get(0), only)
+            .map_err(|e| StoreError::Corrupt(format!("log segment: {e}")))?;
     }
-    Ok(out)
+    Ok(replay.into_events())
 }
 
 fn summary_from_row(r: &Row) -> Result<SagaSummary, StoreError> {
@@ -866,14 +1035,11 @@ impl SagaStore for PostgresStore {
     fn unfinished(&self) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
         Box::pin(async move {
             let rows = self
-                .query(
-                    "SELECT global_tx_id, data FROM railyard_saga_events ORDER BY seq",
-                    &[],
-                )
+                .query("SELECT data FROM railyard_saga_segments ORDER BY seq", &[])
                 .await?;
             // The whole log after a crash: decoded off the async workers,
             // like the embedded store's replay.
-            tokio::task::spawn_blocking(move || events_from_rows(&rows))
+            tokio::task::spawn_blocking(move || replay(&rows, None))
                 .await
                 .map_err(|e| StoreError::Engine(format!("decoding the saga log panicked: {e}")))?
         })
@@ -918,26 +1084,19 @@ impl SagaStore for PostgresStore {
         global_tx_id: String,
     ) -> BoxFuture<'_, Result<Vec<EventRecord>, StoreError>> {
         Box::pin(async move {
+            // No index on saga ids (see "Layout"): the log is replayed for
+            // this saga alone; it holds only the sagas in flight.
             let rows = self
-                .query(
-                    "SELECT global_tx_id, data FROM railyard_saga_events
-                     WHERE global_tx_id = $1 ORDER BY seq",
-                    &[&global_tx_id],
-                )
+                .query("SELECT data FROM railyard_saga_segments ORDER BY seq", &[])
                 .await?;
-            events_from_rows(&rows)
+            tokio::task::spawn_blocking(move || replay(&rows, Some(&global_tx_id)))
+                .await
+                .map_err(|e| StoreError::Engine(format!("decoding the saga log panicked: {e}")))?
         })
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<StoreStats, StoreError>> {
         Box::pin(async move {
-            let events = self
-                .query(
-                    "SELECT coalesce(sum(n), 0)::int8 FROM railyard_saga_events",
-                    &[],
-                )
-                .await?;
-            let events: i64 = events.first().map_or(0, |r| r.get(0));
             let finished = self
                 .query(
                     "SELECT state, count(*) FROM railyard_saga_summaries
@@ -947,14 +1106,14 @@ impl SagaStore for PostgresStore {
                 .await?;
             let size = self
                 .query(
-                    "SELECT pg_total_relation_size('railyard_saga_events')
+                    "SELECT pg_total_relation_size('railyard_saga_segments')
                           + pg_total_relation_size('railyard_saga_summaries')",
                     &[],
                 )
                 .await?;
             let size: Option<i64> = size.first().and_then(|r| r.get(0));
             Ok(StoreStats {
-                events: u64::try_from(events).unwrap_or(0),
+                events: self.live_events.load(Ordering::Relaxed),
                 finished: finished
                     .iter()
                     .map(|r| {

@@ -17,7 +17,6 @@
 //! request: the events may still be written. They were never acknowledged,
 //! and recovery replays them idempotently, so that is safe.
 
-use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot};
@@ -191,25 +190,6 @@ pub(crate) async fn submit(
     result.await.unwrap_or(Err(StoreError::Closed))
 }
 
-/// The appends of `batch[from..]` up to the next finish (writers apply a
-/// batch as runs of appends, each followed by at most one finish, so queue
-/// order holds): where the run ends (the finish's index, or the batch's
-/// end) and the run's events in queue order.
-pub(crate) fn append_run(
-    batch: &[WriteRequest],
-    from: usize,
-) -> (usize, impl Iterator<Item = &EventRecord>) {
-    let end = batch[from..]
-        .iter()
-        .position(|r| matches!(r.op, WriteOp::Finish(_)))
-        .map_or(batch.len(), |p| from + p);
-    let events = batch[from..end].iter().flat_map(|r| match &r.op {
-        WriteOp::Append(e) => e.iter(),
-        WriteOp::Finish(_) => [].iter(),
-    });
-    (end, events)
-}
-
 /// Answers every request of a batch with (a copy of) `result`.
 pub(crate) fn answer(batch: Vec<WriteRequest>, result: &Result<(), StoreError>) {
     for req in batch {
@@ -229,22 +209,6 @@ fn copy_error(e: &StoreError) -> StoreError {
         StoreError::Corrupt(m) => StoreError::Corrupt(m.clone()),
         StoreError::Closed => StoreError::Closed,
     }
-}
-
-/// The last summary per saga id, in first-seen order (a batch may finish a
-/// saga twice; the later summary wins).
-pub(crate) fn dedup_summaries(done: Vec<SagaSummary>) -> Vec<SagaSummary> {
-    let mut at: HashMap<String, usize> = HashMap::with_capacity(done.len());
-    let mut out: Vec<SagaSummary> = Vec::with_capacity(done.len());
-    for s in done {
-        if let Some(&i) = at.get(&s.global_tx_id) {
-            out[i] = s;
-        } else {
-            at.insert(s.global_tx_id.clone(), out.len());
-            out.push(s);
-        }
-    }
-    out
 }
 
 /// Default page size of `finished` when the query's limit is 0 (as in

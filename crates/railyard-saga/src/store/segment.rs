@@ -41,6 +41,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::codec::{self, put_len, read_strings, Reader, Strings};
+use super::queue::{WriteOp, WriteRequest};
+use super::SagaSummary;
 use crate::event::EventRecord;
 
 /// How many commits old a segment kept only by its pins must be before it
@@ -131,6 +133,50 @@ impl SegmentBuf {
         put_len(&mut self.data, global_tx_id.len());
         self.data.extend_from_slice(global_tx_id.as_bytes());
     }
+}
+
+/// Applies one group commit's requests, in queue order, to `index` and
+/// to `seg`, started afresh as segment `seq`: each run of consecutive
+/// events of one saga becomes an entry, each finish of a saga with events
+/// stored a mark. Returns the summaries to keep, in order, and what the
+/// commit touched (`seq` and the segments its finishes may free), for
+/// [`Index::collect`]. Both durable stores write a commit this way.
+pub(crate) fn apply<'a>(
+    batch: &'a [WriteRequest],
+    seq: i64,
+    seg: &mut SegmentBuf,
+    index: &mut Index,
+) -> (Vec<&'a SagaSummary>, Vec<i64>) {
+    let events: usize = batch
+        .iter()
+        .map(|r| match &r.op {
+            WriteOp::Append(e) => e.len(),
+            WriteOp::Finish(_) => 0,
+        })
+        .sum();
+    seg.start(events);
+    let mut touched = vec![seq];
+    let mut keep = Vec::new();
+    for req in batch {
+        match &req.op {
+            WriteOp::Append(evs) => {
+                for run in evs.chunk_by(|a, b| a.global_tx_id == b.global_tx_id) {
+                    let g = run[0].global_tx_id.as_str();
+                    seg.events(g, run);
+                    index.events(seq, g, run.len() as u64);
+                }
+            }
+            WriteOp::Finish(done) => {
+                for s in done {
+                    if index.finish(seq, &s.global_tx_id, &mut touched) {
+                        seg.mark(&s.global_tx_id);
+                    }
+                    keep.push(s);
+                }
+            }
+        }
+    }
+    (keep, touched)
 }
 
 /// One entry of a stored segment.
@@ -392,11 +438,7 @@ impl Index {
         // Which of them still are, before any is stripped.
         let strip: Vec<i64> = old
             .into_iter()
-            .filter(|seq| {
-                self.segs
-                    .get(seq)
-                    .is_some_and(|g| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
-            })
+            .filter(|seq| self.strippable(*seq))
             .collect();
         let mut touched = Vec::new();
         for seq in strip {
@@ -405,6 +447,25 @@ impl Index {
             }
         }
         Ok(self.collect(touched))
+    }
+
+    /// The segments [`strip_old`](Self::strip_old) would hand to its
+    /// `rewrite` now, for a writer that must read them before it can
+    /// rewrite them synchronously.
+    pub(crate) fn strip_due(&self, before: i64) -> Vec<i64> {
+        self.strip_candidates
+            .range(..before)
+            .copied()
+            .filter(|seq| self.strippable(*seq))
+            .collect()
+    }
+
+    /// Kept only by its pins, with dead entries whose removal would
+    /// release them.
+    fn strippable(&self, seq: i64) -> bool {
+        self.segs
+            .get(&seq)
+            .is_some_and(|g| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
     }
 
     /// Segment `seq` was rewritten with its marks alone: its dead entries

@@ -563,17 +563,9 @@ impl Writer {
     /// (the caller reloads it).
     fn write(&mut self, batch: &[WriteRequest]) -> rusqlite::Result<()> {
         let seq = self.next_seq;
-        let events: usize = batch
-            .iter()
-            .map(|r| match &r.op {
-                WriteOp::Append(e) => e.len(),
-                WriteOp::Finish(_) => 0,
-            })
-            .sum();
         let seg = &mut self.seg;
-        seg.start(events);
-        let mut touched = vec![seq];
-        let mut finished = 0u64;
+        let (summaries, touched) = segment::apply(batch, seq, seg, &mut self.index);
+        let finished = summaries.len() as u64;
         let tx = self.conn.transaction()?;
         {
             let mut keep = tx.prepare_cached(
@@ -581,35 +573,17 @@ impl Writer {
                     finished_ms, sub_transactions, compensated, events)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
-            for req in batch {
-                match &req.op {
-                    WriteOp::Append(evs) => {
-                        // Runs of consecutive events of one saga, one entry each.
-                        for run in evs.chunk_by(|a, b| a.global_tx_id == b.global_tx_id) {
-                            let g = run[0].global_tx_id.as_str();
-                            seg.events(g, run);
-                            self.index.events(seq, g, run.len() as u64);
-                        }
-                    }
-                    WriteOp::Finish(done) => {
-                        for s in done {
-                            if self.index.finish(seq, &s.global_tx_id, &mut touched) {
-                                seg.mark(&s.global_tx_id);
-                            }
-                            keep.execute(params![
-                                s.global_tx_id,
-                                s.service_name,
-                                s.state.as_str(),
-                                s.started_ms,
-                                s.finished_ms,
-                                s.sub_transactions,
-                                s.compensated,
-                                s.events,
-                            ])?;
-                            finished += 1;
-                        }
-                    }
-                }
+            for s in summaries {
+                keep.execute(params![
+                    s.global_tx_id,
+                    s.service_name,
+                    s.state.as_str(),
+                    s.started_ms,
+                    s.finished_ms,
+                    s.sub_transactions,
+                    s.compensated,
+                    s.events,
+                ])?;
             }
             if !seg.is_empty() {
                 tx.prepare_cached("INSERT INTO segments (seq, data) VALUES (?1, ?2)")?
