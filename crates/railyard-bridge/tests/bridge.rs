@@ -584,7 +584,7 @@ struct StuckCluster {
 }
 
 impl railyard_bus::ClusterHook for StuckCluster {
-    fn advertise(&self, _address: &str) -> railyard_bus::Advertisement {
+    fn advertise(&self, _address: &str, _consumers: usize) -> railyard_bus::Advertisement {
         let (fail, gate) = (self.fail, self.gate.clone());
         Box::pin(async move {
             if fail {
@@ -596,7 +596,7 @@ impl railyard_bus::ClusterHook for StuckCluster {
             Ok(())
         })
     }
-    fn withdraw(&self, _address: &str) {}
+    fn withdraw(&self, _address: &str, _consumers: usize) {}
 }
 
 /// A `register` the cluster takes long to advertise (an etcd outage) does

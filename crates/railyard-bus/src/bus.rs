@@ -90,28 +90,101 @@ impl Drop for Snapshot<'_> {
 struct AddressEntry {
     consumers: Box<[Arc<ConsumerQueue>]>,
     /// Other nodes with consumers here (clustered only). Chosen round-robin
-    /// together with the local consumers.
+    /// together with the local consumers, each as often as its weight.
     remotes: Box<[Arc<dyn RemoteNode>]>,
+    /// The weight of each of `remotes` (how many consumers it has here, at
+    /// most [`MAX_REMOTE_WEIGHT`]); empty when every weight is 1.
+    weights: Box<[u32]>,
+    /// With `weights`: the send targets after the local consumers, each an
+    /// index into `remotes`, every remote as often as its weight,
+    /// interleaved. Empty when every weight is 1 (target `locals + i` is
+    /// then `remotes[i]`).
+    slots: Box<[u32]>,
     /// Round-robin cursors, one cache line per thread shard, so two threads
     /// sending to one address do not bounce a shared counter between cores.
     cursors: Box<[CachePadded<AtomicUsize>]>,
 }
 
+/// The most a remote node weighs at one address: a node with more
+/// consumers there gets this many shares of the sends, so the targets an
+/// address lists stay bounded.
+pub const MAX_REMOTE_WEIGHT: u32 = 256;
+
+/// Remote nodes at one address, each with its weight (see
+/// [`EventBus::set_weighted_remote_nodes_many`]).
+pub type WeightedNodes = Vec<(Arc<dyn RemoteNode>, u32)>;
+
 impl AddressEntry {
-    fn new(consumers: Box<[Arc<ConsumerQueue>]>, remotes: Box<[Arc<dyn RemoteNode>]>) -> Self {
+    /// `weights` parallel to `remotes` (or empty: all 1).
+    fn weighted(
+        consumers: Box<[Arc<ConsumerQueue>]>,
+        remotes: Box<[Arc<dyn RemoteNode>]>,
+        weights: &[u32],
+    ) -> Self {
+        let weights: Box<[u32]> =
+            if weights.len() == remotes.len() && weights.iter().any(|w| *w != 1) {
+                weights
+                    .iter()
+                    .map(|w| (*w).clamp(1, MAX_REMOTE_WEIGHT))
+                    .collect()
+            } else {
+                Box::new([])
+            };
+        let mut slots = Vec::new();
+        for round in 0..weights.iter().copied().max().unwrap_or(0) {
+            for (i, w) in weights.iter().enumerate() {
+                if *w > round {
+                    slots.push(u32::try_from(i).unwrap_or(u32::MAX));
+                }
+            }
+        }
+        let targets = consumers.len() + slots.len().max(remotes.len());
         // The same per-thread shards as the counters (a power of two).
-        let shards = if consumers.len() + remotes.len() > 1 {
-            shard_count()
-        } else {
-            0
-        };
+        let shards = if targets > 1 { shard_count() } else { 0 };
         Self {
             consumers,
             remotes,
+            weights,
+            slots: slots.into_boxed_slice(),
             cursors: (0..shards)
                 .map(|_| CachePadded::new(AtomicUsize::new(0)))
                 .collect(),
         }
+    }
+
+    /// Send targets on other nodes (each remote counted by its weight).
+    #[inline]
+    fn remote_targets(&self) -> usize {
+        if self.slots.is_empty() {
+            self.remotes.len()
+        } else {
+            self.slots.len()
+        }
+    }
+
+    /// The remote node of remote target `t` (below `remote_targets`).
+    #[inline]
+    fn remote_at(&self, t: usize) -> &Arc<dyn RemoteNode> {
+        match self.slots.get(t) {
+            Some(i) => &self.remotes[*i as usize],
+            None => &self.remotes[t],
+        }
+    }
+
+    /// Whether this entry lists exactly `nodes` (the same nodes, in the same
+    /// order, with the same weights).
+    fn same_remotes(&self, nodes: &[(Arc<dyn RemoteNode>, u32)]) -> bool {
+        self.remotes.len() == nodes.len()
+            && self
+                .remotes
+                .iter()
+                .enumerate()
+                .zip(nodes)
+                .all(|((i, x), (y, w))| {
+                    Arc::ptr_eq(x, y)
+                        && self.weights.get(i).copied().unwrap_or(1)
+                            == (*w).clamp(1, MAX_REMOTE_WEIGHT)
+                })
     }
 
     /// Index of the next of `n` targets for this thread.
@@ -762,7 +835,7 @@ impl EventBus {
             let remotes = if options.local_only {
                 0
             } else {
-                e.remotes.len()
+                e.remote_targets()
             };
             (e.consumers.len(), remotes)
         });
@@ -796,7 +869,7 @@ impl EventBus {
                     }
                 }
             } else {
-                let node = &entry.remotes[idx - locals];
+                let node = entry.remote_at(idx - locals);
                 match self.route_remote(node, key, env, options) {
                     Ok(()) => return Ok(()),
                     Err((e, back)) => {
@@ -938,16 +1011,18 @@ impl EventBus {
         {
             let current = self.inner.table.load_full();
             let mut table = Table::clone(&current);
-            let (consumers, remotes): (Locals, Remotes) = match table.get(&*queue.address) {
-                Some(e) => (
-                    e.consumers.iter().cloned().chain([queue.clone()]).collect(),
-                    e.remotes.clone(),
-                ),
-                None => (Box::new([queue.clone()]), Box::new([])),
-            };
+            let (consumers, remotes, weights): (Locals, Remotes, Box<[u32]>) =
+                match table.get(&*queue.address) {
+                    Some(e) => (
+                        e.consumers.iter().cloned().chain([queue.clone()]).collect(),
+                        e.remotes.clone(),
+                        e.weights.clone(),
+                    ),
+                    None => (Box::new([queue.clone()]), Box::new([]), Box::new([])),
+                };
             table.insert(
                 queue.address.clone(),
-                Arc::new(AddressEntry::new(consumers, remotes)),
+                Arc::new(AddressEntry::weighted(consumers, remotes, &weights)),
             );
             self.store_table(table);
         }
@@ -955,7 +1030,17 @@ impl EventBus {
             return None;
         }
         let hook = self.inner.hook.read().clone()?;
-        Some(hook.advertise(&queue.address))
+        let public = self.public_consumers(&queue.address);
+        Some(hook.advertise(&queue.address, public))
+    }
+
+    /// Non-local consumers at `address` in the current registry.
+    fn public_consumers(&self, address: &str) -> usize {
+        self.inner
+            .table
+            .load()
+            .get(address)
+            .map_or(0, |e| e.consumers.iter().filter(|q| !q.local).count())
     }
 
     /// Removes a consumer queue from the registry, closes it and fails what
@@ -973,20 +1058,20 @@ impl EventBus {
                         .filter(|q| q.id != queue.id)
                         .cloned()
                         .collect();
-                    let last_public = !queue.local && !rest.iter().any(|q| !q.local);
+                    let public_left = rest.iter().filter(|q| !q.local).count();
                     if rest.is_empty() && e.remotes.is_empty() {
                         table.remove(&*queue.address);
                     } else {
                         table.insert(
                             queue.address.clone(),
-                            Arc::new(AddressEntry::new(rest, e.remotes.clone())),
+                            Arc::new(AddressEntry::weighted(rest, e.remotes.clone(), &e.weights)),
                         );
                     }
                     self.store_table(table);
-                    if last_public {
+                    if !queue.local {
                         // Under the write lock: in registry order (see `register`).
                         if let Some(hook) = self.inner.hook.read().clone() {
-                            hook.withdraw(&queue.address);
+                            hook.withdraw(&queue.address, public_left);
                         }
                     }
                 }
@@ -1018,8 +1103,10 @@ impl EventBus {
         let table = self.inner.table.load();
         table
             .iter()
-            .filter(|(_, e)| e.consumers.iter().any(|q| !q.local))
-            .map(|(a, _)| (a.to_string(), hook.advertise(a)))
+            .filter_map(|(a, e)| {
+                let public = e.consumers.iter().filter(|q| !q.local).count();
+                (public > 0).then(|| (a.to_string(), hook.advertise(a, public)))
+            })
             .collect()
     }
 
@@ -1068,6 +1155,22 @@ impl EventBus {
         &self,
         changes: impl IntoIterator<Item = (A, Vec<Arc<dyn RemoteNode>>)>,
     ) -> usize {
+        self.set_weighted_remote_nodes_many(
+            changes
+                .into_iter()
+                .map(|(a, nodes)| (a, nodes.into_iter().map(|n| (n, 1)).collect())),
+        )
+    }
+
+    /// [`set_remote_nodes_many`](Self::set_remote_nodes_many) with a weight
+    /// per node: how many consumers it has at the address. `send` and
+    /// `request` choose each node that many times per round, so every
+    /// consumer in the cluster gets its share (a weight is taken between 1
+    /// and [`MAX_REMOTE_WEIGHT`]); `publish` still reaches each node once.
+    pub fn set_weighted_remote_nodes_many<A: AsRef<str>>(
+        &self,
+        changes: impl IntoIterator<Item = (A, WeightedNodes)>,
+    ) -> usize {
         let _w = self.inner.write.lock();
         let current = self.inner.table.load_full();
         // Copied on the first change only; later changes edit the copy.
@@ -1076,7 +1179,7 @@ impl EventBus {
         for (address, nodes) in changes {
             let address = address.as_ref();
             let consumers = match next.as_ref().unwrap_or(&current).get(address) {
-                Some(e) if same_nodes(&e.remotes, &nodes) => continue,
+                Some(e) if e.same_remotes(&nodes) => continue,
                 Some(e) => e.consumers.clone(),
                 None if nodes.is_empty() => continue,
                 None => Locals::default(),
@@ -1085,7 +1188,12 @@ impl EventBus {
             if consumers.is_empty() && nodes.is_empty() {
                 table.remove(address);
             } else {
-                let entry = Arc::new(AddressEntry::new(consumers, nodes.into_boxed_slice()));
+                let (nodes, weights): (Vec<_>, Vec<_>) = nodes.into_iter().unzip();
+                let entry = Arc::new(AddressEntry::weighted(
+                    consumers,
+                    nodes.into_boxed_slice(),
+                    &weights,
+                ));
                 match table.get_mut(address) {
                     // Keeps the key the table already has (no new `Arc<str>`).
                     Some(slot) => *slot = entry,
@@ -1127,14 +1235,23 @@ impl EventBus {
             if e.remotes.iter().all(&keep) {
                 continue;
             }
-            let remotes: Box<[Arc<dyn RemoteNode>]> =
-                e.remotes.iter().filter(|n| keep(n)).cloned().collect();
+            let (remotes, weights): (Vec<_>, Vec<_>) = e
+                .remotes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| keep(n))
+                .map(|(i, n)| (n.clone(), e.weights.get(i).copied().unwrap_or(1)))
+                .unzip();
             let consumers = e.consumers.clone();
             let table = next.get_or_insert_with(|| Table::clone(&current));
             if consumers.is_empty() && remotes.is_empty() {
                 table.remove(address);
             } else if let Some(slot) = table.get_mut(address) {
-                *slot = Arc::new(AddressEntry::new(consumers, remotes));
+                *slot = Arc::new(AddressEntry::weighted(
+                    consumers,
+                    remotes.into_boxed_slice(),
+                    &weights,
+                ));
             }
             changed += 1;
         }
@@ -1239,6 +1356,17 @@ impl EventBus {
             .load()
             .get(address)
             .map_or(0, |e| e.remotes.len())
+    }
+
+    /// How many shares one round of `send` to `address` has: its local
+    /// consumers plus each remote node counted by its weight (see
+    /// [`set_weighted_remote_nodes_many`](Self::set_weighted_remote_nodes_many)).
+    pub fn send_target_count(&self, address: &str) -> usize {
+        self.inner
+            .table
+            .load()
+            .get(address)
+            .map_or(0, |e| e.consumers.len() + e.remote_targets())
     }
 
     /// Addresses that currently list at least one remote node.
@@ -1390,11 +1518,6 @@ impl std::fmt::Debug for CodecCache {
             .field("named", &self.named.as_ref().map(|(n, _)| n))
             .finish()
     }
-}
-
-/// Whether two remote lists name the same nodes in the same order.
-fn same_nodes(a: &[Arc<dyn RemoteNode>], b: &[Arc<dyn RemoteNode>]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| Arc::ptr_eq(x, y))
 }
 
 /// Where a sender that found every target full waits for room.

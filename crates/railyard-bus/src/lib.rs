@@ -92,7 +92,9 @@ mod timeouts;
 mod waiters;
 
 pub use body::Body;
-pub use bus::{Advertisement, CodecCache, EventBus, PublishReport};
+pub use bus::{
+    Advertisement, CodecCache, EventBus, PublishReport, WeightedNodes, MAX_REMOTE_WEIGHT,
+};
 pub use codec::{
     str_from_utf8, string_from_utf8, BytesCodec, CodecRegistry, IntCodec, JsonCodec, MessageCodec,
     StringCodec,

@@ -106,17 +106,19 @@ pub trait ReplySink: Send + Sync + 'static {
 /// Told about registrations that other nodes must learn of.
 pub trait ClusterHook: Send + Sync + 'static {
     /// `address` got a non-local consumer on this node (its first, or
-    /// another). The returned future resolves once the cluster knows this
-    /// node subscribes to `address`.
+    /// another): it now has `consumers` of them. The returned future
+    /// resolves once the cluster knows this node subscribes to `address`
+    /// (other nodes weight this node by `consumers` when they send).
     ///
     /// Called, like [`withdraw`](Self::withdraw), while the bus holds its
     /// registry's write lock: both must return at once (start work, never
     /// wait for it), and the calls come in the order the registry changed,
     /// so the last one says what the cluster should end up with.
-    fn advertise(&self, address: &str) -> crate::Advertisement;
+    fn advertise(&self, address: &str, consumers: usize) -> crate::Advertisement;
 
-    /// `address` lost its last non-local consumer on this node.
-    fn withdraw(&self, address: &str);
+    /// `address` lost a non-local consumer on this node: `consumers` are
+    /// left (0: it was the last).
+    fn withdraw(&self, address: &str, consumers: usize);
 }
 
 /// The answering end of a request that came from this node and went to

@@ -1081,12 +1081,18 @@ mod remote {
     }
 
     impl ClusterHook for Hook {
-        fn advertise(&self, address: &str) -> railyard_bus::Advertisement {
-            self.events.lock().unwrap().push(format!("+{address}"));
+        fn advertise(&self, address: &str, consumers: usize) -> railyard_bus::Advertisement {
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("+{address}={consumers}"));
             Box::pin(async { Ok(()) })
         }
-        fn withdraw(&self, address: &str) {
-            self.events.lock().unwrap().push(format!("-{address}"));
+        fn withdraw(&self, address: &str, consumers: usize) {
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("-{address}={consumers}"));
         }
     }
 
@@ -1168,10 +1174,12 @@ mod remote {
     }
 
     #[tokio::test]
-    async fn the_hook_hears_of_every_public_consumer_and_of_the_last_leaving() {
+    async fn the_hook_hears_of_every_public_consumer_coming_and_going_with_the_count() {
         let bus = EventBus::new();
         let hook = Arc::new(Hook::default());
         let _early = bus.consumer("early").stream().await.unwrap();
+        let _early2 = bus.consumer("early").stream().await.unwrap();
+        let _early_local = bus.local_consumer("early").stream().await.unwrap();
         let existing = bus.set_cluster_hook(Some(hook.clone()));
         let names: Vec<&str> = existing.iter().map(|(a, _)| a.as_str()).collect();
         assert_eq!(names, ["early"]);
@@ -1183,13 +1191,18 @@ mod remote {
         let l = bus.local_consumer("y").stream().await.unwrap();
         drop(a1);
         drop(l);
-        // Each public registration waits for the address's advertisement;
-        // local consumers and all but the last leaving say nothing.
-        assert_eq!(*hook.events.lock().unwrap(), vec!["+early", "+x", "+x"]);
+        // Each public registration waits for the address's advertisement,
+        // which carries the public consumers there (other nodes weight this
+        // node by it); each one leaving says how many are left; local
+        // consumers say nothing.
+        assert_eq!(
+            *hook.events.lock().unwrap(),
+            vec!["+early=2", "+x=1", "+x=2", "-x=1"]
+        );
         drop(a2);
         assert_eq!(
             *hook.events.lock().unwrap(),
-            vec!["+early", "+x", "+x", "-x"]
+            vec!["+early=2", "+x=1", "+x=2", "-x=1", "-x=0"]
         );
     }
 }

@@ -3,8 +3,9 @@
 //! Keys, all under `/railyard/<cluster>/` and all attached to the node's
 //! lease, so a node that dies disappears when its lease expires:
 //! - `nodes/<node id>` = the node's transport address;
-//! - `subs/<node id>/<address>` = empty: the node has a public consumer at
-//!   `<address>`.
+//! - `subs/<node id>/<address>` = how many public consumers the node has
+//!   at `<address>`, in decimal (an empty or unreadable value, as nodes
+//!   before 2026-11-28 wrote, counts as 1).
 //!
 //! A keep-alive task renews the lease every TTL/3. A follower task reads the
 //! whole prefix once, then watches it from the next revision, applying each
@@ -17,7 +18,7 @@
 //! backoff; if the lease expired meanwhile, the node re-registers itself and
 //! its subscriptions under a new lease.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,8 +77,9 @@ pub struct EtcdManager {
 struct State {
     node: Option<NodeInfo>,
     lease: i64,
-    /// Our subscriptions, to re-create under a new lease.
-    subs: BTreeSet<String>,
+    /// Our subscriptions and their consumer counts, to re-create under a
+    /// new lease.
+    subs: BTreeMap<String, u32>,
 }
 
 fn unavailable(e: impl std::fmt::Display) -> ManagerError {
@@ -248,7 +250,7 @@ async fn register(
     )])
     .await?;
     let mut renewed = tokio::time::Instant::now();
-    let subs: Vec<String> = subs.into_iter().collect();
+    let subs: Vec<(String, u32)> = subs.into_iter().collect();
     for chunk in subs.chunks(TXN_OPS) {
         if renewed.elapsed() >= period / 2 {
             let ttl = tokio::time::timeout(call, renew_once(&client, lease))
@@ -262,28 +264,34 @@ async fn register(
         }
         let keys: Vec<String> = chunk
             .iter()
-            .map(|a| format!("{prefix}subs/{}/{a}", node.id))
+            .map(|(a, _)| format!("{prefix}subs/{}/{a}", node.id))
             .collect();
         txn(keys
             .iter()
-            .map(|k| TxnOp::put(k.as_str(), "", with_lease()))
+            .zip(chunk)
+            .map(|(k, (_, n))| TxnOp::put(k.as_str(), n.to_string(), with_lease()))
             .collect())
         .await?;
-        // Withdrawn since the snapshot: its delete may have run before this
-        // put and found nothing, so delete again (`unsubscribe` drops the
-        // address from `subs` before its delete, so one of the two deletes
-        // comes after this put).
-        let withdrawn: Vec<TxnOp> = {
+        // Changed since the snapshot: a withdrawal's delete, or a `subscribe`
+        // with a new count, may have run before this put, so it is done
+        // again (each of them updates `subs` before its call, so one of the
+        // two calls comes after this put).
+        let changed: Vec<TxnOp> = {
             let s = state.lock();
             chunk
                 .iter()
                 .zip(&keys)
-                .filter(|(a, _)| !s.subs.contains(*a))
-                .map(|(_, k)| TxnOp::delete(k.as_str(), None))
+                .filter_map(|((a, n), k)| match s.subs.get(a) {
+                    None => Some(TxnOp::delete(k.as_str(), None)),
+                    Some(now) if now != n => {
+                        Some(TxnOp::put(k.as_str(), now.to_string(), with_lease()))
+                    }
+                    Some(_) => None,
+                })
                 .collect()
         };
-        if !withdrawn.is_empty() {
-            txn(withdrawn).await?;
+        if !changed.is_empty() {
+            txn(changed).await?;
         }
     }
     Ok(lease)
@@ -388,10 +396,15 @@ fn apply_key(view: &mut ClusterView, prefix: &str, key: &[u8], value: &[u8], put
             return;
         };
         if put {
+            let consumers = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .unwrap_or(1)
+                .max(1);
             view.subscriptions
                 .entry(address.to_owned())
                 .or_default()
-                .insert(node.to_owned());
+                .insert(node.to_owned(), consumers);
         } else if let Some(s) = view.subscriptions.get_mut(address) {
             s.remove(node);
             if s.is_empty() {
@@ -688,13 +701,14 @@ impl ClusterManager for EtcdManager {
         })
     }
 
-    fn subscribe(&self, address: &str) -> BoxFuture<'_, Result<(), ManagerError>> {
+    fn subscribe(&self, address: &str, consumers: u32) -> BoxFuture<'_, Result<(), ManagerError>> {
         let address = address.to_owned();
+        let consumers = consumers.max(1);
         Box::pin(async move {
             let id = self.node_id()?;
             let mut lease = {
                 let mut s = self.state.lock();
-                s.subs.insert(address.clone());
+                s.subs.insert(address.clone(), consumers);
                 s.lease
             };
             let mut c = self.client.clone();
@@ -707,11 +721,15 @@ impl ClusterManager for EtcdManager {
             // registered under a new one meanwhile, it is put again too.
             let mut done = Ok(());
             for _ in 0..3 {
-                let put = c.put(key.clone(), "", Some(PutOptions::new().with_lease(lease)));
+                let put = c.put(
+                    key.clone(),
+                    consumers.to_string(),
+                    Some(PutOptions::new().with_lease(lease)),
+                );
                 done = self.with_timeout(put).await.map(|_| ());
                 let now = {
                     let s = self.state.lock();
-                    (s.subs.contains(&address) && s.lease != lease).then_some(s.lease)
+                    (s.subs.contains_key(&address) && s.lease != lease).then_some(s.lease)
                 };
                 match now {
                     Some(newer) => lease = newer,
@@ -871,9 +889,9 @@ mod tests {
                 ..ClusterView::default()
             };
             for i in (0..200).filter(|i| i % 10 != 0) {
-                let mut peers = BTreeSet::from([format!("peer-{}", (i + 1) % 3)]);
+                let mut peers = BTreeMap::from([(format!("peer-{}", (i + 1) % 3), 1)]);
                 if i % 2 == 1 {
-                    peers.insert(format!("peer-{}", i % 3));
+                    peers.insert(format!("peer-{}", i % 3), 1);
                 }
                 expected.subscriptions.insert(format!("addr-{i}"), peers);
             }

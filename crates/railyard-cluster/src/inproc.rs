@@ -97,14 +97,14 @@ impl ClusterManager for InProcessManager {
         })
     }
 
-    fn subscribe(&self, address: &str) -> BoxFuture<'_, Result<(), ManagerError>> {
+    fn subscribe(&self, address: &str, consumers: u32) -> BoxFuture<'_, Result<(), ManagerError>> {
         let address = address.to_owned();
         Box::pin(async move {
             self.with_node(|v, node| {
                 v.subscriptions
                     .entry(address)
                     .or_default()
-                    .insert(node.to_owned());
+                    .insert(node.to_owned(), consumers.max(1));
             })
         })
     }

@@ -1,6 +1,6 @@
 //! Membership and the subscription registry, behind one trait.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -22,8 +22,10 @@ pub struct NodeInfo {
 pub struct ClusterView {
     /// Live members: node id -> transport address.
     pub members: BTreeMap<String, SocketAddr>,
-    /// Subscriptions: address -> nodes with at least one public consumer there.
-    pub subscriptions: BTreeMap<String, BTreeSet<String>>,
+    /// Subscriptions: address -> the nodes with public consumers there,
+    /// each with how many (at least 1). A sender weights each node by its
+    /// count, so every consumer in the cluster gets its share of sends.
+    pub subscriptions: BTreeMap<String, BTreeMap<String, u32>>,
     /// Whether the manager currently reaches its backing store. While it does
     /// not, the view is the last one known and routes keep working.
     pub connected: bool,
@@ -63,8 +65,9 @@ pub trait ClusterManager: Send + Sync + 'static {
     fn join(&self, node: NodeInfo) -> BoxFuture<'_, Result<(), ManagerError>>;
     /// Leaves: the node and all its subscriptions disappear.
     fn leave(&self) -> BoxFuture<'_, Result<(), ManagerError>>;
-    /// Adds this node to the subscribers of `address`.
-    fn subscribe(&self, address: &str) -> BoxFuture<'_, Result<(), ManagerError>>;
+    /// Adds this node to the subscribers of `address`, with `consumers`
+    /// public consumers there (at least 1; a later call replaces the count).
+    fn subscribe(&self, address: &str, consumers: u32) -> BoxFuture<'_, Result<(), ManagerError>>;
     /// Removes this node from the subscribers of `address`.
     fn unsubscribe(&self, address: &str) -> BoxFuture<'_, Result<(), ManagerError>>;
     /// The current view, kept up to date.

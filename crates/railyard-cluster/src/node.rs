@@ -261,18 +261,20 @@ struct Hook {
 }
 
 struct Slot {
-    /// Whether this node should subscribe (the bus's latest word).
-    wanted: std::sync::atomic::AtomicBool,
-    /// Whether the manager has this node subscribed, as far as the last
-    /// successful call says (`None`: unknown, a call failed or was dropped
-    /// midway, so the next reconcile calls the manager whatever is
-    /// wanted); held across each manager call.
-    applied: tokio::sync::Mutex<Option<bool>>,
+    /// How many public consumers the manager should list for this node (0:
+    /// not subscribed); the bus's latest word.
+    wanted: std::sync::atomic::AtomicU32,
+    /// What the manager lists, as far as the last successful call says
+    /// (`None`: unknown, a call failed or was dropped midway, so the next
+    /// reconcile calls the manager whatever is wanted); held across each
+    /// manager call.
+    applied: tokio::sync::Mutex<Option<u32>>,
     /// Bumped by every change of `wanted`.
     changes: std::sync::atomic::AtomicU64,
     /// A withdrawal task is making the manager match `wanted`: a later
-    /// withdrawal leaves it to that task (one retrying task per address,
-    /// however often the address comes and goes during an outage).
+    /// withdrawal (or a consumer leaving) leaves it to that task (one
+    /// retrying task per address, however often the address comes and goes
+    /// during an outage).
     withdrawing: std::sync::atomic::AtomicBool,
 }
 
@@ -296,15 +298,17 @@ impl Hook {
         }
     }
 
-    /// Records `wanted` for `address` and returns its slot.
-    fn want(&self, address: &str, wanted: bool) -> Arc<Slot> {
+    /// Records `wanted` (public consumers, 0: none) for `address` and
+    /// returns its slot.
+    fn want(&self, address: &str, wanted: usize) -> Arc<Slot> {
+        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
         let mut slots = self.slots.lock();
         let slot = slots
             .entry(address.to_owned())
             .or_insert_with(|| {
                 Arc::new(Slot {
-                    wanted: std::sync::atomic::AtomicBool::new(false),
-                    applied: tokio::sync::Mutex::new(Some(false)),
+                    wanted: std::sync::atomic::AtomicU32::new(0),
+                    applied: tokio::sync::Mutex::new(Some(0)),
                     changes: std::sync::atomic::AtomicU64::new(0),
                     withdrawing: std::sync::atomic::AtomicBool::new(false),
                 })
@@ -323,13 +327,13 @@ impl Hook {
         manager: &dyn ClusterManager,
         slot: &Slot,
         address: &str,
-    ) -> Result<bool, ManagerError> {
+    ) -> Result<u32, ManagerError> {
         let mut applied = slot.applied.lock().await;
         let wanted = slot.wanted.load(std::sync::atomic::Ordering::SeqCst);
         if *applied != Some(wanted) {
             *applied = None;
-            if wanted {
-                manager.subscribe(address).await?;
+            if wanted > 0 {
+                manager.subscribe(address, wanted).await?;
             } else {
                 manager.unsubscribe(address).await?;
             }
@@ -370,8 +374,8 @@ impl Hook {
     /// Drops `address`'s slot if it is idle, neither wanted nor subscribed.
     fn forget_if_idle(slots: &Mutex<HashMap<String, Arc<Slot>>>, address: &str, slot: &Arc<Slot>) {
         let mut slots = slots.lock();
-        let idle = !slot.wanted.load(std::sync::atomic::Ordering::SeqCst)
-            && slot.applied.try_lock().is_ok_and(|a| *a == Some(false));
+        let idle = slot.wanted.load(std::sync::atomic::Ordering::SeqCst) == 0
+            && slot.applied.try_lock().is_ok_and(|a| *a == Some(0));
         if idle && slots.get(address).is_some_and(|s| Arc::ptr_eq(s, slot)) {
             slots.remove(address);
         }
@@ -379,12 +383,12 @@ impl Hook {
 }
 
 impl ClusterHook for Hook {
-    fn advertise(&self, address: &str) -> Advertisement {
-        let slot = self.want(address, true);
+    fn advertise(&self, address: &str, consumers: usize) -> Advertisement {
+        let slot = self.want(address, consumers);
         let (m, a) = (self.manager.clone(), address.to_owned());
         Box::pin(async move {
-            // `Ok(false)`: withdrawn again since, so this registrant's
-            // consumer is gone already; nothing to wait for.
+            // `Ok(0)`: withdrawn again since, so this registrant's consumer
+            // is gone already; nothing to wait for.
             Self::reconcile(&*m, &slot, &a)
                 .await
                 .map(drop)
@@ -394,9 +398,9 @@ impl ClusterHook for Hook {
         })
     }
 
-    fn withdraw(&self, address: &str) {
+    fn withdraw(&self, address: &str, consumers: usize) {
         use std::sync::atomic::Ordering::SeqCst;
-        let slot = self.want(address, false);
+        let slot = self.want(address, consumers);
         if slot.withdrawing.swap(true, SeqCst) {
             // The task under way reads `wanted` on each attempt.
             return;
@@ -864,7 +868,7 @@ impl NodeInner {
         // (one registry copy for the whole view change).
         let links = self.links.lock().clone();
         let changes = self.route_changes(routes.as_ref(), view, &links);
-        self.bus.set_remote_nodes_many(changes);
+        self.bus.set_weighted_remote_nodes_many(changes);
         *routes = Some(Basis {
             view: view.clone(),
             links,
@@ -887,7 +891,7 @@ impl NodeInner {
         basis: Option<&'a Basis>,
         view: &'a ClusterView,
         links: &HashMap<String, Arc<Link>>,
-    ) -> Vec<(&'a str, Vec<Arc<dyn RemoteNode>>)> {
+    ) -> Vec<(&'a str, railyard_bus::WeightedNodes)> {
         let same_links = basis.is_some_and(|b| {
             b.links.len() == links.len()
                 && b.links
@@ -913,11 +917,12 @@ impl NodeInner {
             if same_links && before == Some(nodes) {
                 continue;
             }
-            let remotes: Vec<Arc<dyn RemoteNode>> = nodes
+            // Each node weighs its consumer count: sends reach every
+            // consumer in the cluster in turn.
+            let remotes: railyard_bus::WeightedNodes = nodes
                 .iter()
-                .filter(|n| **n != self.node_id)
-                .filter_map(|n| links.get(n))
-                .map(|l| l.clone() as Arc<dyn RemoteNode>)
+                .filter(|(n, _)| **n != self.node_id)
+                .filter_map(|(n, w)| links.get(n).map(|l| (l.clone() as Arc<dyn RemoteNode>, *w)))
                 .collect();
             changes.push((address.as_str(), remotes));
         }
@@ -1294,7 +1299,11 @@ mod tests {
         fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
             done()
         }
-        fn subscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+        fn subscribe(
+            &self,
+            _: &str,
+            _: u32,
+        ) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
             done()
         }
         fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
@@ -1329,8 +1338,8 @@ mod tests {
         use std::sync::atomic::Ordering::SeqCst;
         let m = Unreachable::new(40, false);
         let hook = Hook::new(m.clone());
-        hook.advertise("x").await.unwrap();
-        hook.withdraw("x");
+        hook.advertise("x", 1).await.unwrap();
+        hook.withdraw("x", 0);
         for _ in 0..600 {
             if m.done.load(SeqCst) == 1 {
                 break;
@@ -1346,8 +1355,8 @@ mod tests {
 
         let stopped = Unreachable::new(0, true);
         let hook = Hook::new(stopped.clone());
-        hook.advertise("y").await.unwrap();
-        hook.withdraw("y");
+        hook.advertise("y", 1).await.unwrap();
+        hook.withdraw("y", 0);
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert_eq!(
             stopped.calls.load(SeqCst),
@@ -1360,8 +1369,8 @@ mod tests {
         let down = Unreachable::new(u32::MAX, false);
         let hook = Hook::new(down.clone());
         for _ in 0..20 {
-            hook.advertise("z").await.unwrap();
-            hook.withdraw("z");
+            hook.advertise("z", 1).await.unwrap();
+            hook.withdraw("z", 0);
             tokio::task::yield_now().await;
         }
         tokio::time::sleep(Duration::from_secs(20)).await;
@@ -1396,7 +1405,7 @@ mod tests {
                 v.subscriptions
                     .entry((*address).into())
                     .or_default()
-                    .insert((*node).into());
+                    .insert((*node).into(), 1);
             }
             self.0.send_replace(Arc::new(v));
         }
@@ -1409,7 +1418,11 @@ mod tests {
         fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
             done()
         }
-        fn subscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+        fn subscribe(
+            &self,
+            _: &str,
+            _: u32,
+        ) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
             done()
         }
         fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {

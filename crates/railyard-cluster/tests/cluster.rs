@@ -176,6 +176,74 @@ async fn sends_round_robin_over_nodes_and_publish_reaches_every_node() {
     }
 }
 
+/// `send` takes every consumer in the cluster in turn, not every node: with
+/// one consumer on a and three on b, a's sends go one in four to its own
+/// consumer and three in four to b, which takes its three in turn. A
+/// publish still reaches b once, and b hands it to each of its consumers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_take_every_consumer_in_turn_whatever_its_node() {
+    let reg = InProcessRegistry::new();
+    let (a, _na) = start(&reg, "a").await;
+    let (b, _nb) = start(&reg, "b").await;
+    let mut sa = a.consumer("work").stream().await.unwrap();
+    let mut sb = Vec::new();
+    for _ in 0..3 {
+        sb.push(b.consumer("work").stream().await.unwrap());
+    }
+    // a's route to b weighs b's three consumers (its view is applied on
+    // the blocking pool).
+    for _ in 0..1000 {
+        if a.send_target_count("work") == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(a.send_target_count("work"), 4, "1 local + b weighing 3");
+    for i in 0..400u64 {
+        a.send("work", i).unwrap();
+    }
+    use futures::StreamExt;
+    let mut got = [0usize; 4];
+    let [b0, b1, b2] = &mut sb[..] else {
+        unreachable!("three consumers on b")
+    };
+    for _ in 0..400 {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::select! {
+                Some(_) = sa.next() => got[0] += 1,
+                Some(_) = b0.next() => got[1] += 1,
+                Some(_) = b1.next() => got[2] += 1,
+                Some(_) = b2.next() => got[3] += 1,
+            }
+        })
+        .await
+        .expect("every send arrives");
+    }
+    assert_eq!(got, [100, 100, 100, 100], "each consumer its quarter");
+
+    // One of b's consumers leaves: a weighs b by two.
+    drop(sb.pop());
+    for _ in 0..1000 {
+        if a.send_target_count("work") == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(a.send_target_count("work"), 3, "1 local + b weighing 2");
+
+    let report = a.publish("work", 7u64).unwrap();
+    assert_eq!(report.delivered, 2, "a's consumer and node b, once");
+    let mut arrived = 0;
+    for s in std::iter::once(&mut sa).chain(sb.iter_mut()) {
+        tokio::time::timeout(Duration::from_secs(5), s.next())
+            .await
+            .expect("the published message reaches every consumer")
+            .unwrap();
+        arrived += 1;
+    }
+    assert_eq!(arrived, 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_cross_nodes_with_their_kind() {
     let reg = InProcessRegistry::new();
@@ -1120,16 +1188,17 @@ impl ClusterManager for Slow {
     fn subscribe(
         &self,
         address: &str,
+        consumers: u32,
     ) -> railyard_cluster::BoxFuture<'_, Result<(), ManagerError>> {
         let a = address.to_owned();
         Box::pin(async move {
             if self.write_first {
-                self.inner.subscribe(&a).await?;
+                self.inner.subscribe(&a, consumers).await?;
                 tokio::time::sleep(self.subscribe).await;
                 return Ok(());
             }
             tokio::time::sleep(self.subscribe).await;
-            self.inner.subscribe(&a).await
+            self.inner.subscribe(&a, consumers).await
         })
     }
     fn unsubscribe(
@@ -1178,7 +1247,7 @@ fn subscribed(reg: &InProcessRegistry, address: &str, node: &str) -> bool {
     reg.snapshot()
         .subscriptions
         .get(address)
-        .is_some_and(|n| n.contains(node))
+        .is_some_and(|n| n.contains_key(node))
 }
 
 /// A consumer registered again right after the address's last one left:
@@ -1433,7 +1502,7 @@ async fn subscribed_member(
     })
     .await
     .expect("registers");
-    m.subscribe(address).await.expect("subscribes");
+    m.subscribe(address, 1).await.expect("subscribes");
     m
 }
 

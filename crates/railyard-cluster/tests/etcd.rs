@@ -68,6 +68,40 @@ async fn echo(bus: &EventBus, address: &str) -> railyard_bus::Consumer {
         .unwrap()
 }
 
+/// A subscription carries the node's consumer count (other nodes weight
+/// their sends by it); a later `subscribe` replaces it, and a key written
+/// by an older node (empty value) counts as one consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_carries_its_consumer_count() {
+    let etcd = EtcdServer::start().expect("etcd starts");
+    let m = joined_as_a(&etcd, Duration::from_secs(5)).await;
+    // The view is what the node's follower read back from etcd's feed.
+    let view = m.view();
+    let count = |address: &str| {
+        view.borrow()
+            .subscriptions
+            .get(address)
+            .and_then(|n| n.get("a").copied())
+    };
+    m.subscribe("x", 3).await.unwrap();
+    eventually(10, "another node sees a's 3 consumers", || {
+        count("x") == Some(3)
+    })
+    .await;
+    m.subscribe("x", 2).await.unwrap();
+    eventually(10, "the count follows", || count("x") == Some(2)).await;
+    let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .unwrap();
+    c.put("/railyard/railyard/subs/a/old", "", None)
+        .await
+        .unwrap();
+    eventually(10, "an old empty value counts as one", || {
+        count("old") == Some(1)
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registrations_propagate_and_requests_cross_nodes() {
     let etcd = EtcdServer::start().expect("etcd starts");
@@ -219,7 +253,7 @@ async fn a_withdrawal_during_re_registration_stays_withdrawn() {
     let m = joined_as_a(&etcd, Duration::from_secs(3)).await;
     let name = |i: usize| format!("addr-{i:04}");
     for i in 0..SUBS {
-        m.subscribe(&name(i)).await.unwrap();
+        m.subscribe(&name(i), 1).await.unwrap();
     }
     let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
         .await
@@ -311,7 +345,7 @@ async fn a_node_with_thousands_of_subscriptions_comes_back_whole() {
     for batch in (0..SUBS).collect::<Vec<_>>().chunks(100) {
         let puts = batch.iter().map(|i| {
             let m = m.clone();
-            async move { m.subscribe(&format!("addr-{i:05}")).await }
+            async move { m.subscribe(&format!("addr-{i:05}"), 1).await }
         });
         for r in futures::future::join_all(puts).await {
             r.unwrap();
