@@ -638,25 +638,19 @@ async fn postgres_migrates_a_version_1_database() {
     expected.extend(y.iter().cloned());
     expected.extend(x[2..].iter().cloned());
     assert_eq!(s.unfinished().await.unwrap(), expected);
-    let old = s
-        .finished(SagaQuery {
-            global_tx_id: Some("old".into()),
+    let summaries_of = |id: &str| {
+        s.finished(SagaQuery {
+            global_tx_id: Some(id.into()),
             ..SagaQuery::default()
         })
-        .await
-        .unwrap();
+    };
+    let old = summaries_of("old").await.unwrap();
     assert_eq!(old.len(), 1, "{old:?}");
     assert_eq!((old[0].sub_transactions, old[0].events), (3, 8));
     s.finish(vec![committed("x")]).await.unwrap();
     s.finish(vec![committed("x")]).await.unwrap();
     assert_eq!(s.unfinished().await.unwrap(), y);
-    let x_kept = s
-        .finished(SagaQuery {
-            global_tx_id: Some("x".into()),
-            ..SagaQuery::default()
-        })
-        .await
-        .unwrap();
+    let x_kept = summaries_of("x").await.unwrap();
     assert_eq!(x_kept.len(), 2, "{x_kept:?}");
     assert_eq!(
         pg_count(
