@@ -162,15 +162,6 @@ impl AddressEntry {
         }
     }
 
-    /// The remote node of remote target `t` (below `remote_targets`).
-    #[inline]
-    fn remote_at(&self, t: usize) -> &Arc<dyn RemoteNode> {
-        match self.slots.get(t) {
-            Some(i) => &self.remotes[*i as usize],
-            None => &self.remotes[t],
-        }
-    }
-
     /// Whether this entry lists exactly `nodes` (the same nodes, in the same
     /// order, with the same weights).
     fn same_remotes(&self, nodes: &[(Arc<dyn RemoteNode>, u32)]) -> bool {
@@ -850,7 +841,20 @@ impl EventBus {
                 None,
             ));
         };
-        let start = entry.next_start(n);
+        let pick = entry.next_start(n);
+        // The pick is weighted; after a refusal the other targets are tried
+        // once each, from there. A remote node holds as many of the `n`
+        // shares as its weight, and a full or lost link refuses them all
+        // alike: walking the shares would ask it up to weight times.
+        let (start, n) = if remotes == 0 || entry.slots.is_empty() {
+            (pick, n)
+        } else {
+            let first = match pick.checked_sub(locals) {
+                Some(t) => locals + entry.slots[t] as usize,
+                None => pick,
+            };
+            (first, locals + entry.remotes.len())
+        };
         let mut full: Option<Room> = None;
         for k in 0..n {
             let idx = if start + k >= n {
@@ -869,7 +873,7 @@ impl EventBus {
                     }
                 }
             } else {
-                let node = entry.remote_at(idx - locals);
+                let node = &entry.remotes[idx - locals];
                 match self.route_remote(node, key, env, options) {
                     Ok(()) => return Ok(()),
                     Err((e, back)) => {

@@ -990,6 +990,8 @@ mod remote {
     struct Recorder {
         got: Mutex<Vec<(String, RemoteKind)>>,
         refuse: bool,
+        /// Calls of `deliver`, taken or refused.
+        asked: std::sync::atomic::AtomicUsize,
     }
 
     impl RemoteNode for Recorder {
@@ -997,6 +999,8 @@ mod remote {
             "recorder"
         }
         fn deliver(&self, mut msg: RemoteMessage) -> Result<(), Box<Undelivered>> {
+            self.asked
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if self.refuse {
                 return Err(Box::new(Undelivered {
                     error: BusError::Full {
@@ -1171,6 +1175,66 @@ mod remote {
         let err = bus.send("c", 1u8).unwrap_err();
         assert!(matches!(err.error, BusError::Full { .. }));
         assert!(err.into_body().is::<u8>(), "the body comes back");
+    }
+
+    /// A full link holding several shares of the round-robin (its node has
+    /// several consumers) is asked once per send, not once per share.
+    #[tokio::test]
+    async fn a_full_weighted_link_is_asked_once_per_send() {
+        let bus = EventBus::new();
+        let full = Arc::new(Recorder {
+            refuse: true,
+            ..Recorder::default()
+        });
+        let other = Arc::new(Recorder {
+            refuse: true,
+            ..Recorder::default()
+        });
+        bus.set_weighted_remote_nodes_many([(
+            "c",
+            vec![
+                (full.clone() as Arc<dyn RemoteNode>, 3),
+                (other.clone() as Arc<dyn RemoteNode>, 1),
+            ],
+        )]);
+        assert_eq!(bus.send_target_count("c"), 4);
+        for _ in 0..4 {
+            let err = bus.send("c", 1u8).unwrap_err();
+            assert!(matches!(err.error, BusError::Full { .. }));
+        }
+        use std::sync::atomic::Ordering::Relaxed;
+        assert_eq!(full.asked.load(Relaxed), 4, "once per send");
+        assert_eq!(other.asked.load(Relaxed), 4, "once per send");
+    }
+
+    /// A node's weight stays while local consumers come and go, and when
+    /// other nodes are removed from the address.
+    #[tokio::test]
+    async fn weights_survive_local_registrations_and_removals() {
+        let bus = EventBus::new();
+        let heavy = Arc::new(Recorder::default());
+        let light = Arc::new(Recorder::default());
+        bus.set_weighted_remote_nodes_many([(
+            "w",
+            vec![
+                (heavy.clone() as Arc<dyn RemoteNode>, 3),
+                (light.clone() as Arc<dyn RemoteNode>, 1),
+            ],
+        )]);
+        assert_eq!(bus.send_target_count("w"), 4);
+        let local = bus.consumer("w").stream().await.unwrap();
+        assert_eq!(bus.send_target_count("w"), 5, "1 local + 3 + 1");
+        drop(local);
+        assert_eq!(bus.send_target_count("w"), 4, "3 + 1");
+        let light_id: *const Recorder = &*light;
+        bus.retain_remote_nodes_many(["w"], |n| {
+            !std::ptr::eq(Arc::as_ptr(n).cast::<Recorder>(), light_id)
+        });
+        assert_eq!(bus.send_target_count("w"), 3, "heavy alone, still 3");
+        for i in 0..6u8 {
+            bus.send("w", i).unwrap();
+        }
+        assert_eq!(heavy.got.lock().unwrap().len(), 6);
     }
 
     #[tokio::test]
