@@ -250,6 +250,14 @@ struct Basis {
 /// is slow to reach the manager can no longer land after a later
 /// registration and leave it unadvertised; a second registrant waits for
 /// the first one's subscription instead of resolving before it.
+///
+/// Only a registration that makes the manager list this node at the
+/// address waits for the manager and fails with it. Once the node is
+/// listed, peers already route here: a new consumer count that the manager
+/// cannot take now (etcd unreachable) is retried in the background, like a
+/// withdrawal, and the registration resolves (the count only shapes how
+/// peers share their sends).
+#[derive(Clone)]
 struct Hook {
     manager: Arc<dyn ClusterManager>,
     /// One slot per address subscribed, wanted, or being reconciled;
@@ -271,21 +279,26 @@ struct Slot {
     applied: tokio::sync::Mutex<Option<u32>>,
     /// Bumped by every change of `wanted`.
     changes: std::sync::atomic::AtomicU64,
-    /// A withdrawal task is making the manager match `wanted`: a later
-    /// withdrawal (or a consumer leaving) leaves it to that task (one
-    /// retrying task per address, however often the address comes and goes
-    /// during an outage).
-    withdrawing: std::sync::atomic::AtomicBool,
+    /// Whether the manager lists this node at the address at all, as far
+    /// as the last successful call says (a failed call changes nothing: a
+    /// count it could not replace is still the old one).
+    listed: std::sync::atomic::AtomicBool,
+    /// A background task is making the manager match `wanted` (a
+    /// withdrawal, a smaller count, a count a registration could not
+    /// write): a later change leaves it to that task (one retrying task per
+    /// address, however often the address comes and goes during an
+    /// outage).
+    retrying: std::sync::atomic::AtomicBool,
 }
 
-/// A withdrawal that fails because the manager is unreachable is retried,
-/// 200 ms apart and doubling up to 5 s, until it succeeds (or the address is
-/// advertised again, or the manager stopped): until then peers may still
-/// send here for it, and a plain send finds no consumer (counted in
-/// `inbound_undelivered`). A warning is logged at this attempt, then every
-/// `WITHDRAW_WARN_EVERY` attempts.
-const WITHDRAW_WARN_AT: u32 = 8;
-const WITHDRAW_WARN_EVERY: u32 = 60;
+/// A background update (see [`Slot::retrying`]) that fails because the
+/// manager is unreachable is retried, 200 ms apart and doubling up to 5 s,
+/// until it succeeds (or the manager stopped). Until a withdrawal lands,
+/// peers may still send here for the address, and a plain send finds no
+/// consumer (counted in `inbound_undelivered`). A warning is logged at this
+/// attempt, then every `RETRY_WARN_EVERY` attempts.
+const RETRY_WARN_AT: u32 = 8;
+const RETRY_WARN_EVERY: u32 = 60;
 
 impl Hook {
     /// # Panics
@@ -310,7 +323,8 @@ impl Hook {
                     wanted: std::sync::atomic::AtomicU32::new(0),
                     applied: tokio::sync::Mutex::new(Some(0)),
                     changes: std::sync::atomic::AtomicU64::new(0),
-                    withdrawing: std::sync::atomic::AtomicBool::new(false),
+                    listed: std::sync::atomic::AtomicBool::new(false),
+                    retrying: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .clone();
@@ -338,13 +352,15 @@ impl Hook {
                 manager.unsubscribe(address).await?;
             }
             *applied = Some(wanted);
+            slot.listed
+                .store(wanted > 0, std::sync::atomic::Ordering::SeqCst);
         }
         Ok(wanted)
     }
 
     /// Reconciles `address` until the manager takes it, stopped, or refuses
-    /// the address; backs off between attempts (see [`WITHDRAW_WARN_AT`]).
-    async fn withdraw_until_done(m: &dyn ClusterManager, slot: &Slot, a: &str) {
+    /// the address; backs off between attempts (see [`RETRY_WARN_AT`]).
+    async fn reconcile_until_done(m: &dyn ClusterManager, slot: &Slot, a: &str) {
         let mut delay = Duration::from_millis(200);
         let mut attempt = 0u32;
         loop {
@@ -352,17 +368,17 @@ impl Hook {
             match Self::reconcile(m, slot, a).await {
                 Ok(_) => return,
                 Err(e @ (ManagerError::Stopped | ManagerError::Invalid { .. })) => {
-                    tracing::warn!(address = %a, error = %e, "could not withdraw a subscription; not retrying");
+                    tracing::warn!(address = %a, error = %e, "could not update this node's subscription; not retrying");
                     return;
                 }
                 Err(e) => {
-                    if attempt == WITHDRAW_WARN_AT
-                        || (attempt > WITHDRAW_WARN_AT && attempt % WITHDRAW_WARN_EVERY == 0)
+                    if attempt == RETRY_WARN_AT
+                        || (attempt > RETRY_WARN_AT && attempt % RETRY_WARN_EVERY == 0)
                     {
                         tracing::warn!(address = %a, error = %e, attempts = attempt,
-                            "could not withdraw a subscription yet; peers may still send here for it (retrying)");
+                            "could not update this node's subscription yet (a withdrawal: peers may still send here for it; a count: they share sends by the old one); retrying");
                     } else {
-                        tracing::debug!(address = %a, error = %e, "withdrawing a subscription failed; retrying");
+                        tracing::debug!(address = %a, error = %e, "updating this node's subscription failed; retrying");
                     }
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(5));
@@ -382,26 +398,12 @@ impl Hook {
     }
 }
 
-impl ClusterHook for Hook {
-    fn advertise(&self, address: &str, consumers: usize) -> Advertisement {
-        let slot = self.want(address, consumers);
-        let (m, a) = (self.manager.clone(), address.to_owned());
-        Box::pin(async move {
-            // `Ok(0)`: withdrawn again since, so this registrant's consumer
-            // is gone already; nothing to wait for.
-            Self::reconcile(&*m, &slot, &a)
-                .await
-                .map(drop)
-                .map_err(|e| BusError::Cluster {
-                    reason: format!("could not advertise `{a}`: {e}"),
-                })
-        })
-    }
-
-    fn withdraw(&self, address: &str, consumers: usize) {
+impl Hook {
+    /// Makes the manager match `address`'s slot in a background task, one
+    /// per address at a time (see [`Slot::retrying`]).
+    fn reconcile_in_background(&self, address: &str, slot: Arc<Slot>) {
         use std::sync::atomic::Ordering::SeqCst;
-        let slot = self.want(address, consumers);
-        if slot.withdrawing.swap(true, SeqCst) {
+        if slot.retrying.swap(true, SeqCst) {
             // The task under way reads `wanted` on each attempt.
             return;
         }
@@ -410,16 +412,46 @@ impl ClusterHook for Hook {
         self.runtime.spawn(async move {
             loop {
                 let seen = slot.changes.load(SeqCst);
-                Self::withdraw_until_done(&*m, &slot, &a).await;
-                slot.withdrawing.store(false, SeqCst);
+                Self::reconcile_until_done(&*m, &slot, &a).await;
+                slot.retrying.store(false, SeqCst);
                 // A change that came meanwhile found this task under way and
                 // left it here: go again, unless another task took over.
-                if slot.changes.load(SeqCst) == seen || slot.withdrawing.swap(true, SeqCst) {
+                if slot.changes.load(SeqCst) == seen || slot.retrying.swap(true, SeqCst) {
                     break;
                 }
             }
             Self::forget_if_idle(&slots, &a, &slot);
         });
+    }
+}
+
+impl ClusterHook for Hook {
+    fn advertise(&self, address: &str, consumers: usize) -> Advertisement {
+        let slot = self.want(address, consumers);
+        let hook = self.clone();
+        let a = address.to_owned();
+        Box::pin(async move {
+            // `Ok(0)`: withdrawn again since, so this registrant's consumer
+            // is gone already; nothing to wait for.
+            match Self::reconcile(&*hook.manager, &slot, &a).await {
+                Ok(_) => Ok(()),
+                Err(e) if slot.listed.load(std::sync::atomic::Ordering::SeqCst) => {
+                    // Listed already: peers route here; the count follows.
+                    tracing::warn!(address = %a, error = %e,
+                        "could not write this node's new consumer count yet; retrying in the background");
+                    hook.reconcile_in_background(&a, slot);
+                    Ok(())
+                }
+                Err(e) => Err(BusError::Cluster {
+                    reason: format!("could not advertise `{a}`: {e}"),
+                }),
+            }
+        })
+    }
+
+    fn withdraw(&self, address: &str, consumers: usize) {
+        let slot = self.want(address, consumers);
+        self.reconcile_in_background(address, slot);
     }
 }
 
@@ -1271,12 +1303,16 @@ mod tests {
     }
 
     /// A manager whose `unsubscribe` fails (unreachable) a number of times,
-    /// or for good with `Stopped`.
+    /// or for good with `Stopped`; with `recounts_fail`, so does a
+    /// `subscribe` that replaces the count of an address it lists.
     struct Unreachable {
         fails_left: std::sync::atomic::AtomicU32,
         stopped: bool,
+        recounts_fail: bool,
         calls: std::sync::atomic::AtomicU32,
         done: std::sync::atomic::AtomicU32,
+        /// Addresses listed, with their counts.
+        listed: Mutex<HashMap<String, u32>>,
         view: watch::Sender<Arc<ClusterView>>,
     }
 
@@ -1285,10 +1321,37 @@ mod tests {
             Arc::new(Self {
                 fails_left: fails.into(),
                 stopped,
+                recounts_fail: false,
                 calls: 0.into(),
                 done: 0.into(),
+                listed: Mutex::new(HashMap::new()),
                 view: watch::channel(Arc::new(ClusterView::default())).0,
             })
+        }
+
+        /// Fails the next `fails` calls that can fail, recounts included.
+        fn recounting(fails: u32) -> Arc<Self> {
+            let mut m = Arc::into_inner(Self::new(fails, false)).expect("one owner");
+            m.recounts_fail = true;
+            Arc::new(m)
+        }
+
+        /// A call that can fail: fails while failures are left.
+        fn answer(&self) -> Result<(), ManagerError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            self.calls.fetch_add(1, SeqCst);
+            if self.stopped {
+                Err(ManagerError::Stopped)
+            } else if self
+                .fails_left
+                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                Err(ManagerError::Unavailable("etcd down".into()))
+            } else {
+                self.done.fetch_add(1, SeqCst);
+                Ok(())
+            }
         }
     }
 
@@ -1301,26 +1364,24 @@ mod tests {
         }
         fn subscribe(
             &self,
-            _: &str,
-            _: u32,
+            address: &str,
+            consumers: u32,
         ) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            done()
+            let recount = self.recounts_fail && self.listed.lock().contains_key(address);
+            let result = if recount { self.answer() } else { Ok(()) };
+            if result.is_ok() {
+                self.listed.lock().insert(address.to_owned(), consumers);
+            }
+            Box::pin(async move { result })
         }
-        fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            use std::sync::atomic::Ordering::SeqCst;
-            self.calls.fetch_add(1, SeqCst);
-            let result = if self.stopped {
-                Err(ManagerError::Stopped)
-            } else if self
-                .fails_left
-                .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-                .is_ok()
-            {
-                Err(ManagerError::Unavailable("etcd down".into()))
-            } else {
-                self.done.fetch_add(1, SeqCst);
-                Ok(())
-            };
+        fn unsubscribe(
+            &self,
+            address: &str,
+        ) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
+            let result = self.answer();
+            if result.is_ok() {
+                self.listed.lock().remove(address);
+            }
             Box::pin(async move { result })
         }
         fn view(&self) -> watch::Receiver<Arc<ClusterView>> {
@@ -1380,6 +1441,31 @@ mod tests {
             calls <= 12,
             "{calls} withdrawal calls in 20 s: more than one task"
         );
+    }
+
+    /// A registration that only changes the consumer count of an address
+    /// the manager lists already resolves when the manager cannot take the
+    /// count (etcd unreachable): peers route here anyway. The count is
+    /// written in the background once the manager answers. It used to fail
+    /// the registration, which undid the consumer.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_count_the_manager_cannot_take_does_not_fail_the_registration() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let m = Unreachable::recounting(5);
+        let hook = Hook::new(m.clone());
+        hook.advertise("x", 1).await.expect("listed");
+        hook.advertise("x", 2)
+            .await
+            .expect("listed already: the registration resolves");
+        assert_eq!(m.listed.lock().get("x"), Some(&1), "not taken yet");
+        for _ in 0..120 {
+            if m.done.load(SeqCst) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        assert_eq!(m.listed.lock().get("x"), Some(&2), "the count followed");
+        assert_eq!(m.calls.load(SeqCst), 6, "5 refused, then taken");
     }
 
     /// A manager whose view the test sets, so two nodes can disagree.
