@@ -219,7 +219,15 @@ async fn sends_take_every_consumer_in_turn_whatever_its_node() {
         .await
         .expect("every send arrives");
     }
-    assert_eq!(got, [100, 100, 100, 100], "each consumer its quarter");
+    // a's own split is exact: one sending thread, one round-robin cursor.
+    // b's link hands its 300 on from whichever worker runs it, each with
+    // its own cursor, so b's split is exact per worker, even within a few.
+    assert_eq!(got[0], 100, "a's consumer its quarter: {got:?}");
+    assert_eq!(got[1..].iter().sum::<usize>(), 300, "{got:?}");
+    assert!(
+        got[1..].iter().all(|n| (90..=110).contains(n)),
+        "b's consumers a quarter each: {got:?}"
+    );
 
     // One of b's consumers leaves: a weighs b by two.
     drop(sb.pop());
