@@ -25,7 +25,6 @@ use crate::{
 };
 
 type Locals = Box<[Arc<ConsumerQueue>]>;
-type Remotes = Box<[Arc<dyn RemoteNode>]>;
 type Table = HashMap<Arc<str>, Arc<AddressEntry>, foldhash::fast::RandomState>;
 
 /// Source of [`Inner::id`].
@@ -114,6 +113,15 @@ pub const MAX_REMOTE_WEIGHT: u32 = 256;
 /// [`EventBus::set_weighted_remote_nodes_many`]).
 pub type WeightedNodes = Vec<(Arc<dyn RemoteNode>, u32)>;
 
+/// Round-robin cursors for an entry with `targets` send targets: the same
+/// per-thread shards as the counters (a power of two), none for one target.
+fn cursors(targets: usize) -> Box<[CachePadded<AtomicUsize>]> {
+    let shards = if targets > 1 { shard_count() } else { 0 };
+    (0..shards)
+        .map(|_| CachePadded::new(AtomicUsize::new(0)))
+        .collect()
+}
+
 impl AddressEntry {
     /// `weights` parallel to `remotes` (or empty: all 1).
     fn weighted(
@@ -139,17 +147,31 @@ impl AddressEntry {
             }
         }
         let targets = consumers.len() + slots.len().max(remotes.len());
-        // The same per-thread shards as the counters (a power of two).
-        let shards = if targets > 1 { shard_count() } else { 0 };
         Self {
             consumers,
             remotes,
             weights,
             slots: slots.into_boxed_slice(),
-            cursors: (0..shards)
-                .map(|_| CachePadded::new(AtomicUsize::new(0)))
-                .collect(),
+            cursors: cursors(targets),
         }
+    }
+
+    /// The same other nodes (weights and send order kept), with
+    /// `consumers` here.
+    fn with_consumers(&self, consumers: Locals) -> Self {
+        let targets = consumers.len() + self.remote_targets();
+        Self {
+            consumers,
+            remotes: self.remotes.clone(),
+            weights: self.weights.clone(),
+            slots: self.slots.clone(),
+            cursors: cursors(targets),
+        }
+    }
+
+    /// Non-local consumers here (what the cluster learns of).
+    fn public_count(&self) -> usize {
+        self.consumers.iter().filter(|q| !q.local).count()
     }
 
     /// Send targets on other nodes (each remote counted by its weight).
@@ -1012,39 +1034,25 @@ impl EventBus {
     /// registrations and withdrawals in the order the registry changed.
     pub(crate) fn register(&self, queue: Arc<ConsumerQueue>) -> Option<Advertisement> {
         let _w = self.inner.write.lock();
-        {
+        let public = {
             let current = self.inner.table.load_full();
             let mut table = Table::clone(&current);
-            let (consumers, remotes, weights): (Locals, Remotes, Box<[u32]>) =
-                match table.get(&*queue.address) {
-                    Some(e) => (
-                        e.consumers.iter().cloned().chain([queue.clone()]).collect(),
-                        e.remotes.clone(),
-                        e.weights.clone(),
-                    ),
-                    None => (Box::new([queue.clone()]), Box::new([]), Box::new([])),
-                };
-            table.insert(
-                queue.address.clone(),
-                Arc::new(AddressEntry::weighted(consumers, remotes, &weights)),
-            );
+            let entry = match table.get(&*queue.address) {
+                Some(e) => {
+                    e.with_consumers(e.consumers.iter().cloned().chain([queue.clone()]).collect())
+                }
+                None => AddressEntry::weighted(Box::new([queue.clone()]), Box::new([]), &[]),
+            };
+            let public = entry.public_count();
+            table.insert(queue.address.clone(), Arc::new(entry));
             self.store_table(table);
-        }
+            public
+        };
         if queue.local {
             return None;
         }
         let hook = self.inner.hook.read().clone()?;
-        let public = self.public_consumers(&queue.address);
         Some(hook.advertise(&queue.address, public))
-    }
-
-    /// Non-local consumers at `address` in the current registry.
-    fn public_consumers(&self, address: &str) -> usize {
-        self.inner
-            .table
-            .load()
-            .get(address)
-            .map_or(0, |e| e.consumers.iter().filter(|q| !q.local).count())
     }
 
     /// Removes a consumer queue from the registry, closes it and fails what
@@ -1062,14 +1070,12 @@ impl EventBus {
                         .filter(|q| q.id != queue.id)
                         .cloned()
                         .collect();
-                    let public_left = rest.iter().filter(|q| !q.local).count();
-                    if rest.is_empty() && e.remotes.is_empty() {
+                    let left = e.with_consumers(rest);
+                    let public_left = left.public_count();
+                    if left.consumers.is_empty() && left.remotes.is_empty() {
                         table.remove(&*queue.address);
                     } else {
-                        table.insert(
-                            queue.address.clone(),
-                            Arc::new(AddressEntry::weighted(rest, e.remotes.clone(), &e.weights)),
-                        );
+                        table.insert(queue.address.clone(), Arc::new(left));
                     }
                     self.store_table(table);
                     if !queue.local {
@@ -1108,7 +1114,7 @@ impl EventBus {
         table
             .iter()
             .filter_map(|(a, e)| {
-                let public = e.consumers.iter().filter(|q| !q.local).count();
+                let public = e.public_count();
                 (public > 0).then(|| (a.to_string(), hook.advertise(a, public)))
             })
             .collect()

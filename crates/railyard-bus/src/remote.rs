@@ -2,14 +2,15 @@
 //! bus, and how registrations are advertised.
 //!
 //! The bus itself has no network code. A cluster layer (`railyard-cluster`):
-//! - installs a [`ClusterHook`], which the bus calls when a non-local address
-//!   gains its first consumer on this node (and awaits, so a registration
-//!   resolves only once it is visible cluster-wide) or loses its last one;
+//! - installs a [`ClusterHook`], which the bus calls with the count each
+//!   time an address gains a public (non-local) consumer on this node (and
+//!   awaits, so a registration resolves only once it is visible
+//!   cluster-wide) or loses one;
 //! - keeps, per address, the list of [`RemoteNode`]s that have consumers
-//!   there ([`EventBus::set_remote_nodes_many`], one registry copy for a
-//!   whole batch of addresses); the send path reads that list
-//!   from the same snapshot as the local consumers and never waits on the
-//!   cluster;
+//!   there, each weighted by how many
+//!   ([`EventBus::set_weighted_remote_nodes_many`], one registry copy for a
+//!   whole batch of addresses); the send path reads that list from the same
+//!   snapshot as the local consumers and never waits on the cluster;
 //! - hands messages that arrive from peers to [`EventBus::deliver_inbound`],
 //!   which reaches local consumers only.
 
