@@ -1,10 +1,7 @@
 //! How the durable stores pack a saga's events into one stored value.
 //!
-//! The PostgreSQL store writes one row per saga per group commit: its global
-//! id in a column (for lookups) and every event of that saga in the commit
-//! packed here, in order. The embedded store puts the same packed runs,
-//! each with its saga's id, into one value per group commit
-//! ([`segment`](super::segment)).
+//! Both durable stores put the packed runs, each with its saga's id, into
+//! one value per group commit ([`segment`](super::segment)).
 //!
 //! Format (version 1), integers little-endian, lengths LEB128:
 //! `1u8`, event count, then per event: kind code (`u8`), the strings
@@ -13,9 +10,12 @@
 //! (length + bytes), `timestamp_ms` (`i64`), then `timeout_s`,
 //! `forward_timeout_s`, `forward_retries`, `reverse_retries`,
 //! `reverse_timeout_s`, `retry_delay_ms` (`i32` each). The global id is not
-//! repeated. The PostgreSQL store writes this version.
+//! repeated. No store writes this version any more: segments of the
+//! embedded store's schema before version 4, and the rows of the PostgreSQL
+//! store's schema version 1 (migrated into segments on connect), hold it,
+//! and it is still read.
 //!
-//! Version 2, written by the embedded store into its segments, packs the
+//! Version 2, written by both stores into their segments, packs the
 //! same fields in about a third of the bytes, because a group commit's
 //! events repeat a few names over and over: `2u8`, event count, then per
 //! event: kind code, `local_tx_id` and `parent_tx_id` each as a

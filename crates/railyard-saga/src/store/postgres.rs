@@ -18,9 +18,11 @@
 //! land on the coordinator's async workers. It waits for the first
 //! request on the bounded queue (see [`queue`](super::queue) for
 //! back-pressure), drains what else is waiting, and runs one transaction:
-//! the commit's segment, the summaries of its finishes, the segments it
-//! frees, then `COMMIT`, all pipelined (sent in one burst, one round
-//! trip). The session sets `synchronous_commit = on`, so `COMMIT` returns
+//! the commit's segment (unless the commit frees it at once), the old
+//! segments it strips to their marks (read first, rarely: see
+//! [`segment`](super::segment)), the segments it frees, the summaries of
+//! its finishes, then `COMMIT`, all pipelined (sent in one burst, one
+//! round trip). The session sets `synchronous_commit = on`, so `COMMIT` returns
 //! only after the WAL record is flushed to disk: each waiter is answered
 //! after that. While a commit is in flight the next batch accumulates in
 //! the queue.
@@ -57,8 +59,10 @@
 //! Tables `railyard_saga_segments`, `railyard_saga_summaries` (finishing a
 //! saga twice keeps two, as the other stores do; newest first by `ord`,
 //! indexed by finish time for pruning) and `railyard_saga_meta` (schema
-//! version), created on connect under an advisory lock so several
-//! coordinators may connect at once.
+//! version), created on connect under an advisory lock (a schema lock apart
+//! from the owner lock above, so that two coordinators started on one
+//! database do not both create the tables; the second is then refused by
+//! the owner lock).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -71,7 +75,7 @@ use tokio::sync::mpsc;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use super::queue::{answer, submit, take_batch, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
-use super::segment::{self, Index, Replay, SegmentBuf, STRIP_LAG};
+use super::segment::{self, Index, Rebuild, Replay, SegmentBuf, STRIP_LAG};
 use super::sqlite::parse_state;
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
@@ -595,6 +599,13 @@ impl Writer {
     /// Reads the index back if a commit left it unsure; until that
     /// succeeds nothing is written (tried again before each batch, so an
     /// outage need not wait for a restart).
+    ///
+    /// What it reads is final. A commit the server refused was rolled back
+    /// on this session. One whose answer was lost (a timeout) went through
+    /// a connection that was dropped, and the session that reads holds
+    /// [`OWNER_LOCK`], which it got only once that session ended (ended by
+    /// it, or noticed gone by the server): that commit has landed or rolled
+    /// back.
     async fn load_if_stale(&mut self) -> Result<(), StoreError> {
         if !self.stale {
             return Ok(());
@@ -630,18 +641,12 @@ impl Writer {
             )
             .await
             .map_err(err)?;
-        let mut index = Index::default();
-        let mut touched = Vec::new();
-        let mut max_seq = 0;
+        let mut rebuild = Rebuild::default();
         for r in &rows {
-            let seq: i64 = r.get(0);
-            index
-                .index_segment(seq, r.get(1), &mut touched)
-                .map_err(|e| StoreError::Corrupt(format!("log segment {seq}: {e}")))?;
-            max_seq = seq;
+            rebuild.segment(r.get(0), r.get(1))?;
         }
         drop(rows);
-        let gone = index.collect(touched);
+        let (index, gone, max_seq) = rebuild.finish();
         if !gone.is_empty() {
             c.execute(
                 "DELETE FROM railyard_saga_segments WHERE seq = ANY($1)",
@@ -721,15 +726,16 @@ impl Writer {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.stale = true;
-        let (summaries, touched) = segment::apply(batch, seq, &mut self.seg, &mut self.index);
+        let commit = segment::apply(batch, seq, &mut self.seg, &mut self.index);
+        let summaries = commit.keep;
         let finished = summaries.len() as u64;
-        let mut gone = self.index.collect(touched);
+        let mut gone = commit.gone;
         // Old segments kept only by their pins lose their dead entries (see
         // `segment`'s module docs). Rare: only behind a saga that stays
         // unfinished for more than `STRIP_LAG` commits. They are read first
         // (one round trip): they are older than any commit in flight, and
         // this writer is the only one that changes them.
-        let due = self.index.strip_due(seq - STRIP_LAG);
+        let due = self.index.take_strip_due(seq - STRIP_LAG);
         let mut stripped: Vec<(i64, Vec<u8>)> = Vec::new();
         if !due.is_empty() {
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&due];
@@ -753,14 +759,8 @@ impl Writer {
                 }
             }
         }
-        gone.extend(
-            self.index
-                .strip_old(seq - STRIP_LAG, |s| {
-                    Ok::<_, std::convert::Infallible>(stripped.iter().any(|(t, _)| *t == s))
-                })
-                .unwrap_or_else(|never| match never {}),
-        );
         let (strip_seqs, strip_data): (Vec<i64>, Vec<Vec<u8>>) = stripped.into_iter().unzip();
+        gone.extend(self.index.stripped(&strip_seqs));
         let col =
             |f: fn(&SagaSummary) -> i64| -> Vec<i64> { summaries.iter().map(|s| f(s)).collect() };
         let ids: Vec<&str> = summaries.iter().map(|s| s.global_tx_id.as_str()).collect();
@@ -773,11 +773,7 @@ impl Writer {
             col(|s| i64::from(s.compensated)),
             col(|s| i64::from(s.events)),
         ];
-        let data: Option<&[u8]> = if self.seg.is_empty() {
-            None
-        } else {
-            Some(self.seg.finish())
-        };
+        let data: Option<&[u8]> = commit.store_segment.then(|| self.seg.finish());
 
         let mut pipeline: Vec<BoxFuture<'_, Result<(), tokio_postgres::Error>>> = Vec::new();
         pipeline.push(Box::pin(c.batch_execute("BEGIN")));

@@ -134,7 +134,7 @@ impl WriteOp {
 /// from the queue: 64 MiB.
 ///
 /// A commit is written as one value per engine call (SQLite's segment
-/// BLOB, PostgreSQL's array parameter), and both engines refuse a value
+/// BLOB, PostgreSQL's segment `bytea`), and both engines refuse a value
 /// near 1 GB: without this bound, a burst of large payloads from one
 /// participant would fail the whole commit, and with it the other
 /// participants' events that shared it. The request that crosses the bound

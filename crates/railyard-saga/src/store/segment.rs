@@ -42,7 +42,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::codec::{self, put_len, read_strings, Reader, Strings};
 use super::queue::{WriteOp, WriteRequest};
-use super::SagaSummary;
+use super::{SagaSummary, StoreError};
 use crate::event::EventRecord;
 
 /// How many commits old a segment kept only by its pins must be before it
@@ -135,18 +135,29 @@ impl SegmentBuf {
     }
 }
 
+/// What one group commit writes, from [`apply`].
+pub(crate) struct Commit<'a> {
+    /// Whether its segment is stored: it has entries, and something still
+    /// needs them (a commit whose marks only covered segments freed in the
+    /// same commit frees its own segment too: it is not written at all,
+    /// rather than inserted and deleted in one transaction).
+    pub(crate) store_segment: bool,
+    /// Summaries to keep, in order.
+    pub(crate) keep: Vec<&'a SagaSummary>,
+    /// Stored segments nothing needs any more, to delete.
+    pub(crate) gone: Vec<i64>,
+}
+
 /// Applies one group commit's requests, in queue order, to `index` and
 /// to `seg`, started afresh as segment `seq`: each run of consecutive
 /// events of one saga becomes an entry, each finish of a saga with events
-/// stored a mark. Returns the summaries to keep, in order, and what the
-/// commit touched (`seq` and the segments its finishes may free), for
-/// [`Index::collect`]. Both durable stores write a commit this way.
+/// stored a mark. Both durable stores write a commit this way.
 pub(crate) fn apply<'a>(
     batch: &'a [WriteRequest],
     seq: i64,
     seg: &mut SegmentBuf,
     index: &mut Index,
-) -> (Vec<&'a SagaSummary>, Vec<i64>) {
+) -> Commit<'a> {
     let events: usize = batch
         .iter()
         .map(|r| match &r.op {
@@ -176,7 +187,47 @@ pub(crate) fn apply<'a>(
             }
         }
     }
-    (keep, touched)
+    let mut gone = index.collect(touched);
+    let own = gone.iter().position(|g| *g == seq);
+    if let Some(at) = own {
+        gone.swap_remove(at);
+    }
+    Commit {
+        store_segment: !seg.is_empty() && own.is_none(),
+        keep,
+        gone,
+    }
+}
+
+/// Rebuilds the writer's [`Index`] from the stored segments, fed in `seq`
+/// order (when a store opens, and after a commit whose outcome is unknown).
+#[derive(Default)]
+pub(crate) struct Rebuild {
+    index: Index,
+    touched: Vec<i64>,
+    max_seq: i64,
+}
+
+impl Rebuild {
+    /// Indexes one stored segment.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] naming the segment, if its bytes are wrong.
+    pub(crate) fn segment(&mut self, seq: i64, data: &[u8]) -> Result<(), StoreError> {
+        self.index
+            .index_segment(seq, data, &mut self.touched)
+            .map_err(|e| StoreError::Corrupt(format!("log segment {seq}: {e}")))?;
+        self.max_seq = seq;
+        Ok(())
+    }
+
+    /// The index, the stored segments nothing needs (left by a crash
+    /// between a commit and the next: to delete), and the highest `seq`
+    /// stored (0 if none).
+    pub(crate) fn finish(mut self) -> (Index, Vec<i64>, i64) {
+        let gone = self.index.collect(self.touched);
+        (self.index, gone, self.max_seq)
+    }
 }
 
 /// One entry of a stored segment.
@@ -348,7 +399,7 @@ pub(crate) struct Index {
     next_dead: u64,
     /// Segments that were, when [`collect`](Self::collect) last looked at
     /// them, kept only by their pins with dead entries: the only ones
-    /// [`strip_old`](Self::strip_old) may strip. A segment becomes such only
+    /// [`take_strip_due`](Self::take_strip_due) may hand out. A segment becomes such only
     /// through a change `collect` is told of (its last unfinished saga
     /// finishing, a dead entry added), so the strip pass looks at these
     /// instead of walking every old segment on every commit.
@@ -418,60 +469,40 @@ impl Index {
         true
     }
 
-    /// Strips the segments older than `before` kept only by their pins
-    /// whose dead entries still hold up other segments' pins (see the
-    /// module docs): `rewrite` stores each one's marks alone and says
-    /// whether it did (a segment it leaves as it is keeps its entries).
-    /// Returns the segments this frees, to delete.
-    ///
-    /// # Errors
-    /// `rewrite`'s; the segments stripped before it failed stay stripped in
-    /// the index (the caller's transaction, and so the index, is then
-    /// rebuilt).
-    pub(crate) fn strip_old<E>(
-        &mut self,
-        before: i64,
-        mut rewrite: impl FnMut(i64) -> Result<bool, E>,
-    ) -> Result<Vec<i64>, E> {
+    /// The segments older than `before` to strip now: kept only by their
+    /// pins, whose dead entries still hold up other segments' pins (see
+    /// the module docs). They leave the candidates: the writer rewrites
+    /// each with its marks alone and reports those it did to
+    /// [`stripped`](Self::stripped) (one it leaves as it is keeps its
+    /// entries). If the writer's transaction fails instead, its index is
+    /// rebuilt.
+    pub(crate) fn take_strip_due(&mut self, before: i64) -> Vec<i64> {
         let newer = self.strip_candidates.split_off(&before);
         let old = std::mem::replace(&mut self.strip_candidates, newer);
-        // Which of them still are, before any is stripped.
-        let strip: Vec<i64> = old
-            .into_iter()
-            .filter(|seq| self.strippable(*seq))
-            .collect();
-        let mut touched = Vec::new();
-        for seq in strip {
-            if rewrite(seq)? {
-                self.stripped(seq, &mut touched);
-            }
-        }
-        Ok(self.collect(touched))
-    }
-
-    /// The segments [`strip_old`](Self::strip_old) would hand to its
-    /// `rewrite` now, for a writer that must read them before it can
-    /// rewrite them synchronously.
-    pub(crate) fn strip_due(&self, before: i64) -> Vec<i64> {
-        self.strip_candidates
-            .range(..before)
-            .copied()
-            .filter(|seq| self.strippable(*seq))
+        old.into_iter()
+            .filter(|seq| {
+                self.segs
+                    .get(seq)
+                    .is_some_and(|g| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
+            })
             .collect()
     }
 
-    /// Kept only by its pins, with dead entries whose removal would
-    /// release them.
-    fn strippable(&self, seq: i64) -> bool {
-        self.segs
-            .get(&seq)
-            .is_some_and(|g| g.live == 0 && g.pins > 0 && !g.dead.is_empty())
+    /// The segments `done` (from [`take_strip_due`](Self::take_strip_due))
+    /// were rewritten with their marks alone; returns the segments this
+    /// frees, to delete.
+    pub(crate) fn stripped(&mut self, done: &[i64]) -> Vec<i64> {
+        let mut touched = Vec::new();
+        for seq in done {
+            self.strip_one(*seq, &mut touched);
+        }
+        self.collect(touched)
     }
 
     /// Segment `seq` was rewritten with its marks alone: its dead entries
     /// are gone, as if it had been deleted, so the marks that covered them
     /// may no longer pin theirs (pushed on `touched`, for [`collect`](Self::collect)).
-    fn stripped(&mut self, seq: i64, touched: &mut Vec<i64>) {
+    fn strip_one(&mut self, seq: i64, touched: &mut Vec<i64>) {
         let Some(seg) = self.segs.get_mut(&seq) else {
             return;
         };
@@ -557,7 +588,7 @@ impl Index {
 
 #[cfg(test)]
 mod tests {
-    use super::super::sqlite::tests::ev;
+    use super::super::sqlite::tests::{app, ev, req, summary};
     use super::*;
 
     /// The index rebuilt from the stored segments, as an open does; nothing
@@ -660,6 +691,27 @@ mod tests {
         assert_eq!(index.live_events, 0);
     }
 
+    /// A commit whose marks cover only segments it frees frees its own
+    /// segment too: it is not stored at all (rather than inserted and
+    /// deleted in one transaction).
+    #[test]
+    fn a_commit_that_frees_its_own_segment_does_not_store_it() {
+        let mut index = Index::default();
+        let mut seg = SegmentBuf::default();
+        let first = [app(vec![ev("a", "a-0")])];
+        let c = apply(&first, 1, &mut seg, &mut index);
+        assert!(c.store_segment && c.gone.is_empty());
+        let second = [req(WriteOp::Finish(vec![summary("a")]))];
+        let c = apply(&second, 2, &mut seg, &mut index);
+        assert!(
+            !c.store_segment,
+            "a's mark only covers segment 1, which goes"
+        );
+        assert_eq!(c.gone, [1]);
+        assert_eq!(c.keep.len(), 1);
+        assert_eq!(index.segments(), 0);
+    }
+
     /// One saga that never finishes, sharing its first segment: the marks
     /// of the sagas after it pin each other's segments in a chain (each
     /// pinned segment's dead entries hold the next mark's pin), so without
@@ -689,13 +741,13 @@ mod tests {
                     stored.insert(seq, buf.finish().to_vec());
                 }
                 let mut gone = index.collect(touched);
-                let stripped = index.strip_old(seq - STRIP_LAG, |s| {
-                    let data = stored.get(&s).expect("a stored segment");
+                let due = index.take_strip_due(seq - STRIP_LAG);
+                for s in &due {
+                    let data = stored.get(s).expect("a stored segment");
                     let marks = marks_only(data).expect("readable");
-                    stored.insert(s, marks);
-                    Ok::<_, std::convert::Infallible>(true)
-                });
-                gone.extend(stripped.unwrap_or_else(|never| match never {}));
+                    stored.insert(*s, marks);
+                }
+                gone.extend(index.stripped(&due));
                 for g in gone {
                     stored.remove(&g);
                 }

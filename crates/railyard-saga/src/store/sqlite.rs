@@ -75,7 +75,7 @@ use rusqlite::{params, Connection, OpenFlags, Row};
 use tokio::sync::mpsc;
 
 use super::queue::{answer, submit, take_batch, Retention, WriteOp, WriteRequest, DEFAULT_PAGE};
-use super::segment::{self, Index, Replay, SegmentBuf, STRIP_LAG};
+use super::segment::{self, Index, Rebuild, Replay, SegmentBuf, STRIP_LAG};
 use super::{SagaQuery, SagaState, SagaStore, SagaSummary, StoreError, StoreStats};
 use crate::event::EventRecord;
 
@@ -516,9 +516,7 @@ impl Writer {
     /// (Re)builds the index from the stored segments and deletes those
     /// nothing needs (left by a crash between a commit and the next).
     fn load(&mut self) -> Result<(), StoreError> {
-        let mut index = Index::default();
-        let mut touched = Vec::new();
-        let mut max_seq = 0;
+        let mut rebuild = Rebuild::default();
         {
             let mut st = self
                 .conn
@@ -531,13 +529,10 @@ impl Writer {
                     .get_ref(1)
                     .and_then(|v| Ok(v.as_blob()?))
                     .map_err(engine)?;
-                index
-                    .index_segment(seq, data, &mut touched)
-                    .map_err(|e| StoreError::Corrupt(format!("log segment {seq}: {e}")))?;
-                max_seq = seq;
+                rebuild.segment(seq, data)?;
             }
         }
-        let gone = index.collect(touched);
+        let (index, gone, max_seq) = rebuild.finish();
         if !gone.is_empty() {
             let tx = self.conn.transaction().map_err(engine)?;
             {
@@ -564,8 +559,9 @@ impl Writer {
     fn write(&mut self, batch: &[WriteRequest]) -> rusqlite::Result<()> {
         let seq = self.next_seq;
         let seg = &mut self.seg;
-        let (summaries, touched) = segment::apply(batch, seq, seg, &mut self.index);
-        let finished = summaries.len() as u64;
+        let commit = segment::apply(batch, seq, seg, &mut self.index);
+        let finished = commit.keep.len() as u64;
+        let mut gone = commit.gone;
         let tx = self.conn.transaction()?;
         {
             let mut keep = tx.prepare_cached(
@@ -573,7 +569,7 @@ impl Writer {
                     finished_ms, sub_transactions, compensated, events)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?;
-            for s in summaries {
+            for s in commit.keep {
                 keep.execute(params![
                     s.global_tx_id,
                     s.service_name,
@@ -585,16 +581,16 @@ impl Writer {
                     s.events,
                 ])?;
             }
-            if !seg.is_empty() {
+            if commit.store_segment {
                 tx.prepare_cached("INSERT INTO segments (seq, data) VALUES (?1, ?2)")?
                     .execute(params![seq, seg.finish()])?;
             }
-            let mut gone = self.index.collect(touched);
             // Old segments kept only by their pins lose their dead entries
             // (see `segment`'s module docs), which frees the segments whose
             // pins those entries held up. Rare: only behind a saga that
             // stays unfinished for more than `STRIP_LAG` commits.
-            gone.extend(self.index.strip_old(seq - STRIP_LAG, |s| {
+            let mut stripped = Vec::new();
+            for s in self.index.take_strip_due(seq - STRIP_LAG) {
                 let data: Vec<u8> = tx
                     .prepare_cached("SELECT data FROM segments WHERE seq = ?1")?
                     .query_row([s], |r| r.get(0))?;
@@ -602,16 +598,16 @@ impl Writer {
                     Ok(marks) => {
                         tx.prepare_cached("UPDATE segments SET data = ?2 WHERE seq = ?1")?
                             .execute(params![s, marks])?;
-                        Ok::<_, rusqlite::Error>(true)
+                        stripped.push(s);
                     }
+                    // Left as it is (a restart would refuse it too, and
+                    // say so): commits go on.
                     Err(e) => {
-                        // Left as it is (a restart would refuse it too, and
-                        // say so): commits go on.
                         tracing::error!(segment = s, error = %e, "a log segment cannot be read back; not stripped");
-                        Ok(false)
                     }
                 }
-            })?);
+            }
+            gone.extend(self.index.stripped(&stripped));
             if !gone.is_empty() {
                 let mut delete = tx.prepare_cached("DELETE FROM segments WHERE seq = ?1")?;
                 for s in gone {
@@ -908,7 +904,7 @@ pub(crate) mod tests {
         }
     }
 
-    fn summary(g: &str) -> SagaSummary {
+    pub(crate) fn summary(g: &str) -> SagaSummary {
         SagaSummary {
             global_tx_id: g.into(),
             service_name: "svc".into(),
@@ -921,11 +917,11 @@ pub(crate) mod tests {
         }
     }
 
-    fn app(events: Vec<EventRecord>) -> WriteRequest {
+    pub(crate) fn app(events: Vec<EventRecord>) -> WriteRequest {
         req(WriteOp::Append(events.into()))
     }
 
-    fn req(op: WriteOp) -> WriteRequest {
+    pub(crate) fn req(op: WriteOp) -> WriteRequest {
         let (done, _) = tokio::sync::oneshot::channel();
         WriteRequest { op, done }
     }
