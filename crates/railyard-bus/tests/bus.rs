@@ -1177,26 +1177,28 @@ mod remote {
         assert!(err.into_body().is::<u8>(), "the body comes back");
     }
 
+    /// Routes `address` to `nodes`, each with its weight.
+    fn route_weighted(bus: &EventBus, address: &str, nodes: &[(&Arc<Recorder>, u32)]) {
+        let nodes = nodes
+            .iter()
+            .map(|(n, w)| ((*n).clone() as Arc<dyn RemoteNode>, *w))
+            .collect();
+        bus.set_weighted_remote_nodes_many([(address, nodes)]);
+    }
+
     /// A full link holding several shares of the round-robin (its node has
     /// several consumers) is asked once per send, not once per share.
     #[tokio::test]
     async fn a_full_weighted_link_is_asked_once_per_send() {
         let bus = EventBus::new();
-        let full = Arc::new(Recorder {
-            refuse: true,
-            ..Recorder::default()
-        });
-        let other = Arc::new(Recorder {
-            refuse: true,
-            ..Recorder::default()
-        });
-        bus.set_weighted_remote_nodes_many([(
-            "c",
-            vec![
-                (full.clone() as Arc<dyn RemoteNode>, 3),
-                (other.clone() as Arc<dyn RemoteNode>, 1),
-            ],
-        )]);
+        let refusing = || {
+            Arc::new(Recorder {
+                refuse: true,
+                ..Recorder::default()
+            })
+        };
+        let (full, other) = (refusing(), refusing());
+        route_weighted(&bus, "c", &[(&full, 3), (&other, 1)]);
         assert_eq!(bus.send_target_count("c"), 4);
         for _ in 0..4 {
             let err = bus.send("c", 1u8).unwrap_err();
@@ -1214,13 +1216,7 @@ mod remote {
         let bus = EventBus::new();
         let heavy = Arc::new(Recorder::default());
         let light = Arc::new(Recorder::default());
-        bus.set_weighted_remote_nodes_many([(
-            "w",
-            vec![
-                (heavy.clone() as Arc<dyn RemoteNode>, 3),
-                (light.clone() as Arc<dyn RemoteNode>, 1),
-            ],
-        )]);
+        route_weighted(&bus, "w", &[(&heavy, 3), (&light, 1)]);
         assert_eq!(bus.send_target_count("w"), 4);
         let local = bus.consumer("w").stream().await.unwrap();
         assert_eq!(bus.send_target_count("w"), 5, "1 local + 3 + 1");

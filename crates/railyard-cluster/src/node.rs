@@ -1165,7 +1165,7 @@ mod tests {
             c.ping_timeout = Duration::from_millis(300);
             c.handshake_timeout = Duration::from_secs(4);
         };
-        let mb = Scripted::new(&[], &[]);
+        let mb = TestManager::scripted(&[], &[]);
         let (b_bus, b) = start_node(mb.clone(), "b", config).await;
         let _echo = b_bus
             .local_consumer("svc")
@@ -1175,7 +1175,7 @@ mod tests {
             })
             .await
             .unwrap();
-        let ma = Scripted::new(&[("b", b.addr())], &[("svc", "b")]);
+        let ma = TestManager::scripted(&[("b", b.addr())], &[("svc", "b")]);
         let (a_bus, a) = start_node(ma, "a", config).await;
         let quick = railyard_bus::DeliveryOptions::new().timeout(Duration::from_secs(6));
         let asked = tokio::spawn(async move {
@@ -1302,10 +1302,12 @@ mod tests {
         );
     }
 
-    /// A manager whose `unsubscribe` fails (unreachable) a number of times,
-    /// or for good with `Stopped`; with `recounts_fail`, so does a
-    /// `subscribe` that replaces the count of an address it lists.
-    struct Unreachable {
+    /// The manager of these tests. Its view is what the test sets, so two
+    /// nodes can disagree ([`TestManager::scripted`]). Its `unsubscribe`
+    /// fails (unreachable) a number of times, or for good with `Stopped`;
+    /// with `recounts_fail`, so does a `subscribe` that replaces the count
+    /// of an address it lists.
+    struct TestManager {
         fails_left: std::sync::atomic::AtomicU32,
         stopped: bool,
         recounts_fail: bool,
@@ -1316,7 +1318,7 @@ mod tests {
         view: watch::Sender<Arc<ClusterView>>,
     }
 
-    impl Unreachable {
+    impl TestManager {
         fn new(fails: u32, stopped: bool) -> Arc<Self> {
             Arc::new(Self {
                 fails_left: fails.into(),
@@ -1334,6 +1336,32 @@ mod tests {
             let mut m = Arc::into_inner(Self::new(fails, false)).expect("one owner");
             m.recounts_fail = true;
             Arc::new(m)
+        }
+
+        /// A manager that never fails, with this view (see [`Self::set`]).
+        fn scripted(members: &[(&str, SocketAddr)], subs: &[(&str, &str)]) -> Arc<Self> {
+            let m = Self::new(0, false);
+            m.set(members, subs);
+            m
+        }
+
+        /// Publishes a connected view of `members` and `subs` (address,
+        /// node: one consumer each).
+        fn set(&self, members: &[(&str, SocketAddr)], subs: &[(&str, &str)]) {
+            let mut v = ClusterView {
+                connected: true,
+                ..ClusterView::default()
+            };
+            for (id, addr) in members {
+                v.members.insert((*id).into(), *addr);
+            }
+            for (address, node) in subs {
+                v.subscriptions
+                    .entry((*address).into())
+                    .or_default()
+                    .insert((*node).into(), 1);
+            }
+            self.view.send_replace(Arc::new(v));
         }
 
         /// A call that can fail: fails while failures are left.
@@ -1355,7 +1383,7 @@ mod tests {
         }
     }
 
-    impl ClusterManager for Unreachable {
+    impl ClusterManager for TestManager {
         fn join(&self, _: NodeInfo) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
             done()
         }
@@ -1397,7 +1425,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_withdrawal_is_retried_until_the_manager_takes_it() {
         use std::sync::atomic::Ordering::SeqCst;
-        let m = Unreachable::new(40, false);
+        let m = TestManager::new(40, false);
         let hook = Hook::new(m.clone());
         hook.advertise("x", 1).await.unwrap();
         hook.withdraw("x", 0);
@@ -1414,7 +1442,7 @@ mod tests {
         );
         assert_eq!(m.calls.load(SeqCst), 41);
 
-        let stopped = Unreachable::new(0, true);
+        let stopped = TestManager::new(0, true);
         let hook = Hook::new(stopped.clone());
         hook.advertise("y", 1).await.unwrap();
         hook.withdraw("y", 0);
@@ -1427,7 +1455,7 @@ mod tests {
 
         // An address that comes and goes during the outage has one retrying
         // task, not one per withdrawal.
-        let down = Unreachable::new(u32::MAX, false);
+        let down = TestManager::new(u32::MAX, false);
         let hook = Hook::new(down.clone());
         for _ in 0..20 {
             hook.advertise("z", 1).await.unwrap();
@@ -1451,7 +1479,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_new_count_the_manager_cannot_take_does_not_fail_the_registration() {
         use std::sync::atomic::Ordering::SeqCst;
-        let m = Unreachable::recounting(5);
+        let m = TestManager::recounting(5);
         let hook = Hook::new(m.clone());
         hook.advertise("x", 1).await.expect("listed");
         hook.advertise("x", 2)
@@ -1466,57 +1494,6 @@ mod tests {
         }
         assert_eq!(m.listed.lock().get("x"), Some(&2), "the count followed");
         assert_eq!(m.calls.load(SeqCst), 6, "5 refused, then taken");
-    }
-
-    /// A manager whose view the test sets, so two nodes can disagree.
-    struct Scripted(watch::Sender<Arc<ClusterView>>);
-
-    impl Scripted {
-        fn new(members: &[(&str, SocketAddr)], subs: &[(&str, &str)]) -> Arc<Self> {
-            let (tx, _) = watch::channel(Arc::new(ClusterView::default()));
-            let s = Arc::new(Self(tx));
-            s.set(members, subs);
-            s
-        }
-
-        fn set(&self, members: &[(&str, SocketAddr)], subs: &[(&str, &str)]) {
-            let mut v = ClusterView {
-                connected: true,
-                ..ClusterView::default()
-            };
-            for (id, addr) in members {
-                v.members.insert((*id).into(), *addr);
-            }
-            for (address, node) in subs {
-                v.subscriptions
-                    .entry((*address).into())
-                    .or_default()
-                    .insert((*node).into(), 1);
-            }
-            self.0.send_replace(Arc::new(v));
-        }
-    }
-
-    impl ClusterManager for Scripted {
-        fn join(&self, _: NodeInfo) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            done()
-        }
-        fn leave(&self) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            done()
-        }
-        fn subscribe(
-            &self,
-            _: &str,
-            _: u32,
-        ) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            done()
-        }
-        fn unsubscribe(&self, _: &str) -> crate::manager::BoxFuture<'_, Result<(), ManagerError>> {
-            done()
-        }
-        fn view(&self) -> watch::Receiver<Arc<ClusterView>> {
-            self.0.subscribe()
-        }
     }
 
     /// Waits (up to 10 s) until `bus` routes exactly `n` addresses to other nodes.
@@ -1539,7 +1516,7 @@ mod tests {
         // b is never reached: its routes exist as long as the view lists it.
         let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
         let members = [("a", unused), ("b", unused)];
-        let m = Scripted::new(&members, &[]);
+        let m = TestManager::scripted(&members, &[]);
         let (bus, _node) = start_node(m.clone(), "a", |_| {}).await;
         let _here = bus.local_consumer("addr-0").stream().await.unwrap();
         let names: Vec<String> = (0..N).map(|i| format!("addr-{i}")).collect();
@@ -1580,7 +1557,7 @@ mod tests {
         let patient = |c: &mut ClusterConfig| c.handshake_timeout = Duration::from_secs(600);
         // c subscribes before the view lists it as a member: no link, no route.
         let subs = [("x", "b"), ("x", "c"), ("y", "b")];
-        let m = Scripted::new(&[("m", unused), ("b", unused)], &subs);
+        let m = TestManager::scripted(&[("m", unused), ("b", unused)], &subs);
         let (bus, _node) = start_node(m.clone(), "m", patient).await;
         routed(&bus, 2).await;
         // A publish reaches each routed node once (queued on its link).
@@ -1616,9 +1593,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_dialer_whose_connections_are_refused_backs_off() {
         let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
-        let (_b, nb) = start_node(Scripted::new(&[("b", unused)], &[]), "b", |_| {}).await;
+        let (_b, nb) = start_node(TestManager::scripted(&[("b", unused)], &[]), "b", |_| {}).await;
         // a names another cluster in its HELLO: b refuses it at once.
-        let ma = Scripted::new(&[("a", unused), ("b", nb.addr())], &[]);
+        let ma = TestManager::scripted(&[("a", unused), ("b", nb.addr())], &[]);
         let (_a, na) = start_node(ma, "a", |c| c.cluster = "other".into()).await;
         for _ in 0..500 {
             if na.counters().connects.get() > 0 {
@@ -1641,7 +1618,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_dialer_refused_as_a_stranger_gets_through_once_the_view_lists_it() {
         let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
-        let mb = Scripted::new(&[("b", unused)], &[]);
+        let mb = TestManager::scripted(&[("b", unused)], &[]);
         let (b, nb) = start_node(mb.clone(), "b", |c| {
             c.handshake_timeout = Duration::from_millis(200);
         })
@@ -1654,7 +1631,7 @@ mod tests {
             })
             .await
             .unwrap();
-        let ma = Scripted::new(&[("a", unused), ("b", nb.addr())], &[("echo", "b")]);
+        let ma = TestManager::scripted(&[("a", unused), ("b", nb.addr())], &[("echo", "b")]);
         let (a, na) = start_node(ma.clone(), "a", |_| {}).await;
         // b refuses a's connection (a is no member in b's view): a sees it end.
         for _ in 0..500 {
