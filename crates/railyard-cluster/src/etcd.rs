@@ -650,7 +650,7 @@ async fn follow(client: Client, op_timeout: Duration, mut f: Follower) {
         if f.view.connected && f.publish(|view, _| view.connected = false).await.is_err() {
             return;
         }
-        tokio::time::sleep(backoff).await;
+        tokio::time::sleep(crate::link::jittered(backoff)).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
@@ -684,8 +684,19 @@ impl ClusterManager for EtcdManager {
 
     fn leave(&self) -> BoxFuture<'_, Result<(), ManagerError>> {
         Box::pin(async move {
-            for t in self.tasks.lock().drain(..) {
+            let tasks: Vec<JoinHandle<()>> = self.tasks.lock().drain(..).collect();
+            for t in &tasks {
                 t.abort();
+            }
+            // An abort takes effect at the task's next await: a keep-alive
+            // that is re-registering on another worker may still publish a
+            // new lease and put the node's key under it. Waiting for the
+            // tasks to end first means the lease taken below is the last
+            // one, so the node is gone from etcd when `leave` returns, not
+            // one TTL later. (A grant whose answer the abort dropped has no
+            // keys; it expires unused.)
+            for t in tasks {
+                let _ = t.await;
             }
             let lease = {
                 let mut s = self.state.lock();

@@ -25,7 +25,7 @@
 //! - a malformed frame or a missed ping deadline closes this connection
 //!   (the peer reconnects); every request waiting on it fails at once with
 //!   `ERROR` instead of waiting for its timeout;
-//! - the dialing side reconnects with exponential backoff while the peer is
+//! - the dialing side reconnects with exponential backoff (jittered) while the peer is
 //!   a member (a connection the peer ends before sending anything, as when
 //!   it refuses our HELLO, counts as a failed dial); messages queued
 //!   meanwhile wait in the bounded queue;
@@ -919,15 +919,28 @@ async fn read_loop(
     }
 }
 
-/// Waits `backoff` before the next dial, then doubles it (up to `max`);
-/// false if the link was closed meanwhile.
+/// Waits about `backoff` ([`jittered`]) before the next dial, then doubles
+/// it (up to `max`); false if the link was closed meanwhile.
 async fn back_off(link: &Link, backoff: &mut Duration, max: Duration) -> bool {
     tokio::select! {
-        () = tokio::time::sleep(*backoff) => {}
+        () = tokio::time::sleep(jittered(*backoff)) => {}
         () = link.close_signal.notified() => return false,
     }
     *backoff = (*backoff * 2).min(max);
     true
+}
+
+/// A wait drawn evenly from `[backoff / 2, backoff]`.
+///
+/// Why: when a node restarts, every peer's link to it fails in the same
+/// instant, and with a fixed schedule they would all dial again in the same
+/// instants, each time, until `backoff_max`. Spread over half the wait,
+/// their dials arrive apart, and no wait is shorter than half the one
+/// asked for, so the backoff still bounds the dial rate.
+pub(crate) fn jittered(backoff: Duration) -> Duration {
+    let half = backoff / 2;
+    let nanos = u64::try_from(backoff.as_nanos() - half.as_nanos()).unwrap_or(u64::MAX);
+    half + Duration::from_nanos(fastrand::u64(0..=nanos))
 }
 
 /// Pings the peer and applies the deadline. A future of its own, beside the
@@ -1611,6 +1624,26 @@ fn handle_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnect_waits_are_spread_over_the_second_half_of_the_backoff() {
+        let backoff = Duration::from_millis(400);
+        let waits: Vec<Duration> = (0..200).map(|_| jittered(backoff)).collect();
+        for w in &waits {
+            assert!(
+                (backoff / 2..=backoff).contains(w),
+                "{w:?} outside [200 ms, 400 ms]"
+            );
+        }
+        // 200 draws from 200 ms of nanoseconds: a fixed wait would give one
+        // value; spread, they cover most of the range.
+        let (lo, hi) = (waits.iter().min().unwrap(), waits.iter().max().unwrap());
+        assert!(
+            *hi - *lo > Duration::from_millis(150),
+            "waits span only {lo:?}..{hi:?}"
+        );
+        assert_eq!(jittered(Duration::ZERO), Duration::ZERO);
+    }
 
     #[test]
     fn a_maps_ids_hash_to_consecutive_buckets_with_scattered_tags() {
