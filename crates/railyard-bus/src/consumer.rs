@@ -112,7 +112,11 @@ impl<'a> ConsumerBuilder<'a> {
     {
         if let Some(dispatcher) = dispatch::this_loop() {
             let runner = HandlerRunner::new(handler, self.address.as_str().into());
-            let queue = self.queue(Some(Dispatched::new(dispatcher, Box::new(runner))))?;
+            let queue = self.queue(Some(Dispatched::new(dispatcher.clone(), Box::new(runner))))?;
+            if !dispatcher.enlist(&queue, Arc::downgrade(&self.bus.inner)) {
+                // The loop's runtime is shutting down: nothing would run it.
+                queue.close_and_fail();
+            }
             self.advertise(&queue).await?;
             return Ok(Consumer {
                 queue,

@@ -33,7 +33,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 
 use parking_lot::Mutex;
@@ -315,6 +315,19 @@ pub(crate) struct Dispatcher {
     spare_wakes: UnsafeCell<Vec<Waker>>,
     /// Cleared when the dispatcher's task is dropped (runtime shut down).
     alive: AtomicBool,
+    /// The consumers registered to run here, unregistered when the
+    /// dispatcher's task is dropped (see [`Dispatcher::enlist`]).
+    members: Mutex<Members>,
+}
+
+/// A dispatcher's consumers, each with the registry it is in.
+#[derive(Default)]
+struct Members {
+    list: Vec<(Weak<ConsumerQueue>, Weak<crate::bus::Inner>)>,
+    /// Set when the dispatcher's task was dropped: nothing enlists any more.
+    ended: bool,
+    /// The list's length at which unregistered consumers are next pruned.
+    prune_at: usize,
 }
 
 // Safety: `local` is only accessed by the thread polling this dispatcher's
@@ -349,7 +362,33 @@ impl Dispatcher {
             spare: UnsafeCell::new(Vec::new()),
             spare_wakes: UnsafeCell::new(Vec::new()),
             alive: AtomicBool::new(true),
+            members: Mutex::new(Members::default()),
         }
+    }
+
+    /// Records `queue`, a consumer this dispatcher runs, registered in
+    /// `registry`: if the dispatcher's task is dropped (its runtime shut
+    /// down), the consumer is unregistered, as a handler consumer with a
+    /// task of its own is when that task is dropped. Otherwise it would stay
+    /// registered and take messages nobody runs: sends accepted and never
+    /// handled, requests waiting their whole timeout. Returns `false` if the
+    /// task is already gone (the caller closes the consumer).
+    pub(crate) fn enlist(
+        &self,
+        queue: &Arc<ConsumerQueue>,
+        registry: Weak<crate::bus::Inner>,
+    ) -> bool {
+        let mut m = self.members.lock();
+        if m.ended {
+            return false;
+        }
+        if m.list.len() >= m.prune_at {
+            // Amortized: the list is at most twice its live members.
+            m.list.retain(|(q, _)| q.strong_count() > 0);
+            m.prune_at = (2 * m.list.len()).max(64);
+        }
+        m.list.push((Arc::downgrade(queue), registry));
+        true
     }
 
     /// Puts a consumer that has work on the ready list. The caller has just
@@ -474,6 +513,24 @@ struct DispatchTask {
 impl Drop for DispatchTask {
     fn drop(&mut self) {
         self.dispatcher.alive.store(false, Ordering::Release);
+        // Nobody runs this loop's consumers any more: they leave their
+        // registries (and clusters), and what they held fails at once.
+        let members = {
+            let mut m = self.dispatcher.members.lock();
+            m.ended = true;
+            std::mem::take(&mut m.list)
+        };
+        for (queue, registry) in members {
+            let Some(queue) = queue.upgrade() else {
+                continue;
+            };
+            match registry.upgrade() {
+                Some(inner) => crate::EventBus { inner }.unregister(&queue),
+                None => {
+                    queue.close_and_fail();
+                }
+            }
+        }
         // Break the queue -> dispatcher -> queue cycle of consumers still
         // listed, and wake the tasks relayed here (from now on, relays wake
         // them directly).

@@ -1323,6 +1323,19 @@ fn a_decoded_string_does_not_keep_a_larger_buffer_it_was_cut_from() {
 /// waiting its whole timeout.
 #[tokio::test]
 async fn a_consumer_whose_runtime_is_gone_takes_no_more_messages() {
+    orphan_takes_no_more_messages(false).await;
+}
+
+/// The same for a consumer run by an event loop's dispatcher
+/// (`enable_loop_dispatch`): when the loop's runtime ends, its consumers
+/// leave the registry. Until 2026-11-28 they stayed, and took messages
+/// nobody would ever run.
+#[tokio::test]
+async fn a_dispatched_consumer_whose_loop_is_gone_takes_no_more_messages() {
+    orphan_takes_no_more_messages(true).await;
+}
+
+async fn orphan_takes_no_more_messages(dispatched: bool) {
     let bus = EventBus::new();
     let b = bus.clone();
     std::thread::spawn(move || {
@@ -1331,6 +1344,9 @@ async fn a_consumer_whose_runtime_is_gone_takes_no_more_messages() {
             .build()
             .unwrap();
         rt.block_on(async move {
+            if dispatched {
+                assert!(enable_loop_dispatch());
+            }
             // Detached: the handle is dropped, the consumer keeps running.
             drop(b.consumer("orphan").handler(|_m| async {}).await.unwrap());
             b.send("orphan", 0u8).unwrap();
