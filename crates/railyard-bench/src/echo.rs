@@ -139,6 +139,10 @@ pub struct EchoResult {
     pub round_trips: u64,
     /// `round_trips / duration_s`.
     pub round_trips_per_s: f64,
+    /// Round trips that failed inside the window (a failed request, an echo
+    /// with another body, a send refused): not counted in `round_trips`.
+    #[serde(default)]
+    pub failures: u64,
     /// Processes (nodes) the run used: 1, or 2 with the echoers in the second.
     #[serde(default = "one")]
     pub nodes: usize,
@@ -158,9 +162,11 @@ const ECHO: &str = "echo";
 /// The header that carries a send-send chain's reply address.
 pub(crate) const REPLY_TO: &str = "replyTo";
 
-/// One tester instance's counters: one per chain.
+/// One tester instance's counters: one per chain, and its failures.
 struct Instance {
     chains: Box<[CachePadded<AtomicU64>]>,
+    /// Rare: one shared counter, added to atomically.
+    failures: CachePadded<AtomicU64>,
 }
 
 impl Instance {
@@ -169,7 +175,13 @@ impl Instance {
             chains: (0..chains)
                 .map(|_| CachePadded::new(AtomicU64::new(0)))
                 .collect(),
+            failures: CachePadded::new(AtomicU64::new(0)),
         }
+    }
+
+    /// Counts one round trip that failed.
+    fn fail(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one round trip of chain `c`. A chain is sequential (one task,
@@ -233,6 +245,8 @@ pub async fn run(
     let share = |i: usize| cfg.in_flight / n + usize::from(i < cfg.in_flight % n);
     let instances: Vec<Arc<Instance>> = (0..n).map(|i| Arc::new(Instance::new(share(i)))).collect();
 
+    // Echoes this process's echoers could not send (the chain ends there).
+    let echo_failures = Arc::new(AtomicU64::new(0));
     // Register every echoer first, so no chain starts against a partial set.
     // With two nodes the echoers live in the other process.
     for (i, _) in instances.iter().enumerate().filter(|_| !two_nodes) {
@@ -240,6 +254,7 @@ pub async fn run(
         let opts = opts.clone();
         let kind = cfg.consumer;
         let method = cfg.method;
+        let echo_failures = echo_failures.clone();
         loops
             .run_on(i, async move {
                 let b = match kind {
@@ -259,7 +274,9 @@ pub async fn run(
                         b.handler(move |mut m| {
                             let body = m.take_body();
                             if let Some(to) = m.headers().get(REPLY_TO) {
-                                let _ = echo_bus.send_with(to, body, &opts);
+                                if echo_bus.send_with(to, body, &opts).is_err() {
+                                    echo_failures.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                             std::future::ready(())
                         })
@@ -309,6 +326,13 @@ pub async fn run(
     }
 
     let total = || instances.iter().map(|i| i.total()).sum::<u64>();
+    let failed = || {
+        instances
+            .iter()
+            .map(|i| i.failures.load(Ordering::Relaxed))
+            .sum::<u64>()
+            + echo_failures.load(Ordering::Relaxed)
+    };
     let start = Instant::now();
     let end_warmup = start + cfg.warmup;
     let end = end_warmup + cfg.duration;
@@ -317,7 +341,7 @@ pub async fn run(
     loop {
         let now = Instant::now();
         if at_window_start.is_none() && now >= end_warmup {
-            at_window_start = Some((total(), now));
+            at_window_start = Some((total(), failed(), now));
         }
         if now >= end {
             break;
@@ -330,8 +354,9 @@ pub async fn run(
         });
         tokio::time::sleep_until(next.into()).await;
     }
-    let (c0, t0) = at_window_start.expect("the window opened before it closed");
+    let (c0, f0, t0) = at_window_start.expect("the window opened before it closed");
     let c1 = total();
+    let failures = failed() - f0;
     let measured = t0.elapsed();
     stop.store(true, Ordering::Relaxed);
     drop(loops);
@@ -355,6 +380,7 @@ pub async fn run(
         warmup_s: cfg.warmup.as_secs_f64(),
         round_trips,
         round_trips_per_s: round_trips as f64 / measured.as_secs_f64(),
+        failures,
         nodes: if two_nodes { 2 } else { 1 },
         runtime: Some(cfg.runtime.as_str().into()),
         threads: Some(cfg.loops),
@@ -379,11 +405,13 @@ async fn send_reply_chain(
             }
             Ok(_) => {
                 tracing::warn!("an echo came back with another body; not counted");
+                inst.fail();
                 body = railyard_bus::Body::new(String::from(BODY));
             }
             Err(e) => {
                 // Not a round trip: only echoes that came back count.
                 tracing::warn!(error = %e, "echo request failed");
+                inst.fail();
                 body = railyard_bus::Body::new(String::from(BODY));
             }
         }
@@ -418,9 +446,13 @@ async fn send_send_chains(
                     m.take_body()
                 } else {
                     tracing::warn!("an echo came back with another body; not counted");
+                    hi.fail();
                     railyard_bus::Body::new(String::from(BODY))
                 };
-                let _ = hb.send_with(ECHO, body, &ho);
+                if hb.send_with(ECHO, body, &ho).is_err() {
+                    // The chain ends here.
+                    hi.fail();
+                }
             }
             std::future::ready(())
         })

@@ -667,6 +667,9 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
         a.common.runs,
         table(&header, rows)
     );
+    for line in failure_lines(&all) {
+        println!("{line}");
+    }
     let json: Vec<serde_json::Value> = all
         .iter()
         .map(serde_json::to_value)
@@ -674,9 +677,71 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
     finish(&json, &a.common)
 }
 
+/// One warning per system and configuration whose runs had failed round
+/// trips inside the window (they are not counted as round trips, so a rate
+/// never includes them; this says they happened).
+fn failure_lines(results: &[EchoResult]) -> Vec<String> {
+    // (label, failures, runs with failures), in first-seen order.
+    let mut out: Vec<(String, u64, usize)> = vec![];
+    for r in results.iter().filter(|r| r.failures > 0) {
+        let label = format!(
+            "{} {} | {} | {}",
+            r.system, r.consumer, r.delivery, r.method
+        );
+        match out.iter_mut().find(|(l, _, _)| *l == label) {
+            Some((_, n, runs)) => {
+                *n += r.failures;
+                *runs += 1;
+            }
+            None => out.push((label, r.failures, 1)),
+        }
+    }
+    out.into_iter()
+        .map(|(label, n, runs)| {
+            format!(
+                "warning: {label}: {} round trips failed inside the window in {runs} run(s) (not counted; see the log and the JSON's `failures`)",
+                thousands(n)
+            )
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_round_trips_are_reported_per_system_and_configuration() {
+        let run = |system: &str, method: &str, failures: u64| EchoResult {
+            scenario: "echo".into(),
+            system: system.into(),
+            cluster: "none".into(),
+            consumer: "consumer".into(),
+            delivery: "default".into(),
+            method: method.into(),
+            instances: 2,
+            in_flight: 64,
+            duration_s: 1.0,
+            warmup_s: 1.0,
+            round_trips: 10,
+            round_trips_per_s: 10.0,
+            failures,
+            nodes: 1,
+            runtime: None,
+            threads: None,
+        };
+        let lines = failure_lines(&[
+            run("railyard", "send-send", 0),
+            run("railyard", "send-reply", 2),
+            run("vertx", "send-reply", 0),
+            run("railyard", "send-reply", 1_500),
+            run("vertx", "send-send", 3),
+        ]);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].starts_with("warning: railyard consumer | default | send-reply: 1,502 round trips failed inside the window in 2 run(s)"), "{}", lines[0]);
+        assert!(lines[1].starts_with("warning: vertx consumer | default | send-send: 3 round trips failed inside the window in 1 run(s)"), "{}", lines[1]);
+        assert!(failure_lines(&[run("railyard", "send-send", 0)]).is_empty());
+    }
 
     #[test]
     fn echo_warm_up_suits_the_peer_unless_given() {

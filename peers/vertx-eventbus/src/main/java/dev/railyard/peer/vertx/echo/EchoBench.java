@@ -146,7 +146,7 @@ public final class EchoBench {
       + " consumer=" + cfg.consumerName() + " delivery=" + cfg.deliveryName() + " method=" + cfg.methodName()
       + " warmup=" + cfg.warmupS + "s duration=" + cfg.durationS + "s");
 
-    Measured measured = new Measured(0, 0.0);
+    Measured measured = new Measured(0, 0.0, 0);
     try (Node node = Node.start(cfg.node, "echo", cfg.scenarioArgv)) {
       Vertx vertx = node.vertx;
       Part part = cfg.node.server ? Part.ECHO : node.isTwoNodeDriver() ? Part.CHAINS : Part.ALL;
@@ -191,7 +191,8 @@ public final class EchoBench {
       .put("duration_s", cfg.durationS)
       .put("warmup_s", cfg.warmupS)
       .put("round_trips", roundTrips)
-      .put("round_trips_per_s", perSecond);
+      .put("round_trips_per_s", perSecond)
+      .put("failures", measured.failures());
     Json.printResult(result);
     return 0;
   }
@@ -213,7 +214,8 @@ public final class EchoBench {
 
   /** Starts all chains together, waits for every instance's window to close, returns the sum. */
   /** Round trips in the windows, and their rate: each instance's count over its own measured window, summed. */
-  private record Measured(long roundTrips, double perSecond) {}
+  /** Failures: failed or mismatched round trips inside the window (not counted as round trips). */
+  private record Measured(long roundTrips, double perSecond, long failures) {}
 
   private static Measured measure(Run run) throws Exception {
     Config cfg = run.cfg;
@@ -249,6 +251,6 @@ public final class EchoBench {
     if (failures > 0) {
       System.err.println("warning: " + failures + " round trips failed inside the window (not counted)");
     }
-    return new Measured(roundTrips, perSecond);
+    return new Measured(roundTrips, perSecond, failures);
   }
 }
