@@ -206,9 +206,26 @@ pub async fn serve(etcd: &str, cfg: &ServeConfig) -> Result<(), ClusterBenchErro
     println!("READY {}", node.node_id());
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(_)) = lines.next_line().await {}
+    // Leave while the loops still run: the etcd client and the manager's
+    // tasks live on loop 0, so after the loops the lease could not be
+    // revoked and the node stayed listed for one more TTL.
+    leave_bounded(node).await;
     drop(loops);
-    let _ = node.leave().await;
     Ok(())
+}
+
+/// Leaves the cluster, waiting at most 10 s (a bench run must end even if
+/// etcd no longer answers; the lease then expires on its own).
+pub(crate) async fn leave_bounded(node: ClusterNode) {
+    match tokio::time::timeout(Duration::from_secs(10), node.leave()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "leaving the cluster failed; the node's lease will expire on its own")
+        }
+        Err(_) => tracing::warn!(
+            "leaving the cluster took over 10 s; the node's lease will expire on its own"
+        ),
+    }
 }
 
 /// The second node, as a child process; killed on drop.

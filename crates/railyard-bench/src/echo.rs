@@ -359,10 +359,11 @@ pub async fn run(
     let failures = failed() - f0;
     let measured = t0.elapsed();
     stop.store(true, Ordering::Relaxed);
-    drop(loops);
+    // Leave before the loops stop (see `cluster::leave_bounded`).
     if let Some(n) = node {
-        let _ = n.leave().await;
+        cluster::leave_bounded(n).await;
     }
+    drop(loops);
     if let Some(s) = server {
         s.stop().await;
     }
@@ -462,4 +463,58 @@ async fn send_send_chains(
         kicks.push((address, send_opts));
     }
     kicks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ClusterTarget;
+
+    /// A clustered run leaves etcd as it found it: its node's keys are gone
+    /// when the run returns, not one lease TTL later. Until 2026-11-28 the
+    /// run stopped its loops first, where its etcd client and the manager's
+    /// tasks live, so the lease could not be revoked and the node stayed
+    /// listed into the next run.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_clustered_run_leaves_no_keys_behind() {
+        let etcd = railyard_cluster::EtcdServer::start().expect("etcd starts");
+        let cfg = EchoConfig {
+            duration: Duration::from_millis(200),
+            warmup: Duration::from_millis(100),
+            instances: 2,
+            in_flight: 8,
+            consumer: ConsumerKind::Consumer,
+            delivery: Delivery::Default,
+            method: Method::SendSend,
+            loops: 2,
+            runtime: RuntimeKind::Loops,
+            cluster: Some(ClusterTarget {
+                etcd: etcd.endpoint(),
+                nodes: 1,
+                exe: std::path::PathBuf::new(),
+            }),
+        };
+        let r = run(&cfg, |_, _| {}).await.expect("the run completes");
+        assert!(r.round_trips > 0, "{r:?}");
+        let mut c = etcd_client::Client::connect([etcd.endpoint()], None)
+            .await
+            .unwrap();
+        let left = c
+            .get(
+                "/railyard/",
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only(),
+                ),
+            )
+            .await
+            .unwrap();
+        let keys: Vec<String> = left
+            .kvs()
+            .iter()
+            .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+            .collect();
+        assert!(keys.is_empty(), "left in etcd: {keys:?}");
+    }
 }

@@ -113,11 +113,13 @@ impl<'a> ConsumerBuilder<'a> {
         if let Some(dispatcher) = dispatch::this_loop() {
             let runner = HandlerRunner::new(handler, self.address.as_str().into());
             let queue = self.queue(Some(Dispatched::new(dispatcher.clone(), Box::new(runner))))?;
-            if !dispatcher.enlist(&queue, Arc::downgrade(&self.bus.inner)) {
-                // The loop's runtime is shutting down: nothing would run it.
-                queue.close_and_fail();
-            }
             self.advertise(&queue).await?;
+            // After the registration, so the dispatcher's end always finds
+            // it registered: if the loop's runtime ended meanwhile, it is
+            // unregistered here instead, as it would have been then.
+            if !dispatcher.enlist(&queue, Arc::downgrade(&self.bus.inner)) {
+                self.bus.unregister(&queue);
+            }
             return Ok(Consumer {
                 queue,
                 bus: self.bus.clone(),

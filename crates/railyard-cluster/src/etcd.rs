@@ -716,11 +716,20 @@ impl ClusterManager for EtcdManager {
         let address = address.to_owned();
         let consumers = consumers.max(1);
         Box::pin(async move {
-            let id = self.node_id()?;
-            let mut lease = {
+            // The node and its lease are read under one lock: between two
+            // looks, a `leave` could clear both, and a put under lease 0 is
+            // a key without a lease, which etcd keeps for ever.
+            let (id, mut lease) = {
                 let mut s = self.state.lock();
+                let id = s.node.as_ref().ok_or(ManagerError::Stopped)?.id.clone();
+                if s.lease == 0 {
+                    // `join` has not been granted its lease yet.
+                    return Err(unavailable(
+                        "the node is still joining the cluster; subscribe once join has returned",
+                    ));
+                }
                 s.subs.insert(address.clone(), consumers);
-                s.lease
+                (id, s.lease)
             };
             let mut c = self.client.clone();
             let key = self.sub_key(&id, &address);
