@@ -152,6 +152,11 @@ pub struct EchoResult {
     /// Railyard only: threads used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub threads: Option<usize>,
+    /// A cache line's round trip between two threads, ns, measured just
+    /// before the run and just after it ([`crate::probe`]): which of the
+    /// machine's modes the run had. Set by the bench, for either system.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line_ns: Option<[f64; 2]>,
 }
 
 fn one() -> usize {
@@ -385,6 +390,7 @@ pub async fn run(
         nodes: if two_nodes { 2 } else { 1 },
         runtime: Some(cfg.runtime.as_str().into()),
         threads: Some(cfg.loops),
+        line_ns: None,
     })
 }
 

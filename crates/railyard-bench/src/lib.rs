@@ -16,6 +16,8 @@
 //! - [`saga_server`]: the coordinator under test, in-process on its own
 //!   runtime, with the store a run asks for.
 //! - [`peer`]: builds and runs a Java peer and reads its `RESULT` line.
+//! - [`probe`]: how far apart the cores are right now (a cache line's round
+//!   trip between two threads), recorded around every echo run.
 //! - [`dtm`]: runs DTM (`peers/dtm/run`), the saga scenario's peer.
 //! - [`report`]: tables, medians, the JSON results file.
 //! - [`plot`]: SVG charts of a results file (`railyard bench plot`).
@@ -34,6 +36,7 @@ mod omega_wire;
 pub mod peer;
 pub mod pingpong;
 pub mod plot;
+pub mod probe;
 pub mod redis_refresh;
 pub mod report;
 pub mod saga;

@@ -10,6 +10,7 @@ use railyard_bench::echo::{self, ConsumerKind, Delivery, EchoConfig, EchoResult,
 use railyard_bench::loops::RuntimeKind;
 use railyard_bench::peer::{default_peers_dir, JavaPeer};
 use railyard_bench::pingpong::{self, PingpongConfig, PingpongResult};
+use railyard_bench::probe;
 use railyard_bench::report::{median, table, thousands, write_json};
 use railyard_cluster::EtcdServer;
 
@@ -576,11 +577,13 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
                 format!("railyard {label} #{run}"),
                 cfg.warmup + cfg.duration,
             );
-            let r = echo::run(cfg, |t, n| {
+            let before = probe::line_round_trip_ns_async().await;
+            let mut r = echo::run(cfg, |t, n| {
                 pb.set_position(t.as_millis() as u64);
                 pb.set_message(format!("{} round trips", thousands(n)));
             })
             .await?;
+            r.line_ns = Some([before, probe::line_round_trip_ns_async().await]);
             pb.finish_with_message(format!(
                 "{} round trips/s",
                 thousands(r.round_trips_per_s as u64)
@@ -592,12 +595,14 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
                 // with the clock over its warm-up and window.
                 let pb = clock_bar(format!("{name} {label} #{run}"), cfg.warmup + cfg.duration);
                 let vs = a.common.vs.expect("a peer is set");
+                let before = probe::line_round_trip_ns_async().await;
                 let v = p
                     .run(&peer_echo_args(cfg, vs, a.common.nodes), false)
                     .await?;
                 let mut r: EchoResult =
                     serde_json::from_value(v).context("reading the peer's echo result")?;
                 r.system = name.to_owned();
+                r.line_ns = Some([before, probe::line_round_trip_ns_async().await]);
                 pb.finish_with_message(format!(
                     "{name} {label} #{run}: {} round trips/s",
                     thousands(r.round_trips_per_s as u64)
@@ -670,6 +675,7 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
     for line in failure_lines(&all) {
         println!("{line}");
     }
+    println!("{}", mode_line(&all));
     let json: Vec<serde_json::Value> = all
         .iter()
         .map(serde_json::to_value)
@@ -706,13 +712,41 @@ fn failure_lines(results: &[EchoResult]) -> Vec<String> {
         .collect()
 }
 
+/// How many runs of each system had the machine's slow mode (a line round
+/// trip between two threads above [`probe::SLOW_LINE_NS`] before or after
+/// the run), so a reader can tell a ratio of modes from a ratio of systems.
+fn mode_line(results: &[EchoResult]) -> String {
+    let mut systems: Vec<(&str, usize, usize)> = vec![];
+    for r in results {
+        let slow = r
+            .line_ns
+            .is_some_and(|[a, b]| a.max(b) > probe::SLOW_LINE_NS);
+        match systems.iter_mut().find(|(s, _, _)| *s == r.system) {
+            Some((_, n, runs)) => {
+                *n += usize::from(slow);
+                *runs += 1;
+            }
+            None => systems.push((&r.system, usize::from(slow), 1)),
+        }
+    }
+    let counts: Vec<String> = systems
+        .iter()
+        .map(|(s, n, runs)| format!("{s} {n} of {runs}"))
+        .collect();
+    format!(
+        "runs in the machine's slow mode (a cache line's round trip between two threads above {} ns before or after the run; JSON `line_ns`): {}",
+        probe::SLOW_LINE_NS,
+        counts.join(", ")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn failed_round_trips_are_reported_per_system_and_configuration() {
-        let run = |system: &str, method: &str, failures: u64| EchoResult {
+    /// One echo result row for the report tests.
+    fn row(system: &str, method: &str, failures: u64, line_ns: Option<[f64; 2]>) -> EchoResult {
+        EchoResult {
             scenario: "echo".into(),
             system: system.into(),
             cluster: "none".into(),
@@ -729,7 +763,13 @@ mod tests {
             nodes: 1,
             runtime: None,
             threads: None,
-        };
+            line_ns,
+        }
+    }
+
+    #[test]
+    fn failed_round_trips_are_reported_per_system_and_configuration() {
+        let run = |system: &str, method: &str, failures: u64| row(system, method, failures, None);
         let lines = failure_lines(&[
             run("railyard", "send-send", 0),
             run("railyard", "send-reply", 2),
@@ -741,6 +781,19 @@ mod tests {
         assert!(lines[0].starts_with("warning: railyard consumer | default | send-reply: 1,502 round trips failed inside the window in 2 run(s)"), "{}", lines[0]);
         assert!(lines[1].starts_with("warning: vertx consumer | default | send-send: 3 round trips failed inside the window in 1 run(s)"), "{}", lines[1]);
         assert!(failure_lines(&[run("railyard", "send-send", 0)]).is_empty());
+    }
+
+    #[test]
+    fn runs_in_the_slow_mode_are_counted_per_system() {
+        let run = |system: &str, line: [f64; 2]| row(system, "send-send", 0, Some(line));
+        let line = mode_line(&[
+            run("railyard", [60.0, 58.0]),
+            run("vertx", [61.0, 320.0]),
+            run("railyard", [330.0, 59.0]),
+            run("vertx", [55.0, 57.0]),
+            row("railyard", "send-send", 0, None),
+        ]);
+        assert!(line.ends_with("railyard 1 of 3, vertx 1 of 2"), "{line}");
     }
 
     #[test]
