@@ -35,8 +35,8 @@ pub const SLOW_LINE_NS: f64 = 150.0;
 
 /// Nanoseconds for one cache-line round trip between this thread and
 /// another one (unpinned: wherever the scheduler puts them, as a bench's
-/// threads are): the mean of the fastest of [`CHUNKS`] chunks. Blocks for
-/// at most [`BOUND`] and a thread spawn; call it off async workers
+/// threads are): the mean of the fastest of five chunks. Blocks for at
+/// most 200 ms and a thread spawn; call it off async workers
 /// ([`line_round_trip_ns_async`]).
 #[must_use]
 pub fn line_round_trip_ns() -> f64 {
