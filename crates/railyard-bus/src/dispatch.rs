@@ -372,7 +372,7 @@ impl Dispatcher {
     /// task of its own is when that task is dropped. Otherwise it would stay
     /// registered and take messages nobody runs: sends accepted and never
     /// handled, requests waiting their whole timeout. Returns `false` if the
-    /// task is already gone (the caller closes the consumer).
+    /// task is already gone (the caller unregisters the consumer itself).
     pub(crate) fn enlist(
         &self,
         queue: &Arc<ConsumerQueue>,
