@@ -45,18 +45,11 @@ pub fn line_round_trip_ns() -> f64 {
     let deadline = Instant::now() + BOUND;
     // The other side answers each odd value with the next even one.
     let pong = std::thread::spawn(move || {
-        let mut expect = 1;
-        while expect < 2 * ROUND_TRIPS && Instant::now() < deadline {
-            let mut spins = 0u32;
-            while other.load(Ordering::Acquire) != expect {
-                spins += 1;
-                if spins % 4096 == 0 && Instant::now() >= deadline {
-                    return;
-                }
-                std::hint::spin_loop();
+        for k in 0..ROUND_TRIPS {
+            if !wait_for(&other, 2 * k + 1, deadline) {
+                return;
             }
-            other.store(expect + 1, Ordering::Release);
-            expect += 2;
+            other.store(2 * k + 2, Ordering::Release);
         }
     });
     let per_chunk = ROUND_TRIPS / CHUNKS;
@@ -66,13 +59,8 @@ pub fn line_round_trip_ns() -> f64 {
         let t0 = Instant::now();
         for _ in 0..per_chunk {
             flag.store(2 * i + 1, Ordering::Release);
-            let mut spins = 0u32;
-            while flag.load(Ordering::Acquire) != 2 * i + 2 {
-                spins += 1;
-                if spins % 4096 == 0 && Instant::now() >= deadline {
-                    break 'chunks;
-                }
-                std::hint::spin_loop();
+            if !wait_for(&flag, 2 * i + 2, deadline) {
+                break 'chunks;
             }
             i += 1;
         }
@@ -85,6 +73,20 @@ pub fn line_round_trip_ns() -> f64 {
         // Not one chunk within the bound: the threads hardly ran.
         BOUND.as_nanos() as f64 / f64::from(i.max(1))
     }
+}
+
+/// Spins until `flag` holds `value`; `false` if `deadline` passed first
+/// (the clock is read once every 4,096 spins, not per round trip).
+fn wait_for(flag: &AtomicU32, value: u32, deadline: Instant) -> bool {
+    let mut spins = 0u32;
+    while flag.load(Ordering::Acquire) != value {
+        spins = spins.wrapping_add(1);
+        if spins % 4096 == 0 && Instant::now() >= deadline {
+            return false;
+        }
+        std::hint::spin_loop();
+    }
+    true
 }
 
 /// [`line_round_trip_ns`] on the blocking pool, rounded to whole ns.

@@ -687,57 +687,61 @@ async fn run_echo(a: EchoArgs) -> anyhow::Result<()> {
 /// trips inside the window (they are not counted as round trips, so a rate
 /// never includes them; this says they happened).
 fn failure_lines(results: &[EchoResult]) -> Vec<String> {
-    // (label, failures, runs with failures), in first-seen order.
-    let mut out: Vec<(String, u64, usize)> = vec![];
-    for r in results.iter().filter(|r| r.failures > 0) {
-        let label = format!(
-            "{} {} | {} | {}",
-            r.system, r.consumer, r.delivery, r.method
-        );
-        match out.iter_mut().find(|(l, _, _)| *l == label) {
-            Some((_, n, runs)) => {
-                *n += r.failures;
-                *runs += 1;
-            }
-            None => out.push((label, r.failures, 1)),
-        }
-    }
-    out.into_iter()
-        .map(|(label, n, runs)| {
-            format!(
-                "warning: {label}: {} round trips failed inside the window in {runs} run(s) (not counted; see the log and the JSON's `failures`)",
-                thousands(n)
-            )
-        })
-        .collect()
+    let failed = results.iter().filter(|r| r.failures > 0);
+    tally(failed, |r| {
+        (
+            format!("{} {} | {} | {}", r.system, r.consumer, r.delivery, r.method),
+            r.failures,
+        )
+    })
+    .into_iter()
+    .map(|(label, n, runs)| {
+        format!(
+            "warning: {label}: {} round trips failed inside the window in {runs} run(s) (not counted; see the log and the JSON's `failures`)",
+            thousands(n)
+        )
+    })
+    .collect()
 }
 
 /// How many runs of each system had the machine's slow mode (a line round
 /// trip between two threads above [`probe::SLOW_LINE_NS`] before or after
 /// the run), so a reader can tell a ratio of modes from a ratio of systems.
 fn mode_line(results: &[EchoResult]) -> String {
-    let mut systems: Vec<(&str, usize, usize)> = vec![];
-    for r in results {
+    let counts: Vec<String> = tally(results.iter(), |r| {
         let slow = r
             .line_ns
             .is_some_and(|[a, b]| a.max(b) > probe::SLOW_LINE_NS);
-        match systems.iter_mut().find(|(s, _, _)| *s == r.system) {
-            Some((_, n, runs)) => {
-                *n += usize::from(slow);
-                *runs += 1;
-            }
-            None => systems.push((&r.system, usize::from(slow), 1)),
-        }
-    }
-    let counts: Vec<String> = systems
-        .iter()
-        .map(|(s, n, runs)| format!("{s} {n} of {runs}"))
-        .collect();
+        (r.system.clone(), u64::from(slow))
+    })
+    .into_iter()
+    .map(|(system, n, runs)| format!("{system} {n} of {runs}"))
+    .collect();
     format!(
         "runs in the machine's slow mode (a cache line's round trip between two threads above {} ns before or after the run; JSON `line_ns`): {}",
         probe::SLOW_LINE_NS,
         counts.join(", ")
     )
+}
+
+/// Groups runs by the label `key` gives each, in first-seen order: the
+/// label, the sum of the counts it gives, and how many runs had the label.
+fn tally<'a>(
+    runs: impl Iterator<Item = &'a EchoResult>,
+    key: impl Fn(&EchoResult) -> (String, u64),
+) -> Vec<(String, u64, usize)> {
+    let mut out: Vec<(String, u64, usize)> = vec![];
+    for r in runs {
+        let (label, n) = key(r);
+        match out.iter_mut().find(|(l, _, _)| *l == label) {
+            Some((_, sum, count)) => {
+                *sum += n;
+                *count += 1;
+            }
+            None => out.push((label, n, 1)),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
