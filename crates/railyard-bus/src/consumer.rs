@@ -212,11 +212,21 @@ impl Drop for EndsWithTask {
         if self.finished {
             return;
         }
-        if let Some(inner) = self.registry.upgrade() {
-            crate::EventBus { inner }.unregister(&self.queue);
-        } else {
-            self.queue.close_and_fail();
-        }
+        unregister_or_close(&self.queue, &self.registry);
+    }
+}
+
+/// Takes a consumer whose handler will never run again out of `registry`
+/// (and so out of the cluster's routes), failing what it held; if the bus
+/// itself is gone, closes the queue so nothing more enters it.
+pub(crate) fn unregister_or_close(
+    queue: &ConsumerQueue,
+    registry: &std::sync::Weak<crate::bus::Inner>,
+) {
+    if let Some(inner) = registry.upgrade() {
+        crate::EventBus { inner }.unregister(queue);
+    } else {
+        queue.close_and_fail();
     }
 }
 

@@ -324,8 +324,6 @@ pub(crate) struct Dispatcher {
 #[derive(Default)]
 struct Members {
     list: Vec<(Weak<ConsumerQueue>, Weak<crate::bus::Inner>)>,
-    /// Set when the dispatcher's task was dropped: nothing enlists any more.
-    ended: bool,
     /// The list's length at which unregistered consumers are next pruned.
     prune_at: usize,
 }
@@ -379,7 +377,10 @@ impl Dispatcher {
         registry: Weak<crate::bus::Inner>,
     ) -> bool {
         let mut m = self.members.lock();
-        if m.ended {
+        // The task's drop clears `alive` before it takes the list under
+        // this lock: read under the lock, `alive` tells whether the list
+        // will still be taken.
+        if !self.alive.load(Ordering::Acquire) {
             return false;
         }
         if m.list.len() >= m.prune_at {
@@ -515,20 +516,10 @@ impl Drop for DispatchTask {
         self.dispatcher.alive.store(false, Ordering::Release);
         // Nobody runs this loop's consumers any more: they leave their
         // registries (and clusters), and what they held fails at once.
-        let members = {
-            let mut m = self.dispatcher.members.lock();
-            m.ended = true;
-            std::mem::take(&mut m.list)
-        };
+        let members = std::mem::take(&mut self.dispatcher.members.lock().list);
         for (queue, registry) in members {
-            let Some(queue) = queue.upgrade() else {
-                continue;
-            };
-            match registry.upgrade() {
-                Some(inner) => crate::EventBus { inner }.unregister(&queue),
-                None => {
-                    queue.close_and_fail();
-                }
+            if let Some(queue) = queue.upgrade() {
+                crate::consumer::unregister_or_close(&queue, &registry);
             }
         }
         // Break the queue -> dispatcher -> queue cycle of consumers still

@@ -163,12 +163,6 @@ struct State {
 }
 
 impl State {
-    /// A batch was taken: the waiting senders are to be woken (room was
-    /// made), and their bound starts over.
-    fn take_room_waiters(&mut self) -> Vec<Waker> {
-        self.room_waiters.take_all()
-    }
-
     /// Moves up to `max` messages, bounded by demand, into `out` and counts
     /// them delivered. The caller has checked that some may be taken.
     #[inline]
@@ -282,7 +276,8 @@ impl ConsumerQueue {
             // Ordered by the lock against `close`, which `unregister` takes
             // before it looks at `active`.
             d.active.store(true, Ordering::Relaxed);
-            (s.take_room_waiters(), more)
+            // Room was made: wake the waiting senders.
+            (s.room_waiters.take_all(), more)
         };
         let (waiters, more) = waiters;
         for w in waiters {
@@ -431,7 +426,9 @@ impl ConsumerQueue {
                 return Poll::Pending;
             }
             s.take_into(out, max);
-            s.take_room_waiters()
+            // Room was made: the waiting senders are woken (and their
+            // bound starts over).
+            s.room_waiters.take_all()
         };
         for w in waiters {
             w.wake();

@@ -251,8 +251,8 @@ struct Basis {
 /// registration and leave it unadvertised; a second registrant waits for
 /// the first one's subscription instead of resolving before it.
 ///
-/// Only a registration that makes the manager list this node at the
-/// address waits for the manager and fails with it. Once the node is
+/// Every registration waits for the manager, but only one that makes the
+/// manager list this node at the address fails with it. Once the node is
 /// listed, peers already route here: a new consumer count that the manager
 /// cannot take now (etcd unreachable) is retried in the background, like a
 /// withdrawal, and the registration resolves (the count only shapes how
@@ -263,8 +263,9 @@ struct Hook {
     /// One slot per address subscribed, wanted, or being reconciled;
     /// removed once neither wanted nor subscribed.
     slots: Arc<Mutex<HashMap<String, Arc<Slot>>>>,
-    /// The node's runtime: withdrawals are spawned on it, also when the
-    /// last consumer is dropped on a thread outside any runtime.
+    /// The node's runtime: background updates (withdrawals, counts; see
+    /// `reconcile_in_background`) are spawned on it, also when the last
+    /// consumer is dropped on a thread outside any runtime.
     runtime: tokio::runtime::Handle,
 }
 
@@ -396,9 +397,7 @@ impl Hook {
             slots.remove(address);
         }
     }
-}
 
-impl Hook {
     /// Makes the manager match `address`'s slot in a background task, one
     /// per address at a time (see [`Slot::retrying`]).
     fn reconcile_in_background(&self, address: &str, slot: Arc<Slot>) {
