@@ -6,10 +6,11 @@
 //! # Client
 //! `tokio-postgres` rather than sqlx: one connection is one task we drive
 //! ourselves (exactly the "one writer owns the connection" shape), it
-//! pipelines statements, binds Rust `Vec`s as PostgreSQL arrays (so a whole
-//! batch goes in one `INSERT ... SELECT FROM UNNEST(...)` with 16 parameters,
-//! whatever its size, under one prepared statement), and it brings no
-//! compile-time query checking that would need a database to build.
+//! pipelines statements, binds Rust `Vec`s as PostgreSQL arrays (a commit's
+//! summaries go in one `INSERT ... SELECT FROM UNNEST(...)` whatever their
+//! number, under one prepared statement; its events are one `bytea`
+//! segment), and it brings no compile-time query checking that would need a
+//! database to build.
 //!
 //! # Group commit
 //! One **writer task** owns the write connection. It runs on a thread of
@@ -60,9 +61,9 @@
 //! saga twice keeps two, as the other stores do; newest first by `ord`,
 //! indexed by finish time for pruning) and `railyard_saga_meta` (schema
 //! version), created on connect under an advisory lock (a schema lock apart
-//! from the owner lock above, so that two coordinators started on one
-//! database do not both create the tables; the second is then refused by
-//! the owner lock).
+//! from the owner lock above). A second coordinator on one database never
+//! gets that far: the owner lock is taken first, when the schema step opens
+//! its connection, and refuses it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -350,8 +351,12 @@ impl Connector {
 const SUMMARY_COLUMNS: &str = "global_tx_id, service_name, state, started_ms, finished_ms, \
     sub_transactions, compensated, events";
 
+/// The log's table: made with [`SCHEMA`] on a new database, and by
+/// [`migrate_1_to_2`] on a version-1 one.
+const SEGMENTS_TABLE: &str =
+    "CREATE TABLE railyard_saga_segments (seq BIGINT PRIMARY KEY, data BYTEA NOT NULL)";
+
 const SCHEMA: &str = "
-CREATE TABLE railyard_saga_segments (seq BIGINT PRIMARY KEY, data BYTEA NOT NULL);
 CREATE TABLE railyard_saga_summaries (
     ord BIGSERIAL PRIMARY KEY,
     global_tx_id TEXT NOT NULL,
@@ -393,6 +398,7 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
         let version: Option<i32> = row.and_then(|r| r.get::<_, Option<i32>>(0));
         match version {
             None => {
+                c.batch_execute(SEGMENTS_TABLE).await.map_err(err)?;
                 c.batch_execute(SCHEMA).await.map_err(err)?;
                 c.execute(
                     "INSERT INTO railyard_saga_meta (version) VALUES ($1)",
@@ -435,10 +441,7 @@ async fn ensure_schema(conn: &Connector) -> Result<(), StoreError> {
 /// segments under the same `seq`, so the order holds; then
 /// [`MIGRATE_1_TO_2`]. Runs inside [`ensure_schema`]'s transaction.
 async fn migrate_1_to_2(c: &Client) -> Result<(), tokio_postgres::Error> {
-    c.batch_execute(
-        "CREATE TABLE railyard_saga_segments (seq BIGINT PRIMARY KEY, data BYTEA NOT NULL)",
-    )
-    .await?;
+    c.batch_execute(SEGMENTS_TABLE).await?;
     let rows = c
         .query(
             "SELECT seq, global_tx_id, data FROM railyard_saga_events ORDER BY seq",
@@ -470,7 +473,8 @@ impl PostgresStore {
     /// # Errors
     /// [`StoreError::Unavailable`] if the server cannot be reached (the
     /// message names the address) or the string is invalid;
-    /// [`StoreError::Corrupt`] if the database holds a newer schema.
+    /// [`StoreError::Corrupt`] if the database holds a newer or unknown
+    /// schema, or its migration failed.
     pub async fn connect(config: PostgresConfig) -> Result<Self, StoreError> {
         let reader = Arc::new(Connector::new(&config)?);
         let mut writer = Writer {
@@ -749,13 +753,8 @@ impl Writer {
             };
             for r in &rows {
                 let s: i64 = r.get(0);
-                match segment::marks_only(r.get(1)) {
-                    Ok(marks) => stripped.push((s, marks)),
-                    // Left as it is (a restart would refuse it too, and
-                    // say so): commits go on.
-                    Err(e) => {
-                        tracing::error!(segment = s, error = %e, "a log segment cannot be read back; not stripped");
-                    }
+                if let Some(marks) = segment::strip(s, r.get(1)) {
+                    stripped.push((s, marks));
                 }
             }
         }

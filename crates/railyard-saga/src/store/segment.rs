@@ -1,5 +1,6 @@
-//! The embedded store's log segments: one packed value per group commit,
-//! and the in-memory index that says when a segment may be deleted.
+//! The log segments both durable stores write (SQLite and PostgreSQL): one
+//! packed value per group commit, and the in-memory index that says when a
+//! segment may be deleted.
 //!
 //! # Format (version 2)
 //! `2u8`, then entries in queue order, then the segment's string table
@@ -13,8 +14,10 @@
 //!   events in this segment before the mark and in earlier segments are
 //!   dead.
 //!
-//! Version 1 (written before schema version 4, still read) has the same
-//! entries with events in codec version 1, no table and no trailer.
+//! Version 1 (written by the SQLite store before its schema version 4, and
+//! by the PostgreSQL store's migration of a version-1 database; still read)
+//! has the same entries with events in codec version 1, no table and no
+//! trailer.
 //!
 //! Reading the segments in order and applying entries and marks gives
 //! exactly what the store holds: the events of unfinished sagas in append
@@ -360,6 +363,19 @@ struct Seg {
     /// Finished sagas (keys of `Index::dead`) with entries in it whose
     /// mark is in a later segment.
     dead: Vec<u64>,
+}
+
+/// A segment old enough to strip, read back as its marks only ([`marks_only`]);
+/// `None`, logged, if it cannot be read back: it is then left as it is (a
+/// restart would refuse it too, and say so), and commits go on.
+pub(crate) fn strip(seq: i64, data: &[u8]) -> Option<Vec<u8>> {
+    match marks_only(data) {
+        Ok(marks) => Some(marks),
+        Err(e) => {
+            tracing::error!(segment = seq, error = %e, "a log segment cannot be read back; not stripped");
+            None
+        }
+    }
 }
 
 /// A stored segment rewritten with its marks alone (see the module docs):

@@ -594,17 +594,10 @@ impl Writer {
                 let data: Vec<u8> = tx
                     .prepare_cached("SELECT data FROM segments WHERE seq = ?1")?
                     .query_row([s], |r| r.get(0))?;
-                match segment::marks_only(&data) {
-                    Ok(marks) => {
-                        tx.prepare_cached("UPDATE segments SET data = ?2 WHERE seq = ?1")?
-                            .execute(params![s, marks])?;
-                        stripped.push(s);
-                    }
-                    // Left as it is (a restart would refuse it too, and
-                    // say so): commits go on.
-                    Err(e) => {
-                        tracing::error!(segment = s, error = %e, "a log segment cannot be read back; not stripped");
-                    }
+                if let Some(marks) = segment::strip(s, &data) {
+                    tx.prepare_cached("UPDATE segments SET data = ?2 WHERE seq = ?1")?
+                        .execute(params![s, marks])?;
+                    stripped.push(s);
                 }
             }
             gone.extend(self.index.stripped(&stripped));
